@@ -1,0 +1,134 @@
+"""Shared bench plumbing: timing, a private redis-server, machine facts and the docs table writer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
+
+
+def timed(fn: Callable[[], object], *, reps: int, setup: Callable[[], object] | None = None) -> list[float]:
+    """Seconds per call for ``reps`` calls (after one warm-up), ``setup`` run untimed before each."""
+    if setup is not None:
+        setup()
+    fn()
+    samples = []
+    for _ in range(reps):
+        if setup is not None:
+            setup()
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)
+
+
+def percentile(samples: list[float], pct: float) -> float:
+    ordered = sorted(samples)
+    index = min(len(ordered) - 1, max(0, round(pct / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def fmt_time(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.2f} ms"
+    return f"{seconds:.2f} s"
+
+
+def fmt_rate(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f} GB/s"
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = ""
+    with contextlib.suppress(OSError):
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    return (
+        f"{cpu}, {os.cpu_count()} CPUs{mem}, Linux {platform.release()}, Python {platform.python_version()}"
+    )
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[str]:
+    """A private, persistence-free redis-server on a unix socket; yields its unix:// URL."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    workdir = Path(tempfile.mkdtemp(prefix="skb-", dir="/tmp"))
+    sock = workdir / "r.sock"
+    proc = subprocess.Popen(
+        [
+            binary,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock),
+            "--unixsocketperm",
+            "700",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+            "--proto-max-bulk-len",
+            "1gb",
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while not sock.exists():
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.02)
+        yield f"unix://{sock}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+def write_section(name: str, text: str) -> None:
+    """Replaces the ``<!-- bench:name -->`` section of docs/benchmarks.md with ``text``."""
+    begin, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    block = f"{begin}\n{text.strip()}\n{end}"
+    current = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
+    updated = (
+        pattern.sub(lambda _m: block, current)
+        if pattern.search(current)
+        else current.rstrip() + "\n\n" + block + "\n"
+    )
+    DOCS.write_text(updated)

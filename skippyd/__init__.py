@@ -1,0 +1,82 @@
+"""skippyd: a KV-cache daemon for LLM serving hosts.
+
+``import skippyd`` stays light: the client (torch) and the coordination layer (redis) load on first use,
+so the daemon's own import path never pulls torch in.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from .errors import (
+    BadFrame,
+    Busy,
+    ConfigError,
+    ConnectionLost,
+    CoordinationUnavailable,
+    CorruptEntry,
+    DigestMismatch,
+    FrameTooLarge,
+    InvalidArgument,
+    Mismatch,
+    NoSpace,
+    NotConfigured,
+    NotFound,
+    PermissionDenied,
+    ShuttingDown,
+    SkippydError,
+    StoreLocked,
+    Timeout,
+    TooLarge,
+    UnsupportedDtype,
+    VersionMismatch,
+)
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Identity": "skippyd.keys",
+    "cache_key": "skippyd.keys",
+    "encode_tokens": "skippyd.keys",
+}
+
+__all__ = [
+    "BadFrame",
+    "Busy",
+    "ConfigError",
+    "ConnectionLost",
+    "CoordinationUnavailable",
+    "CorruptEntry",
+    "DigestMismatch",
+    "FrameTooLarge",
+    "Identity",
+    "InvalidArgument",
+    "Mismatch",
+    "NoSpace",
+    "NotConfigured",
+    "NotFound",
+    "PermissionDenied",
+    "ShuttingDown",
+    "SkippydError",
+    "StoreLocked",
+    "Timeout",
+    "TooLarge",
+    "UnsupportedDtype",
+    "VersionMismatch",
+    "__version__",
+    "cache_key",
+    "encode_tokens",
+]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .keys import Identity, cache_key, encode_tokens
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'skippyd' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,183 @@
+"""Token normalisation and the cryptographic keys every tier is addressed by.
+
+Encodings (all BLAKE3, all versioned and domain-separated; see docs/format.md):
+
+* token ids are unsigned 32-bit integers stored little-endian (``0 <= t < 2**32``);
+* ``identity digest`` = BLAKE3(``IDENTITY_DOMAIN`` || lp(model) || lp(state) || lp(namespace));
+* ``cache key`` = BLAKE3(``CACHE_KEY_DOMAIN`` || lp(model) || lp(state) || lp(namespace)
+  || tokens || u64le(token_count)), where ``lp(s)`` is ``u32le(len(utf8(s))) || utf8(s)``.
+
+The token field comes last and its count follows it, so the encoding stays injective while the keys of
+every prefix length of a prompt come out of one forward pass over its bytes (:func:`prefix_keys`):
+O(prompt + candidates), never O(prompt²).
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from blake3 import blake3
+
+from .errors import InvalidArgument
+
+__all__ = [
+    "CACHE_KEY_DOMAIN",
+    "IDENTITY_DOMAIN",
+    "MAX_IDENTITY_FIELD_BYTES",
+    "TOKEN_BYTES",
+    "Identity",
+    "cache_key",
+    "encode_tokens",
+    "is_hex_digest",
+    "prefix_keys",
+    "token_count",
+]
+
+CACHE_KEY_DOMAIN = b"skippyd/cache-key/v1\x00"
+IDENTITY_DOMAIN = b"skippyd/identity/v1\x00"
+TOKEN_BYTES = 4
+TOKEN_LIMIT = 1 << 32
+MAX_IDENTITY_FIELD_BYTES = 4096
+HEX_DIGEST_LEN = 64
+_HEX = frozenset("0123456789abcdef")
+
+
+def is_hex_digest(text: object) -> bool:
+    """True for a 64-character lowercase hex string, the shape of every key and digest."""
+    return isinstance(text, str) and len(text) == HEX_DIGEST_LEN and set(text) <= _HEX
+
+
+def _field(name: str, value: object, *, allow_empty: bool) -> bytes:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a str, not {type(value).__name__}")
+    raw = value.encode("utf-8")
+    if not raw and not allow_empty:
+        raise InvalidArgument(f"{name} must not be empty")
+    if len(raw) > MAX_IDENTITY_FIELD_BYTES:
+        raise InvalidArgument(f"{name} is longer than {MAX_IDENTITY_FIELD_BYTES} bytes")
+    return struct.pack("<I", len(raw)) + raw
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What a cached state belongs to: the weights, the payload layout and the tenant/salt."""
+
+    model: str
+    state: str
+    namespace: str = ""
+    _encoded: bytes = field(init=False, repr=False, compare=False)
+    digest: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        encoded = (
+            _field("model", self.model, allow_empty=False)
+            + _field("state", self.state, allow_empty=False)
+            + _field("namespace", self.namespace, allow_empty=True)
+        )
+        object.__setattr__(self, "_encoded", encoded)
+        object.__setattr__(self, "digest", blake3(IDENTITY_DOMAIN + encoded).hexdigest())
+
+    def key_hasher(self) -> Any:
+        """A BLAKE3 hasher primed with everything of a cache key that comes before the tokens."""
+        return blake3(CACHE_KEY_DOMAIN + self._encoded)
+
+
+def encode_tokens(tokens: Any) -> bytes:
+    """Normalises prompt token ids to little-endian uint32 bytes.
+
+    Accepts a sequence of ints, a 1-D integer numpy array or a 1-D integer torch tensor (any device).
+    Anything else, or a value outside ``0 <= t < 2**32``, is a :class:`ValueError`.
+    """
+    if isinstance(tokens, bytes | bytearray | memoryview | str):
+        raise InvalidArgument("tokens must be integers, not bytes or text")
+    module = type(tokens).__module__
+    if module.startswith("torch"):
+        return _encode_torch(tokens)
+    if module.startswith("numpy"):
+        return _encode_numpy(tokens)
+    if isinstance(tokens, Iterable):
+        return _encode_sequence(tokens)
+    raise InvalidArgument(f"tokens must be a sequence of ints, not {type(tokens).__name__}")
+
+
+def _encode_sequence(tokens: Iterable[Any]) -> bytes:
+    seq = tokens if isinstance(tokens, list | tuple) else list(tokens)
+    try:
+        packed = array("I", seq)
+    except OverflowError as exc:
+        raise InvalidArgument("every token id must fit in 32 bits (0 <= t < 2**32)") from exc
+    except TypeError as exc:
+        raise InvalidArgument(f"token ids must be ints: {exc}") from exc
+    if packed.itemsize != TOKEN_BYTES:  # pragma: no cover - every Linux ABI has a 4-byte unsigned int
+        raise RuntimeError("array('I') is not 32 bits on this platform")
+    if sys.byteorder != "little":  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _encode_numpy(tokens: Any) -> bytes:
+    import numpy as np
+
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise InvalidArgument(f"tokens must be 1-D, got shape {tuple(arr.shape)}")
+    if arr.dtype.kind not in "iu":
+        raise InvalidArgument(f"tokens must have an integer dtype, got {arr.dtype}")
+    if arr.size:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= TOKEN_LIMIT:
+            raise InvalidArgument("every token id must fit in 32 bits (0 <= t < 2**32)")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def _encode_torch(tokens: Any) -> bytes:
+    if tokens.dim() != 1:
+        raise InvalidArgument(f"tokens must be 1-D, got shape {tuple(tokens.shape)}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or str(tokens.dtype) == "torch.bool":
+        raise InvalidArgument(f"tokens must have an integer dtype, got {tokens.dtype}")
+    return _encode_numpy(tokens.detach().to("cpu").numpy())
+
+
+def token_count(token_bytes: bytes | memoryview) -> int:
+    """How many tokens an encoded token buffer holds; a ragged buffer is an error."""
+    size = len(token_bytes)
+    if size % TOKEN_BYTES:
+        raise InvalidArgument(f"token bytes must be a multiple of {TOKEN_BYTES}, got {size}")
+    return size // TOKEN_BYTES
+
+
+def cache_key(identity: Identity, token_bytes: bytes | memoryview) -> str:
+    """The cache key of an entry: the state of ``identity`` after exactly these tokens."""
+    count = token_count(token_bytes)
+    hasher = identity.key_hasher()
+    hasher.update(token_bytes)
+    hasher.update(struct.pack("<Q", count))
+    return str(hasher.hexdigest())
+
+
+def prefix_keys(identity: Identity, token_bytes: bytes | memoryview, lengths: Sequence[int]) -> list[str]:
+    """Cache keys of the first ``n`` tokens for every ``n`` in ``lengths``, in one pass.
+
+    ``lengths`` must be ascending and within the prompt; the result is in the same order. Each key costs
+    one hasher copy and a finalisation on top of hashing the prompt once.
+    """
+    count = token_count(token_bytes)
+    view = memoryview(token_bytes).cast("B")
+    hasher = identity.key_hasher()
+    keys: list[str] = []
+    done = 0
+    for n in lengths:
+        if n < done or n > count:
+            raise InvalidArgument("prefix lengths must be ascending and within the prompt")
+        if n > done:
+            hasher.update(view[done * TOKEN_BYTES : n * TOKEN_BYTES])
+            done = n
+        final = hasher.copy()
+        final.update(struct.pack("<Q", n))
+        keys.append(final.hexdigest())
+    return keys

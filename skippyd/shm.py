@@ -1,0 +1,180 @@
+"""Low-level shared-memory file handling for the L2 tier and staging buffers.
+
+Two kernel facts carry the design (docs/architecture.md, "Leases"):
+
+* A reader's lease is a shared ``flock`` taken on a fresh open file description before the daemon
+  sends it. A mapping holds a reference to its open file description, so the lock lives exactly as long
+  as the reader keeps the fd *or any mapping made from it*; it dies with the reader's process. The
+  daemon asks the kernel "is anyone still reading this file?" with a non-blocking exclusive ``flock``,
+  and only reuses a file's pre-faulted pages when nobody is.
+* Writing through a mapping of a tmpfs file whose pages are not allocated raises SIGBUS when tmpfs is
+  full, so new files are ``fallocate``d first: ENOSPC comes back as an error, never as a signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import mmap
+import os
+import secrets
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .errors import NoSpace
+
+__all__ = [
+    "PAGE",
+    "allocate_file",
+    "copy_bytes",
+    "has_readers",
+    "map_rw",
+    "memfd",
+    "new_name",
+    "open_reader",
+    "size_class",
+    "zero",
+]
+
+PAGE = mmap.PAGESIZE
+_SMALL_LIMIT = 64 * 1024
+_STEPS_PER_DOUBLING = 8
+
+
+def size_class(nbytes: int) -> int:
+    """The file size an entry of ``nbytes`` occupies: pages up to 64 KiB, then 8 classes per doubling.
+
+    Recycled files are matched by class, so entries of similar size reuse each other's pre-faulted pages;
+    the rounding wastes at most 12.5% (and under a page for small entries). Classes are counted past the
+    first page, which holds the header, so a power-of-two payload plus its header page fits exactly.
+    """
+    if nbytes <= _SMALL_LIMIT:
+        return max(PAGE, (nbytes + PAGE - 1) // PAGE * PAGE)
+    body = nbytes - PAGE
+    top = 1 << (body.bit_length() - 1)
+    step = max(PAGE, top // _STEPS_PER_DOUBLING)
+    return PAGE + (body + step - 1) // step * step
+
+
+def new_name(suffix: str) -> str:
+    """A random file name; no client text ever becomes part of a path."""
+    return f"{secrets.token_hex(12)}{suffix}"
+
+
+def allocate_file(path: Path, size: int) -> int:
+    """Creates ``path`` (0600, exclusive) and allocates ``size`` bytes of it; returns an O_RDWR fd.
+
+    On ENOSPC the file is removed and :class:`NoSpace` raised, so a full tmpfs leaves nothing behind.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise NoSpace(f"no space for {size} bytes in {path.parent}: {exc.strerror}") from exc
+        raise
+    return fd
+
+
+def map_rw(fd: int, size: int) -> mmap.mmap:
+    """A shared read-write mapping of the first ``size`` bytes of ``fd``."""
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def open_reader(path: Path) -> int:
+    """A fresh read-only description of ``path`` holding a shared lease lock; the caller owns the fd."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def has_readers(path: Path) -> bool:
+    """Whether any process still holds a lease (an fd or a mapping) on ``path``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops our exclusive lock with the description
+    return False
+
+
+def zero(buffer: memoryview, start: int, stop: int) -> None:
+    """Writes zeros over ``buffer[start:stop]`` (releasing the GIL for large spans)."""
+    if stop <= start:
+        return
+    import numpy as np
+
+    np.frombuffer(buffer, dtype=np.uint8, count=stop - start, offset=start).fill(0)
+
+
+_PARALLEL_COPY_BYTES = 8 << 20
+_pools: list[ThreadPoolExecutor] = []
+_pool_lock = threading.Lock()
+
+
+def _copy_pool() -> ThreadPoolExecutor:
+    with _pool_lock:
+        if not _pools:
+            _pools.append(
+                ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2), thread_name_prefix="skippyd-copy")
+            )
+        return _pools[0]
+
+
+def copy_bytes(dst: Any, src: Any, threads: int = 1) -> None:
+    """memcpy ``src`` into ``dst`` (equal-sized buffers) with numpy, split over ``threads`` for large copies.
+
+    numpy releases the GIL while it copies, so the event loop keeps running and the split halves really
+    run on separate cores (one core alone does not saturate memory bandwidth).
+    """
+    import numpy as np
+
+    target = np.frombuffer(dst, dtype=np.uint8)
+    source = np.frombuffer(src, dtype=np.uint8)
+    if target.nbytes != source.nbytes:
+        raise ValueError(f"copy of {source.nbytes} bytes into {target.nbytes}")
+    size = target.nbytes
+    if threads <= 1 or size < _PARALLEL_COPY_BYTES:
+        np.copyto(target, source)
+        return
+    step = -(-size // threads)
+    step = (step + PAGE - 1) // PAGE * PAGE
+    starts = range(0, size, step)
+    pool = _copy_pool()
+    futures = [pool.submit(np.copyto, target[i : i + step], source[i : i + step]) for i in starts[1:]]
+    np.copyto(target[:step], source[:step])
+    for future in futures:
+        future.result()
+
+
+def memfd(name: str, size: int) -> int:
+    """An anonymous shared-memory fd of ``size`` bytes that nobody can shrink or grow.
+
+    Used for staging buffers: the peer may write into it, but a truncation under the daemon's mapping
+    (which would SIGBUS the daemon) is refused by the seals.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise NoSpace(f"no memory for a {size}-byte staging buffer") from exc
+        raise
+    return fd

@@ -1,0 +1,209 @@
+"""torch ⇄ entry bytes, on the client side only (the daemon never imports this module).
+
+* :func:`declare` / :func:`write_into` turn a mapping of tensors (any device, layout or contiguity)
+  into a tensor table and their exact bytes at the table's offsets.
+* :func:`map_entry` gives tensors that are views of an entry's shared memory with no copy. The mapping
+  is private and copy-on-write: writing to a restored tensor changes only the writer's copy, never the
+  cached entry. The mapping keeps the reader's lease alive until the last tensor is collected.
+* :func:`copy_entry` copies into preallocated tensors; :class:`DeviceStager` moves an entry to a CUDA
+  device through reusable pinned buffers, overlapping the host copy with the DMA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .errors import InvalidArgument, Mismatch, UnsupportedDtype
+from .payload import DTYPES, TensorDecl, TensorSpec
+
+__all__ = [
+    "DeviceStager",
+    "copy_entry",
+    "declare",
+    "dtype_name",
+    "map_entry",
+    "torch_dtype",
+    "write_into",
+]
+
+_BY_NAME: dict[str, torch.dtype] = {}
+_BY_DTYPE: dict[torch.dtype, str] = {}
+for _name in DTYPES:
+    _dt = getattr(torch, _name, None)
+    if isinstance(_dt, torch.dtype):
+        _BY_NAME[_name] = _dt
+        _BY_DTYPE[_dt] = _name
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _BY_DTYPE[dtype]
+    except KeyError:
+        raise UnsupportedDtype(f"dtype {dtype} is not supported by skippyd") from None
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise UnsupportedDtype(f"dtype {name!r} is not available in this torch build") from None
+
+
+def _dense(tensor: Any, name: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgument(f"tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    t = tensor.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return t
+
+
+def declare(tensors: Mapping[str, Any]) -> list[TensorDecl]:
+    """The table of ``tensors`` in their mapping order."""
+    if not isinstance(tensors, Mapping):
+        raise InvalidArgument("tensors must be a mapping of name to torch.Tensor")
+    decls = []
+    for name, tensor in tensors.items():
+        t = _dense(tensor, name)
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument("tensor names must be non-empty strings")
+        decls.append(TensorDecl(name, dtype_name(t.dtype), tuple(int(d) for d in t.shape)))
+    return decls
+
+
+def _views(base: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        raw = base[spec.offset : spec.offset + spec.nbytes]
+        out[spec.name] = raw.view(torch_dtype(spec.dtype)).view(spec.shape)
+    return out
+
+
+def write_into(region: Any, specs: Sequence[TensorSpec], tensors: Mapping[str, Any]) -> None:
+    """Copies each tensor's bytes into ``region`` (a writable buffer) at its spec's offset."""
+    if not specs:
+        return
+    base = torch.frombuffer(region, dtype=torch.uint8)
+    views = _views(base, specs)
+    for spec in specs:
+        source = _dense(tensors[spec.name], spec.name)
+        if tuple(source.shape) != spec.shape or dtype_name(source.dtype) != spec.dtype:
+            raise InvalidArgument(f"tensor {spec.name!r} changed while it was being captured")
+        views[spec.name].copy_(source)
+
+
+def _empty_tensors(
+    specs: Sequence[TensorSpec], device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    return {s.name: torch.empty(s.shape, dtype=torch_dtype(s.dtype), device=device) for s in specs}
+
+
+def map_entry(
+    fd: int, data_offset: int, data_len: int, specs: Sequence[TensorSpec]
+) -> dict[str, torch.Tensor]:
+    """Zero-copy tensors over an entry's data region (private copy-on-write mapping)."""
+    if data_len == 0:
+        return _empty_tensors(specs)
+    mapping = mmap.mmap(
+        fd, data_len, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=data_offset
+    )
+    base = torch.frombuffer(mapping, dtype=torch.uint8)
+    return _views(base, specs)
+
+
+def _source_view(fd: int, data_offset: int, data_len: int) -> tuple[mmap.mmap, torch.Tensor]:
+    # Not pre-populated: torch's copy_ splits large copies over its intra-op threads, and letting each
+    # thread fault in its own half measured faster than one MADV_POPULATE_READ call up front.
+    mapping = mmap.mmap(
+        fd, data_len, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=data_offset
+    )
+    return mapping, torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def copy_entry(
+    fd: int,
+    data_offset: int,
+    data_len: int,
+    specs: Sequence[TensorSpec],
+    out: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Copies an entry into ``out`` (preallocated, any device) or into fresh CPU tensors."""
+    result = dict(out) if out is not None else _empty_tensors(specs)
+    for spec in specs:
+        target = result.get(spec.name)
+        if target is None:
+            raise Mismatch(f"no destination tensor for {spec.name!r}")
+        if tuple(target.shape) != spec.shape or dtype_name(target.dtype) != spec.dtype:
+            raise Mismatch(
+                f"destination {spec.name!r} is {target.dtype}{tuple(target.shape)}, "
+                f"the entry holds {spec.dtype}{spec.shape}"
+            )
+    if data_len == 0:
+        return result
+    mapping, base = _source_view(fd, data_offset, data_len)
+    try:
+        for name, view in _views(base, specs).items():
+            result[name].copy_(view)
+    finally:
+        del base
+        with contextlib.suppress(BufferError):
+            mapping.close()
+    return result
+
+
+class DeviceStager:
+    """Copies entries to a CUDA device through a pair of reusable pinned host buffers.
+
+    The host copy of chunk ``i + 1`` into one pinned buffer overlaps the DMA of chunk ``i`` from the
+    other; the destination is one device allocation of the data region, and the tensors are views of it.
+    """
+
+    def __init__(self, chunk_bytes: int = 32 << 20) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[Any] = []
+
+    def _ensure(self) -> None:
+        if not self._buffers:
+            self._buffers = [
+                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+            ]
+            self._events = [None, None]
+
+    def to_device(
+        self, fd: int, data_offset: int, data_len: int, specs: Sequence[TensorSpec], device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        if device.type != "cuda":
+            raise InvalidArgument(f"DeviceStager copies to CUDA devices, not {device}")
+        if data_len == 0:
+            return _empty_tensors(specs, device)
+        self._ensure()
+        target = torch.empty(data_len, dtype=torch.uint8, device=device)
+        mapping, base = _source_view(fd, data_offset, data_len)
+        stream = torch.cuda.current_stream(device)
+        try:
+            for index, start in enumerate(range(0, data_len, self.chunk_bytes)):
+                stop = min(start + self.chunk_bytes, data_len)
+                slot = index % 2
+                event = self._events[slot]
+                if event is not None:
+                    event.synchronize()  # the DMA that last read this pinned buffer is done
+                pinned = self._buffers[slot][: stop - start]
+                pinned.copy_(base[start:stop])
+                target[start:stop].copy_(pinned, non_blocking=True)
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                done.record(stream)
+                self._events[slot] = done
+            for event in self._events:
+                if event is not None:
+                    event.synchronize()
+        finally:
+            del base
+            with contextlib.suppress(BufferError):
+                mapping.close()
+        return _views(target, specs)

@@ -1,0 +1,167 @@
+"""Identity keys: the documented BLAKE3 encoding, token normalisation, and one-pass prefix keys."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from blake3 import blake3
+
+from skippyd import keys
+from skippyd.keys import Identity, cache_key, encode_tokens, prefix_keys
+
+
+def _lp(text: str) -> bytes:
+    raw = text.encode()
+    return struct.pack("<I", len(raw)) + raw
+
+
+def test_cache_key_is_blake3_of_the_documented_encoding() -> None:
+    tokens = [1, 2, 3, 70000, 2**32 - 1]
+    expected = blake3(
+        b"skippyd/cache-key/v1\x00"
+        + _lp("llama@sha256:abc")
+        + _lp("kv-f16-v1")
+        + _lp("tenant")
+        + struct.pack("<5I", *tokens)
+        + struct.pack("<Q", 5)
+    ).hexdigest()
+    ident = Identity("llama@sha256:abc", "kv-f16-v1", "tenant")
+    assert cache_key(ident, encode_tokens(tokens)) == expected
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        Identity("m2", "s", "n"),
+        Identity("m", "s2", "n"),
+        Identity("m", "s", "n2"),
+        Identity("m", "s", ""),
+    ],
+)
+def test_any_identity_field_changes_the_key(other: Identity) -> None:
+    toks = encode_tokens([5, 6, 7])
+    assert cache_key(Identity("m", "s", "n"), toks) != cache_key(other, toks)
+
+
+def test_any_token_change_or_extra_token_changes_the_key() -> None:
+    ident = Identity("m", "s")
+    base = cache_key(ident, encode_tokens([1, 2, 3]))
+    assert base != cache_key(ident, encode_tokens([1, 2, 4]))
+    assert base != cache_key(ident, encode_tokens([1, 2, 3, 0]))
+    assert base != cache_key(ident, encode_tokens([1, 2]))
+
+
+def test_length_prefixes_keep_field_boundaries_apart() -> None:
+    toks = encode_tokens([1])
+    assert cache_key(Identity("ab", "c"), toks) != cache_key(Identity("a", "bc"), toks)
+    assert cache_key(Identity("a", "b", "c"), toks) != cache_key(Identity("a", "bc", ""), toks)
+
+
+def test_identity_digest_is_domain_separated_from_cache_keys() -> None:
+    ident = Identity("m", "s")
+    assert ident.digest != cache_key(ident, b"")
+    assert keys.is_hex_digest(ident.digest)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [0, 1, 2**31, 2**32 - 1],
+        (0, 1, 2**31, 2**32 - 1),
+        np.array([0, 1, 2**31, 2**32 - 1], dtype=np.int64),
+        np.array([0, 1, 2**31, 2**32 - 1], dtype=np.uint32),
+        torch.tensor([0, 1, 2**31, 2**32 - 1], dtype=torch.int64),
+        torch.tensor([0, 1, 2**31, 2**32 - 1], dtype=torch.int64)[::1],
+    ],
+)
+def test_lists_numpy_and_torch_tokens_encode_to_the_same_little_endian_bytes(tokens: Any) -> None:
+    assert encode_tokens(tokens) == struct.pack("<4I", 0, 1, 2**31, 2**32 - 1)
+
+
+def test_non_contiguous_torch_tokens_encode_their_values() -> None:
+    t = torch.arange(10, dtype=torch.int32)[::2]
+    assert encode_tokens(t) == struct.pack("<5I", 0, 2, 4, 6, 8)
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [-1],
+        [2**32],
+        [1.0],
+        ["1"],
+        b"\x01\x00\x00\x00",
+        np.array([[1, 2]]),
+        np.array([1.0, 2.0]),
+        np.array([-5], dtype=np.int8),
+        np.array([2**40], dtype=np.int64),
+        torch.tensor([1.0]),
+        torch.tensor([True]),
+        torch.tensor([[1]]),
+        torch.tensor([-1]),
+        42,
+    ],
+)
+def test_tokens_outside_32_bits_or_not_integers_are_a_value_error(tokens: Any) -> None:
+    with pytest.raises(ValueError):
+        encode_tokens(tokens)
+
+
+def test_identity_fields_are_validated() -> None:
+    with pytest.raises(ValueError, match="model"):
+        Identity("", "s")
+    with pytest.raises(ValueError, match="state"):
+        Identity("m", "")
+    with pytest.raises(ValueError, match="namespace"):
+        Identity("m", "s", 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="longer"):
+        Identity("m" * 5000, "s")
+
+
+def test_prefix_keys_equal_the_key_of_each_prefix() -> None:
+    ident = Identity("m", "s", "ns")
+    toks = encode_tokens(list(range(1000)))
+    lengths = [0, 1, 63, 64, 65, 500, 1000]
+    assert prefix_keys(ident, toks, lengths) == [cache_key(ident, toks[: n * 4]) for n in lengths]
+
+
+def test_prefix_keys_hash_the_prompt_once_whatever_the_number_of_lengths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fed: list[int] = []
+
+    class Counting:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def update(self, data: Any) -> None:
+            fed.append(len(data))
+            self.inner.update(data)
+
+        def copy(self) -> Any:
+            return self.inner.copy()
+
+    real = Identity.key_hasher
+    monkeypatch.setattr(Identity, "key_hasher", lambda self: Counting(real(self)))
+    ident = Identity("m", "s")
+    toks = encode_tokens(list(range(4096)))
+    prefix_keys(ident, toks, list(range(1, 4097)))
+    assert sum(fed) == len(toks), "every token byte is hashed exactly once"
+
+
+def test_prefix_keys_reject_descending_or_out_of_range_lengths() -> None:
+    ident = Identity("m", "s")
+    toks = encode_tokens([1, 2, 3])
+    with pytest.raises(ValueError, match="ascending"):
+        prefix_keys(ident, toks, [2, 1])
+    with pytest.raises(ValueError, match="ascending"):
+        prefix_keys(ident, toks, [4])
+
+
+def test_ragged_token_bytes_are_rejected() -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        cache_key(Identity("m", "s"), b"\x01\x02\x03")

@@ -1,0 +1,353 @@
+"""The L2 tier behaves like the seed's L2Tier: budget, LRU, replacement, digests, restarts, prefixes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from blake3 import blake3
+from l2util import IDENT, admit_bytes, key_of, size_of
+
+from skippyd.errors import DigestMismatch, NoSpace, StoreLocked, TooLarge
+from skippyd.keys import Identity, cache_key, encode_tokens
+from skippyd.l2 import L2Tier
+from skippyd.payload import TensorDecl
+
+KB = 1024
+
+
+def _keys_in_lru_order(tier: L2Tier) -> list[str]:
+    return [e.key for e in tier.entries()]
+
+
+def test_budget_is_kept_by_evicting_the_oldest_use_first(shm_dir: Path) -> None:
+    one = size_of(5 * KB)
+    with L2Tier(shm_dir, 3 * one) as tier:  # exactly three entries fit
+        for name in "abc":
+            admit_bytes(tier, name, 5 * KB)
+        assert tier.get(key_of("a")) is not None  # a is now the most recent
+        admit_bytes(tier, "d", 5 * KB)
+        assert _keys_in_lru_order(tier) == [key_of("c"), key_of("a"), key_of("d")]
+        stats = tier.stats()
+        assert stats.evictions == 1
+        assert stats.bytes == 3 * one <= stats.budget_bytes
+
+
+def test_an_entry_larger_than_the_whole_budget_is_refused_before_anything_is_evicted(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 64 * KB) as tier:
+        admit_bytes(tier, "small", 4 * KB)
+        with pytest.raises(TooLarge):
+            admit_bytes(tier, "huge", 200 * KB)
+        stats = tier.stats()
+        assert stats.entries == 1
+        assert stats.evictions == 0
+        assert stats.refused_bytes == size_of(200 * KB)
+        assert tier.peek(key_of("small")) is not None
+
+
+def test_get_moves_recency_only_on_a_real_hit_and_peek_never(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        for name in "abc":
+            admit_bytes(tier, name, 1 * KB)
+        assert tier.peek(key_of("a")) is not None
+        assert tier.get(key_of("zzz")) is None
+        assert _keys_in_lru_order(tier) == [key_of("a"), key_of("b"), key_of("c")]
+        tier.get(key_of("b"))
+        assert _keys_in_lru_order(tier) == [key_of("a"), key_of("c"), key_of("b")]
+        stats = tier.stats()
+        assert (stats.hits, stats.misses) == (1, 1)
+
+
+def test_readmitting_a_key_replaces_it_with_exact_accounting(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        admit_bytes(tier, "a", 2 * KB, fill=1)
+        admit_bytes(tier, "b", 2 * KB)
+        first = tier.stats().bytes
+        replaced = admit_bytes(tier, "a", 100 * KB, fill=2)
+        stats = tier.stats()
+        assert stats.entries == 2
+        assert stats.bytes == first - size_of(2 * KB) + size_of(100 * KB)
+        assert stats.inserts == 3
+        assert tier.peek(key_of("a")) == replaced
+        assert replaced.digest == blake3(b"\x02" * 100 * KB).hexdigest()
+        assert _keys_in_lru_order(tier)[-1] == key_of("a")
+
+
+def test_remove_remove_by_digest_and_clear(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        shared = admit_bytes(tier, "a", 3 * KB, fill=9)
+        admit_bytes(tier, "b", 3 * KB, fill=9)  # same bytes, same digest
+        admit_bytes(tier, "c", 3 * KB, fill=1)
+        assert tier.remove(key_of("c")) is True
+        assert tier.remove(key_of("c")) is False
+        assert tier.remove_by_digest(shared.digest) == 2
+        assert tier.stats().entries == 0
+        admit_bytes(tier, "d", 3 * KB)
+        assert tier.clear() == 1
+        stats = tier.stats()
+        assert (stats.entries, stats.bytes, stats.free_bytes) == (0, 0, 0)
+        assert not any((shm_dir / "entries").iterdir())
+
+
+def test_a_digest_mismatch_at_admission_stores_nothing_and_counts_a_reject(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        with pytest.raises(DigestMismatch):
+            admit_bytes(tier, "a", 4 * KB, expected=blake3(b"something else").hexdigest())
+        good = admit_bytes(tier, "b", 4 * KB, expected=blake3(b"\x07" * 4 * KB).hexdigest())
+        stats = tier.stats()
+        assert stats.admission_rejects == 1
+        assert stats.entries == 1 and stats.inserts == 1
+        assert tier.peek(key_of("a")) is None
+        assert [p.name for p in (shm_dir / "entries").iterdir()] == [f"{good.key}.skp"]
+        assert stats.bytes + stats.free_bytes + stats.reserved_bytes <= stats.budget_bytes
+
+
+def test_stats_report_every_seed_counter(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        admit_bytes(tier, "a", 1 * KB)
+        fields = tier.stats().as_dict()
+    for name in [
+        "entries",
+        "bytes",
+        "budget_bytes",
+        "hits",
+        "misses",
+        "inserts",
+        "evictions",
+        "admission_rejects",
+        "refused_bytes",
+    ]:
+        assert name in fields
+    assert fields["entries"] == 1 and fields["inserts"] == 1 and fields["budget_bytes"] == 1 << 20
+
+
+def _admit_prefix(tier: L2Tier, ident: Identity, tokens: list[int], fill: int = 1) -> str:
+    toks = encode_tokens(tokens)
+    key = cache_key(ident, toks)
+    tier.admit(
+        key=key,
+        identity=ident,
+        token_count=len(tokens),
+        tensors=[TensorDecl("x", "uint8", (16,))],
+        data=[bytes([fill]) * 16],
+    )
+    return key
+
+
+def test_lookup_finds_the_longest_captured_prefix_of_the_query(shm_dir: Path) -> None:
+    prompt = list(range(1000, 1300))
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        _admit_prefix(tier, IDENT, prompt[:64])
+        k200 = _admit_prefix(tier, IDENT, prompt[:200])
+        _admit_prefix(tier, IDENT, [*prompt[:199], 5])  # same length as a prefix, different tokens
+        _admit_prefix(tier, IDENT, [*prompt[:250], 9])  # longer than the query's prefix: diverges
+        hit = tier.lookup(IDENT, encode_tokens(prompt[:240]))
+        assert hit is not None and hit.key == k200 and hit.token_count == 200
+        assert tier.lookup(IDENT, encode_tokens(prompt[:63])) is None
+        assert tier.lookup(IDENT, encode_tokens([1, 2, 3])) is None
+        stats = tier.stats()
+        assert (stats.hits, stats.misses) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        Identity("model-b", "state-v1", ""),
+        Identity("model-a", "state-v2", ""),
+        Identity("model-a", "state-v1", "t2"),
+    ],
+)
+def test_lookup_never_crosses_model_state_or_namespace(shm_dir: Path, other: Identity) -> None:
+    prompt = list(range(500))
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        _admit_prefix(tier, IDENT, prompt[:100])
+        assert tier.lookup(other, encode_tokens(prompt)) is None
+        assert tier.lookup(IDENT, encode_tokens(prompt)) is not None
+
+
+def test_lookup_cost_does_not_grow_with_entries_of_other_identities(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import skippyd.l2 as l2mod
+
+    computed: list[int] = []
+    real = l2mod.prefix_keys  # type: ignore[attr-defined]
+
+    def counting(ident, toks, lengths):  # type: ignore[no-untyped-def]
+        computed.append(len(lengths))
+        return real(ident, toks, lengths)
+
+    prompt = list(range(300))
+    with L2Tier(shm_dir, 64 << 20) as tier:
+        for n in (10, 20, 30):
+            _admit_prefix(tier, IDENT, prompt[:n])
+        for i in range(300):
+            _admit_prefix(tier, Identity(f"other-{i}", "s"), prompt[: 1 + i % 200])
+        monkeypatch.setattr(l2mod, "prefix_keys", counting)
+        assert tier.lookup(IDENT, encode_tokens(prompt)) is not None
+    assert computed == [3], "only this identity's three captured lengths are candidates"
+
+
+def test_a_new_process_readopts_committed_entries_with_lru_order_and_stats(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        for name in "abcd":
+            admit_bytes(tier, name, 2 * KB, fill=ord(name))
+        tier.get(key_of("b"))
+        order = _keys_in_lru_order(tier)
+        before = tier.stats()
+    code = (
+        "import sys, json; from skippyd.l2 import L2Tier\n"
+        "t = L2Tier(sys.argv[1], 1 << 20)\n"
+        "print(json.dumps([[e.key for e in t.entries()], t.stats().as_dict()]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(shm_dir)], check=True, capture_output=True, text=True
+    ).stdout
+    import json
+
+    keys_after, stats_after = json.loads(out)
+    assert keys_after == order
+    assert stats_after["entries"] == before.entries == 4
+    assert stats_after["bytes"] == before.bytes
+    assert stats_after["adopted"] == 4
+    with L2Tier(shm_dir, 4 * size_of(2 * KB)) as again:  # full: the next admission evicts the LRU
+        admit_bytes(again, "f", 2 * KB)
+        assert again.peek(key_of("a")) is None, "a was least recently used before the restart"
+        assert again.peek(key_of("b")) is not None
+
+
+def test_restart_breaks_recency_ties_by_key(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        for name in "xyz":
+            admit_bytes(tier, name, 1 * KB)
+    for path in (shm_dir / "entries").iterdir():
+        os.utime(path, ns=(10**18, 10**18))
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        assert _keys_in_lru_order(tier) == sorted(key_of(n) for n in "xyz")
+
+
+def test_restart_removes_partial_leftovers_and_entries_that_fail_verification(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        good = admit_bytes(tier, "good", 8 * KB)
+        flipped_data = admit_bytes(tier, "data", 8 * KB)
+        flipped_head = admit_bytes(tier, "head", 8 * KB)
+        truncated = admit_bytes(tier, "trunc", 8 * KB)
+        renamed = admit_bytes(tier, "renamed", 8 * KB)
+    entries = shm_dir / "entries"
+    with open(entries / f"{flipped_data.key}.skp", "r+b") as f:
+        f.seek(flipped_data.data_offset + 100)
+        f.write(b"\x00")
+    with open(entries / f"{flipped_head.key}.skp", "r+b") as f:
+        f.seek(80)
+        byte = f.read(1)
+        f.seek(80)
+        f.write(bytes([byte[0] ^ 0x20]))
+    os.truncate(entries / f"{truncated.key}.skp", truncated.data_offset + 10)
+    os.rename(entries / f"{renamed.key}.skp", entries / f"{'0' * 64}.skp")
+    (entries / "notes.txt").write_text("stray")
+    (shm_dir / "tmp" / "half-written.part").write_bytes(b"x" * 100)
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        assert [e.key for e in tier.entries()] == [good.key]
+        stats = tier.stats()
+        assert stats.adopted == 1
+        assert stats.adopt_dropped == 5
+    assert sorted(p.name for p in entries.iterdir()) == [f"{good.key}.skp"]
+    assert not any((shm_dir / "tmp").iterdir())
+
+
+def test_a_second_owner_of_the_same_directory_is_refused(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20), pytest.raises(StoreLocked, match="owned by another process"):
+        L2Tier(shm_dir, 1 << 20)
+    L2Tier(shm_dir, 1 << 20).close()  # released on close
+
+
+def test_files_of_evicted_entries_are_reused_for_the_same_size_class(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 2 * size_of(60 * KB)) as tier:
+        admit_bytes(tier, "a", 60 * KB)
+        admit_bytes(tier, "b", 60 * KB)
+        for name in "cdef":
+            admit_bytes(tier, name, 60 * KB - 100)  # same size class
+        stats = tier.stats()
+        assert stats.fresh_files == 2
+        assert stats.reused_files == 4
+        assert stats.evictions == 4
+
+
+def test_a_recycled_file_never_shows_the_previous_entrys_bytes(shm_dir: Path) -> None:
+    table = [TensorDecl("a", "uint8", (10,)), TensorDecl("b", "uint8", (49000,))]
+    one = size_of(50000, "secret")
+    assert L2Tier.file_size_for(token_count=4, tensors=table) == one, "same size class"
+    with L2Tier(shm_dir, one) as tier:
+        admit_bytes(tier, "secret", 50000, fill=0xAB)
+        small = tier.admit(
+            key=key_of("next"),
+            identity=IDENT,
+            token_count=4,
+            tensors=table,
+            data=[b"\x01" * 10, b"\x02" * 49000],
+        )
+        assert tier.stats().reused_files == 1
+        raw = (shm_dir / "entries" / f"{small.key}.skp").read_bytes()
+    assert len(raw) == small.file_size
+    assert b"\xab" not in raw
+
+
+def test_an_aborted_reservation_gives_its_budget_back(shm_dir: Path) -> None:
+    with L2Tier(shm_dir, 1 << 20) as tier:
+        reservation = tier.reserve(
+            key=key_of("a"), identity=IDENT, token_count=1, tensors=[TensorDecl("x", "uint8", (100,))]
+        )
+        assert tier.stats().reserved_bytes > 0
+        reservation.abort()
+        stats = tier.stats()
+        assert stats.reserved_bytes == 0 and stats.entries == 0
+        assert not any((shm_dir / "tmp").iterdir())
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_short: Path):  # type: ignore[no-untyped-def]
+    mount = tmp_short / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True, check=False
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_tmpfs_is_a_typed_error_with_no_partial_entry_visible(tiny_tmpfs: Path) -> None:
+    with L2Tier(tiny_tmpfs / "l2", 64 << 20) as tier:
+        admit_bytes(tier, "fits", 100 * KB)
+        with pytest.raises(NoSpace):
+            admit_bytes(tier, "too-big-for-the-filesystem", 400 * KB)
+        assert [e.key for e in tier.entries()] == [key_of("fits")]
+        assert not any((tiny_tmpfs / "l2" / "tmp").iterdir())
+        assert tier.stats().reserved_bytes == 0
+        admit_bytes(tier, "still-works", 50 * KB)
+    with L2Tier(tiny_tmpfs / "l2", 64 << 20) as tier:
+        assert tier.stats().entries == 2
+
+
+def test_size_classes_are_stable_cover_the_request_and_waste_at_most_an_eighth() -> None:
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from skippyd.shm import size_class
+
+    @given(st.integers(min_value=1, max_value=1 << 40))
+    def check(n: int) -> None:
+        c = size_class(n)
+        assert c >= n
+        assert c % 4096 == 0
+        assert size_class(c) == c
+        assert c - n < max(4096, (n - 4096) // 8 + 4096)
+
+    check()
+    assert size_class((64 << 20) + 4096) == (64 << 20) + 4096, "a power-of-two payload plus its header page"
