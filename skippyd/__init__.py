@@ -36,20 +36,29 @@ from .errors import (
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Client": "skippyd.client",
+    "AsyncClient": "skippyd.client",
+    "CaptureResult": "skippyd.client",
+    "Hit": "skippyd.client",
+    "Restored": "skippyd.client",
     "Identity": "skippyd.keys",
     "cache_key": "skippyd.keys",
     "encode_tokens": "skippyd.keys",
 }
 
 __all__ = [
+    "AsyncClient",
     "BadFrame",
     "Busy",
+    "CaptureResult",
+    "Client",
     "ConfigError",
     "ConnectionLost",
     "CoordinationUnavailable",
     "CorruptEntry",
     "DigestMismatch",
     "FrameTooLarge",
+    "Hit",
     "Identity",
     "InvalidArgument",
     "Mismatch",
@@ -57,6 +66,7 @@ __all__ = [
     "NotConfigured",
     "NotFound",
     "PermissionDenied",
+    "Restored",
     "ShuttingDown",
     "SkippydError",
     "StoreLocked",
@@ -70,6 +80,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .client import AsyncClient, CaptureResult, Client, Hit, Restored
     from .keys import Identity, cache_key, encode_tokens
 
 

@@ -19,6 +19,7 @@ import sys
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from blake3 import blake3
@@ -33,6 +34,7 @@ __all__ = [
     "Identity",
     "cache_key",
     "encode_tokens",
+    "identity",
     "is_hex_digest",
     "prefix_keys",
     "token_count",
@@ -70,7 +72,7 @@ class Identity:
     model: str
     state: str
     namespace: str = ""
-    _encoded: bytes = field(init=False, repr=False, compare=False)
+    _prefix: Any = field(init=False, repr=False, compare=False)
     digest: str = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -79,12 +81,18 @@ class Identity:
             + _field("state", self.state, allow_empty=False)
             + _field("namespace", self.namespace, allow_empty=True)
         )
-        object.__setattr__(self, "_encoded", encoded)
+        object.__setattr__(self, "_prefix", blake3(CACHE_KEY_DOMAIN + encoded))
         object.__setattr__(self, "digest", blake3(IDENTITY_DOMAIN + encoded).hexdigest())
 
     def key_hasher(self) -> Any:
         """A BLAKE3 hasher primed with everything of a cache key that comes before the tokens."""
-        return blake3(CACHE_KEY_DOMAIN + self._encoded)
+        return self._prefix.copy()
+
+
+@lru_cache(maxsize=4096)
+def identity(model: str, state: str, namespace: str = "") -> Identity:
+    """A shared :class:`Identity` (they are immutable; the daemon sees the same few over and over)."""
+    return Identity(model, state, namespace)
 
 
 def encode_tokens(tokens: Any) -> bytes:

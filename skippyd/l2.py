@@ -89,7 +89,6 @@ class L2Entry:
     data_len: int
     file_size: int
     created_ns: int
-    last_use_ns: int
     origin: str
 
     @property
@@ -153,6 +152,7 @@ class _File:
 class _Slot:
     entry: L2Entry
     file: _File
+    last_use: int = 0
 
 
 @dataclass(slots=True)
@@ -386,8 +386,8 @@ class L2Tier:
                     raise CorruptEntry(f"{path.name}: payload digest does not match")
         finally:
             os.close(fd)
-        entry = _entry_from_header(header, fixed.data_offset, st.st_size, st.st_mtime_ns)
-        return _Slot(entry, _File(path, st.st_size)), st.st_mtime_ns
+        entry = _entry_from_header(header, fixed.data_offset, st.st_size)
+        return _Slot(entry, _File(path, st.st_size), st.st_mtime_ns), st.st_mtime_ns
 
     # ----------------------------------------------------------------- admission
 
@@ -608,8 +608,8 @@ class L2Tier:
             os.rename(file.path, target)
             file.path = target
             self._reserved -= file.size
-            entry = _entry_from_header(final, data_offset, file.size, tick)
-            self._insert(_Slot(entry, file))
+            entry = _entry_from_header(final, data_offset, file.size)
+            self._insert(_Slot(entry, file, tick))
             self._keep_or_unmap(file)
             self._stats.inserts += 1
             return entry
@@ -700,6 +700,11 @@ class L2Tier:
         with self._lock:
             return [slot.entry for slot in self._entries.values()]
 
+    def entries_with_last_use(self) -> list[tuple[L2Entry, int]]:
+        """Every entry with its last use (ns since the epoch), least recently used first."""
+        with self._lock:
+            return [(slot.entry, slot.last_use) for slot in self._entries.values()]
+
     def keys_by_digest(self, digest: str) -> list[str]:
         with self._lock:
             return sorted(self._by_digest.get(digest, ()))
@@ -774,7 +779,7 @@ class L2Tier:
                 slot = self._entries.get(key)
                 if slot is not None:
                     with contextlib.suppress(FileNotFoundError):
-                        os.utime(slot.file.path, ns=(slot.entry.last_use_ns, slot.entry.last_use_ns))
+                        os.utime(slot.file.path, ns=(slot.last_use, slot.last_use))
 
     # ----------------------------------------------------------------- internals (lock held)
 
@@ -787,7 +792,7 @@ class L2Tier:
         return self._tick
 
     def _touch(self, slot: _Slot) -> L2Entry:
-        slot.entry = replace(slot.entry, last_use_ns=self._next_tick())
+        slot.last_use = self._next_tick()
         self._entries.move_to_end(slot.entry.key)
         self._dirty.add(slot.entry.key)
         return slot.entry
@@ -900,7 +905,7 @@ def _zero_gaps(view: memoryview, tensors: Sequence[TensorSpec], base: int, data_
     del data_len
 
 
-def _entry_from_header(header: EntryHeader, data_offset: int, file_size: int, last_use: int) -> L2Entry:
+def _entry_from_header(header: EntryHeader, data_offset: int, file_size: int) -> L2Entry:
     return L2Entry(
         key=header.key,
         identity=header.identity,
@@ -913,7 +918,6 @@ def _entry_from_header(header: EntryHeader, data_offset: int, file_size: int, la
         data_len=header.data_len,
         file_size=file_size,
         created_ns=header.created_ns,
-        last_use_ns=last_use,
         origin=header.origin,
     )
 

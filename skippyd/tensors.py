@@ -31,6 +31,7 @@ __all__ = [
     "write_into",
 ]
 
+_ITEM_SIZES = DTYPES
 _BY_NAME: dict[str, torch.dtype] = {}
 _BY_DTYPE: dict[torch.dtype, str] = {}
 for _name in DTYPES:
@@ -76,11 +77,28 @@ def declare(tensors: Mapping[str, Any]) -> list[TensorDecl]:
     return decls
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
 def _views(base: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+    """One view per tensor: a typed alias of ``base`` per dtype, then a single ``as_strided`` each."""
+    typed: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for spec in specs:
-        raw = base[spec.offset : spec.offset + spec.nbytes]
-        out[spec.name] = raw.view(torch_dtype(spec.dtype)).view(spec.shape)
+        size = _ITEM_SIZES[spec.dtype]
+        alias = typed.get(spec.dtype)
+        if alias is None:
+            usable = base.numel() // size * size
+            alias = typed[spec.dtype] = base[:usable].view(torch_dtype(spec.dtype))
+        if spec.offset % size or spec.offset + spec.nbytes > base.numel():
+            raise InvalidArgument(f"tensor {spec.name!r} is misaligned or outside the entry")
+        out[spec.name] = alias.as_strided(spec.shape, _contiguous_strides(spec.shape), spec.offset // size)
     return out
 
 

@@ -28,3 +28,36 @@ def tmp_short() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def daemon(tmp_short: Path):  # type: ignore[no-untyped-def]
+    """A running ``skippyd serve`` (embedded Redis) in a temporary directory."""
+    from daemonutil import DaemonProcess
+
+    proc = DaemonProcess(tmp_short).start()
+    try:
+        yield proc
+    finally:
+        proc.cleanup()
+
+
+@pytest.fixture
+def make_daemon(tmp_short: Path):  # type: ignore[no-untyped-def]
+    """Builds (not starts) daemons with extra arguments; all are stopped and cleaned afterwards."""
+    from daemonutil import DaemonProcess
+
+    made: list[DaemonProcess] = []
+
+    def make(*args: str, root: Path | None = None, **kwargs):  # type: ignore[no-untyped-def]
+        where = root or tmp_short / f"d{len(made)}"
+        where.mkdir(parents=True, exist_ok=True)
+        proc = DaemonProcess(where, *args, **kwargs)
+        made.append(proc)
+        return proc
+
+    try:
+        yield make
+    finally:
+        for proc in made:
+            proc.cleanup()

@@ -1,0 +1,5 @@
+"""``python -m skippyd`` is the ``skippyd`` command."""
+
+from .cli import main
+
+main()

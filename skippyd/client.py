@@ -1,0 +1,691 @@
+"""The engine-side library: ``Client`` and ``AsyncClient``, the only place that makes torch tensors.
+
+A restore to the CPU copies nothing: the daemon sends a read-only descriptor of the entry, and the
+tensors are views of a private copy-on-write mapping of it (writing to them never changes the cache).
+A restore to ``cuda:N`` copies through reusable pinned buffers. A capture writes the tensors' bytes into
+shared memory the daemon lent this connection; the daemon copies them into memory only it can write and
+hashes them there.
+
+Errors are the daemon's own :class:`~skippyd.errors.SkippydError` subclasses, rebuilt from their codes.
+A broken connection is reopened once per call (every operation is safe to repeat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import __version__
+from . import tensors as skt
+from .errors import BadFrame, ConnectionLost, InvalidArgument, SkippydError, Timeout, error_from_wire
+from .keys import encode_tokens
+from .payload import TensorSpec, plan_layout
+from .protocol import (
+    DEFAULT_MAX_FRAME,
+    PROTOCOL_VERSION,
+    Frame,
+    FrameDecoder,
+    FrameType,
+    encode_frame,
+    recv_fds_into,
+)
+
+__all__ = [
+    "DEFAULT_SOCKET",
+    "AsyncClient",
+    "CaptureResult",
+    "Client",
+    "Hit",
+    "Restored",
+    "resolve_socket_path",
+]
+
+DEFAULT_SOCKET = "/run/skippyd/skippyd.sock"
+
+
+def resolve_socket_path(path: str | os.PathLike[str] | None = None) -> str:
+    """The socket to use: the argument, else ``$SKIPPYD_SOCKET``, else /run/skippyd/skippyd.sock."""
+    if path is not None:
+        return os.fspath(path)
+    return os.environ.get("SKIPPYD_SOCKET") or DEFAULT_SOCKET
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureResult:
+    digest: str
+    token_count: int
+    nbytes: int
+    l2: bool
+    l3: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    token_count: int
+    source: str
+    digest: str
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Restored:
+    token_count: int
+    kind: str
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    source: str
+    digest: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _identity_body(model: str, state: str, namespace: str, tokens: Any) -> dict[str, Any]:
+    return {"model": model, "state": state, "namespace": namespace, "tokens": encode_tokens(tokens)}
+
+
+def _tensor_table(tensors: Mapping[str, Any]) -> tuple[list[Any], list[TensorSpec], int]:
+    decls = skt.declare(tensors)
+    specs, data_len = plan_layout(decls)
+    return [[d.name, d.dtype, list(d.shape)] for d in decls], specs, data_len
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    return torch.device("cpu") if device is None else torch.device(device)
+
+
+class _Staging:
+    def __init__(self, fd: int, size: int) -> None:
+        try:
+            self.mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.size = size
+
+    def region(self, length: int) -> memoryview:
+        return memoryview(self.mapping)[:length]
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):
+            self.mapping.close()
+
+
+def _finish_restore(
+    reply: dict[str, Any], fds: list[int], device: torch.device, stager: skt.DeviceStager | None
+) -> Restored:
+    if len(fds) != 1:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        raise BadFrame("a restore reply must carry exactly one descriptor")
+    fd = fds[0]
+    started = time.perf_counter()
+    try:
+        specs = [TensorSpec.from_wire(item) for item in reply["tensors"]]
+        offset, length = int(reply["data_offset"]), int(reply["data_len"])
+        if device.type == "cpu":
+            tensors = skt.map_entry(fd, offset, length, specs)
+        elif device.type == "cuda":
+            assert stager is not None
+            tensors = stager.to_device(fd, offset, length, specs, device)
+        else:
+            tensors = {k: v.to(device) for k, v in skt.copy_entry(fd, offset, length, specs).items()}
+    finally:
+        os.close(fd)
+    timings = {k: float(v) for k, v in dict(reply.get("timings") or {}).items()}
+    timings["import_ms"] = (time.perf_counter() - started) * 1e3
+    return Restored(
+        token_count=int(reply["token_count"]),
+        kind=str(reply["kind"]),
+        tensors=tensors,
+        meta=dict(reply.get("meta") or {}),
+        source=str(reply["source"]),
+        digest=str(reply["digest"]),
+        timings=timings,
+    )
+
+
+class _Conn:
+    """One blocking connection: handshake, request/reply with descriptors, and its staging buffer."""
+
+    def __init__(self, path: str, connect_timeout: float) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self.sock.settimeout(connect_timeout)
+        try:
+            self.sock.connect(path)
+        except OSError as exc:
+            self.sock.close()
+            raise ConnectionLost(f"cannot reach skippyd at {path}: {exc.strerror or exc}") from exc
+        # Blocking mode with kernel-side timeouts: no poll() before every send and receive.
+        self.sock.settimeout(None)
+        self._timeout = -1.0
+        self.decoder = FrameDecoder(DEFAULT_MAX_FRAME, expect=(FrameType.REPLY, FrameType.ERROR))
+        self.ids = itertools.count(1)
+        self.staging: _Staging | None = None
+        self.info: dict[str, Any] = {}
+
+    def handshake(self, timeout: float) -> None:
+        reply, _ = self.request(
+            {"op": "hello", "versions": [PROTOCOL_VERSION], "client": f"skippyd-py/{__version__}"}, timeout
+        )
+        self.info = reply
+        self.decoder.max_frame = int(reply.get("max_frame", DEFAULT_MAX_FRAME))
+
+    def _set_timeout(self, timeout: float) -> None:
+        if timeout != self._timeout:
+            seconds = int(timeout)
+            timeval = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            self._timeout = timeout
+
+    def request(self, body: dict[str, Any], timeout: float) -> tuple[dict[str, Any], list[int]]:
+        request_id = next(self.ids)
+        data = encode_frame(FrameType.REQUEST, request_id, body)
+        self._set_timeout(timeout)
+        try:
+            self.sock.sendall(data)
+            frame = self._read_frame(request_id)
+        except (TimeoutError, BlockingIOError) as exc:
+            raise Timeout(f"skippyd did not answer {body.get('op')} within {timeout:g}s") from exc
+        except OSError as exc:
+            raise ConnectionLost(f"connection to skippyd lost: {exc.strerror or exc}") from exc
+        if frame.type == FrameType.ERROR:
+            for fd in frame.fds:
+                os.close(fd)
+            raise error_from_wire(frame.body)
+        return frame.body, frame.fds
+
+    def _read_frame(self, request_id: int) -> Frame:
+        while True:
+            frame = self.decoder.next_frame()
+            if frame is not None:
+                if frame.request_id in (request_id, 0):
+                    return frame
+                for fd in frame.fds:  # a reply to a request we gave up on
+                    os.close(fd)
+                continue
+            data, fds = recv_fds_into(self.sock)
+            if not data:
+                for fd in fds:
+                    os.close(fd)
+                raise ConnectionLost("skippyd closed the connection")
+            self.decoder.feed(data, fds)
+
+    def ensure_staging(self, size: int, timeout: float) -> _Staging:
+        if self.staging is not None and self.staging.size >= size:
+            return self.staging
+        want = max(size, 2 * self.staging.size if self.staging is not None else 0)
+        limit = int(self.info.get("staging_max", want))
+        want = min(want, limit) if limit >= size else size
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        reply, fds = self.request({"op": "stage", "size": want}, timeout)
+        if len(fds) != 1:
+            raise BadFrame("a stage reply must carry exactly one descriptor")
+        self.staging = _Staging(fds[0], int(reply["size"]))
+        return self.staging
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        self.decoder.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class Client:
+    """A blocking client of the local daemon. Thread-safe (one request at a time per client)."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.socket_path = resolve_socket_path(socket_path)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._conn: _Conn | None = None
+        self._lock = threading.RLock()
+        self._stager: skt.DeviceStager | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------- plumbing
+    def _connection(self) -> _Conn:
+        if self._closed:
+            raise ConnectionLost("this client is closed")
+        if self._conn is None:
+            conn = _Conn(self.socket_path, self.connect_timeout)
+            try:
+                conn.handshake(self.timeout)
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _call(self, body: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        with self._lock:
+            for attempt in range(2):
+                try:
+                    return self._connection().request(body, self.timeout)
+                except (ConnectionLost, Timeout, BadFrame):
+                    self._drop()
+                    if attempt:
+                        raise
+                except SkippydError:
+                    raise
+            raise AssertionError("unreachable")
+
+    @property
+    def server_info(self) -> dict[str, Any]:
+        """What the daemon said in the handshake (version, node, limits)."""
+        with self._lock:
+            return dict(self._connection().info)
+
+    # ------------------------------------------------------------- operations
+    def ping(self) -> bool:
+        """True when the daemon answers; a daemon that cannot be reached is ``False``, not an error."""
+        try:
+            reply, _ = self._call({"op": "ping"})
+        except (ConnectionLost, Timeout):
+            return False
+        return bool(reply.get("pong"))
+
+    def capture(
+        self,
+        *,
+        model: str,
+        state: str,
+        namespace: str = "",
+        tokens: Any,
+        tensors: Mapping[str, torch.Tensor],
+        kind: str = "kv",
+        meta: Mapping[str, Any] | None = None,
+        durable: bool = True,
+    ) -> CaptureResult:
+        """Stores the state after exactly ``tokens``; bytes are kept bit-for-bit."""
+        body = _identity_body(model, state, namespace, tokens)
+        table, specs, data_len = _tensor_table(tensors)
+        body.update(op="capture", tensors=table, kind=kind, meta=dict(meta or {}), durable=durable)
+        with self._lock:
+            for attempt in range(2):
+                try:
+                    conn = self._connection()
+                    staging = conn.ensure_staging(max(data_len, 1), self.timeout)
+                    region = staging.region(data_len)
+                    try:
+                        skt.write_into(region, specs, tensors)
+                    finally:
+                        region.release()
+                    reply, _ = conn.request(body, self.timeout)
+                    break
+                except (ConnectionLost, Timeout, BadFrame):
+                    self._drop()
+                    if attempt:
+                        raise
+        return CaptureResult(
+            digest=str(reply["digest"]),
+            token_count=int(reply["token_count"]),
+            nbytes=int(reply["nbytes"]),
+            l2=bool(reply["l2"]),
+            l3=bool(reply["l3"]),
+        )
+
+    def lookup(self, *, model: str, state: str, namespace: str = "", tokens: Any) -> Hit | None:
+        """The longest captured prefix of ``tokens``, without restoring it."""
+        body = _identity_body(model, state, namespace, tokens)
+        body["op"] = "lookup"
+        reply, _ = self._call(body)
+        if not reply.get("found"):
+            return None
+        return Hit(
+            int(reply["token_count"]), str(reply["source"]), str(reply["digest"]), int(reply["nbytes"])
+        )
+
+    def restore(
+        self,
+        *,
+        model: str,
+        state: str,
+        namespace: str = "",
+        tokens: Any,
+        device: str | torch.device | None = "cpu",
+    ) -> Restored | None:
+        """The longest captured prefix, as tensors on ``device`` (CPU: views of shared memory, no copy)."""
+        target = _device(device)
+        body = _identity_body(model, state, namespace, tokens)
+        body["op"] = "restore"
+        started = time.perf_counter()
+        reply, fds = self._call(body)
+        if not reply.get("found"):
+            return None
+        if target.type == "cuda" and self._stager is None:
+            self._stager = skt.DeviceStager()
+        restored = _finish_restore(reply, fds, target, self._stager)
+        restored.timings["total_ms"] = (time.perf_counter() - started) * 1e3
+        return restored
+
+    def ran(self, *, model: str, tokens: Any) -> None:
+        """Tells the warm-prefix table that this node ran this prompt."""
+        if not isinstance(model, str) or not model:
+            raise InvalidArgument("model must be a non-empty string")
+        self._call({"op": "ran", "model": model, "tokens": encode_tokens(tokens)})
+
+    def stats(self) -> dict[str, Any]:
+        reply, _ = self._call({"op": "stats"})
+        return reply
+
+    def ls(self, limit: int = 0) -> list[dict[str, Any]]:
+        reply, _ = self._call({"op": "ls", "limit": limit})
+        return list(reply["entries"])
+
+    def evict(self, *, digest: str | None = None, all: bool = False) -> int:
+        """Removes entries by payload digest, or every entry with ``all=True``; returns how many."""
+        if (digest is None) == (not all):
+            raise InvalidArgument("evict takes exactly one of digest= or all=True")
+        body: dict[str, Any] = {"op": "evict", "all": True} if all else {"op": "evict", "digest": digest}
+        reply, _ = self._call(body)
+        return int(reply["removed"])
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._drop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _AsyncConn:
+    """A non-blocking connection with pipelined requests; replies are matched by request id."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock = sock
+        self.loop = loop
+        self.decoder = FrameDecoder(DEFAULT_MAX_FRAME, expect=(FrameType.REPLY, FrameType.ERROR))
+        self.ids = itertools.count(1)
+        self.waiting: dict[int, asyncio.Future[Frame]] = {}
+        self.staging: _Staging | None = None
+        self.info: dict[str, Any] = {}
+        self.closed = False
+        loop.add_reader(sock.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        try:
+            data, fds = recv_fds_into(self.sock)
+        except (BlockingIOError, InterruptedError):
+            return
+        except (OSError, SkippydError) as exc:
+            self._fail(ConnectionLost(f"connection to skippyd lost: {exc}"))
+            return
+        if not data:
+            for fd in fds:
+                os.close(fd)
+            self._fail(ConnectionLost("skippyd closed the connection"))
+            return
+        self.decoder.feed(data, fds)
+        while True:
+            try:
+                frame = self.decoder.next_frame()
+            except SkippydError as exc:
+                self._fail(exc)
+                return
+            if frame is None:
+                return
+            if frame.request_id == 0:
+                self._fail(error_from_wire(frame.body))
+                return
+            future = self.waiting.pop(frame.request_id, None)
+            if future is None or future.done():
+                for fd in frame.fds:
+                    os.close(fd)
+                continue
+            future.set_result(frame)
+
+    def _fail(self, exc: SkippydError) -> None:
+        for future in self.waiting.values():
+            if not future.done():
+                future.set_exception(exc)
+        self.waiting.clear()
+        self.close()
+
+    async def request(self, body: dict[str, Any], timeout: float) -> tuple[dict[str, Any], list[int]]:
+        if self.closed:
+            raise ConnectionLost("connection to skippyd is closed")
+        request_id = next(self.ids)
+        future: asyncio.Future[Frame] = self.loop.create_future()
+        self.waiting[request_id] = future
+        try:
+            await self.loop.sock_sendall(self.sock, encode_frame(FrameType.REQUEST, request_id, body))
+            frame = await asyncio.wait_for(future, timeout)
+        except TimeoutError as exc:
+            self._fail(Timeout("timed out"))
+            raise Timeout(f"skippyd did not answer {body.get('op')} within {timeout:g}s") from exc
+        except OSError as exc:
+            self._fail(ConnectionLost(str(exc)))
+            raise ConnectionLost(f"connection to skippyd lost: {exc}") from exc
+        finally:
+            self.waiting.pop(request_id, None)
+        if frame.type == FrameType.ERROR:
+            for fd in frame.fds:
+                os.close(fd)
+            raise error_from_wire(frame.body)
+        return frame.body, frame.fds
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self.sock.fileno())
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        self.decoder.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class AsyncClient:
+    """The same operations as :class:`Client`, as coroutines; requests on one client are pipelined."""
+
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str] | None = None,
+        *,
+        timeout: float = 30.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.socket_path = resolve_socket_path(socket_path)
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._conn: _AsyncConn | None = None
+        self._connecting = asyncio.Lock()
+        self._capture_lock = asyncio.Lock()
+        self._stager: skt.DeviceStager | None = None
+        self._closed = False
+
+    async def _connection(self) -> _AsyncConn:
+        if self._closed:
+            raise ConnectionLost("this client is closed")
+        async with self._connecting:
+            if self._conn is not None and not self._conn.closed:
+                return self._conn
+            loop = asyncio.get_running_loop()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            sock.setblocking(False)
+            try:
+                await asyncio.wait_for(loop.sock_connect(sock, self.socket_path), self.connect_timeout)
+            except (OSError, TimeoutError) as exc:
+                sock.close()
+                raise ConnectionLost(f"cannot reach skippyd at {self.socket_path}: {exc}") from exc
+            conn = _AsyncConn(sock, loop)
+            try:
+                reply, _ = await conn.request(
+                    {"op": "hello", "versions": [PROTOCOL_VERSION], "client": f"skippyd-py/{__version__}"},
+                    self.timeout,
+                )
+            except BaseException:
+                conn.close()
+                raise
+            conn.info = reply
+            conn.decoder.max_frame = int(reply.get("max_frame", DEFAULT_MAX_FRAME))
+            self._conn = conn
+            return conn
+
+    async def _call(self, body: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        for attempt in range(2):
+            try:
+                conn = await self._connection()
+                return await conn.request(body, self.timeout)
+            except (ConnectionLost, Timeout, BadFrame):
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def ping(self) -> bool:
+        try:
+            reply, _ = await self._call({"op": "ping"})
+        except (ConnectionLost, Timeout):
+            return False
+        return bool(reply.get("pong"))
+
+    async def capture(
+        self,
+        *,
+        model: str,
+        state: str,
+        namespace: str = "",
+        tokens: Any,
+        tensors: Mapping[str, torch.Tensor],
+        kind: str = "kv",
+        meta: Mapping[str, Any] | None = None,
+        durable: bool = True,
+    ) -> CaptureResult:
+        body = _identity_body(model, state, namespace, tokens)
+        table, specs, data_len = _tensor_table(tensors)
+        body.update(op="capture", tensors=table, kind=kind, meta=dict(meta or {}), durable=durable)
+        async with self._capture_lock:  # the staging buffer is one per connection
+            for attempt in range(2):
+                try:
+                    conn = await self._connection()
+                    staging = conn.staging
+                    if staging is None or staging.size < data_len:
+                        want = max(data_len, 1, 2 * staging.size if staging is not None else 0)
+                        limit = int(conn.info.get("staging_max", want))
+                        want = min(want, limit) if limit >= data_len else data_len
+                        if staging is not None:
+                            staging.close()
+                            conn.staging = None
+                        reply, fds = await conn.request({"op": "stage", "size": want}, self.timeout)
+                        if len(fds) != 1:
+                            raise BadFrame("a stage reply must carry exactly one descriptor")
+                        conn.staging = staging = _Staging(fds[0], int(reply["size"]))
+                    region = staging.region(data_len)
+                    try:
+                        await asyncio.to_thread(skt.write_into, region, specs, tensors)
+                    finally:
+                        region.release()
+                    reply, _ = await conn.request(body, self.timeout)
+                    break
+                except (ConnectionLost, Timeout, BadFrame):
+                    if attempt:
+                        raise
+        return CaptureResult(
+            str(reply["digest"]),
+            int(reply["token_count"]),
+            int(reply["nbytes"]),
+            bool(reply["l2"]),
+            bool(reply["l3"]),
+        )
+
+    async def lookup(self, *, model: str, state: str, namespace: str = "", tokens: Any) -> Hit | None:
+        body = _identity_body(model, state, namespace, tokens)
+        body["op"] = "lookup"
+        reply, _ = await self._call(body)
+        if not reply.get("found"):
+            return None
+        return Hit(
+            int(reply["token_count"]), str(reply["source"]), str(reply["digest"]), int(reply["nbytes"])
+        )
+
+    async def restore(
+        self,
+        *,
+        model: str,
+        state: str,
+        namespace: str = "",
+        tokens: Any,
+        device: str | torch.device | None = "cpu",
+    ) -> Restored | None:
+        target = _device(device)
+        body = _identity_body(model, state, namespace, tokens)
+        body["op"] = "restore"
+        started = time.perf_counter()
+        reply, fds = await self._call(body)
+        if not reply.get("found"):
+            return None
+        if target.type == "cuda" and self._stager is None:
+            self._stager = skt.DeviceStager()
+        if target.type == "cpu":
+            restored = _finish_restore(reply, fds, target, None)
+        else:
+            restored = await asyncio.to_thread(_finish_restore, reply, fds, target, self._stager)
+        restored.timings["total_ms"] = (time.perf_counter() - started) * 1e3
+        return restored
+
+    async def ran(self, *, model: str, tokens: Any) -> None:
+        if not isinstance(model, str) or not model:
+            raise InvalidArgument("model must be a non-empty string")
+        await self._call({"op": "ran", "model": model, "tokens": encode_tokens(tokens)})
+
+    async def stats(self) -> dict[str, Any]:
+        reply, _ = await self._call({"op": "stats"})
+        return reply
+
+    async def ls(self, limit: int = 0) -> list[dict[str, Any]]:
+        reply, _ = await self._call({"op": "ls", "limit": limit})
+        return list(reply["entries"])
+
+    async def evict(self, *, digest: str | None = None, all: bool = False) -> int:
+        if (digest is None) == (not all):
+            raise InvalidArgument("evict takes exactly one of digest= or all=True")
+        body: dict[str, Any] = {"op": "evict", "all": True} if all else {"op": "evict", "digest": digest}
+        reply, _ = await self._call(body)
+        return int(reply["removed"])
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

@@ -1,0 +1,317 @@
+"""The daemon's configuration: one frozen dataclass, one precedence.
+
+flags > ``SKIPPYD_<OPTION>`` environment > TOML ``--config`` file > defaults. Every value remembers where
+it came from (``skippyd config show``), and a bad value fails at start with a message naming its key and
+its source. Sizes take bytes or units (``512MiB``, ``8GiB``, ``1.5GB``); durations take ``500ms``,
+``30s``, ``10m``, ``2h`` or plain seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket as _socket
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = [
+    "FIELDS",
+    "Config",
+    "ConfigField",
+    "LoadedConfig",
+    "load_config",
+    "parse_duration",
+    "parse_size",
+]
+
+ENV_PREFIX = "SKIPPYD_"
+DEFAULT_SOCKET = "/run/skippyd/skippyd.sock"
+_NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "kb": 10**3,
+    "m": 1 << 20, "mib": 1 << 20, "mb": 10**6,
+    "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+    "t": 1 << 40, "tib": 1 << 40, "tb": 10**12,
+}  # fmt: skip
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_DURATIONS = {"ms": 1e-3, "s": 1.0, "": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an int or a string with a unit (KiB/MiB/GiB/TiB binary, KB/MB/GB/TB decimal)."""
+    if isinstance(value, bool):
+        raise ValueError("a size is not a boolean")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("a size cannot be negative")
+        return value
+    match = _SIZE_RE.match(str(value))
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"{value!r} is not a size (try 512MiB or 8GiB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_duration(value: Any) -> float:
+    """Seconds from a number or a string such as ``500ms``, ``30s``, ``10m``, ``2h``."""
+    if isinstance(value, bool):
+        raise ValueError("a duration is not a boolean")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError("a duration cannot be negative")
+        return float(value)
+    match = _DURATION_RE.match(str(value).lower())
+    if not match or match.group(2) not in _DURATIONS:
+        raise ValueError(f"{value!r} is not a duration (try 30s or 10m)")
+    return float(match.group(1)) * _DURATIONS[match.group(2)]
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{value!r} is not a boolean")
+
+
+def _parse_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("not an integer")
+    result = int(value)
+    if result < 0:
+        raise ValueError("must not be negative")
+    return result
+
+
+def _parse_ids(value: Any) -> tuple[int, ...]:
+    items = value if isinstance(value, list | tuple) else [v for v in re.split(r"[,\s]+", str(value)) if v]
+    return tuple(_parse_int(v) for v in items)
+
+
+def _parse_str(value: Any) -> str:
+    if not isinstance(value, str | int):
+        raise ValueError(f"{value!r} is not text")
+    return str(value)
+
+
+def _parse_path(value: Any) -> str:
+    text = _parse_str(value)
+    return str(Path(text).expanduser()) if text else ""
+
+
+def _parse_choice(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).lower()
+        if text not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        return text
+
+    return parse
+
+
+def _parse_node(value: Any) -> str:
+    text = _parse_str(value)
+    if text and not _NODE_RE.match(text):
+        raise ValueError(f"{text!r}: node names are letters, digits, '.', '_' and '-' (at most 128)")
+    return text
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+FIELDS: dict[str, ConfigField] = {
+    f.name: f
+    for f in [
+        ConfigField("socket", _parse_path, DEFAULT_SOCKET, "Unix socket the daemon listens on"),
+        ConfigField("state_dir", _parse_path, "/var/lib/skippyd", "embedded Redis data, default L3 dir"),
+        ConfigField("shm_dir", _parse_path, "", "L2 tmpfs directory (default /dev/shm/skippyd-<node>)"),
+        ConfigField("l2_budget", parse_size, "4GiB", "bytes the L2 tier may hold in tmpfs"),
+        ConfigField("max_entry", parse_size, 0, "largest entry accepted (0: the L2 budget)"),
+        ConfigField("staging_budget", parse_size, "2GiB", "shared memory lent to clients for captures"),
+        ConfigField("l3_dir", _parse_path, "", "L3 disk directory (default <state_dir>/l3; 'off' disables)"),
+        ConfigField("l3_budget", parse_size, "64GiB", "hard cap on bytes L3 keeps on disk"),
+        ConfigField("l3_min_free", parse_size, "2GiB", "L3 goes read-only below this much free disk"),
+        ConfigField("l3_queue", _parse_int, 64, "durable writes waiting for L3 before new ones are dropped"),
+        ConfigField(
+            "redis_url", _parse_str, "", "shared Redis (redis://, rediss://, unix://, redis+cluster://)"
+        ),
+        ConfigField("redis_prefix", _parse_str, "skippyd", "prefix of every Redis key"),
+        ConfigField("redis_timeout", parse_duration, "250ms", "coordination calls give up after this"),
+        ConfigField("node", _parse_node, "", "this daemon's stable name (default the host name)"),
+        ConfigField("heartbeat", parse_duration, "2s", "how often the node heartbeats to Redis"),
+        ConfigField("node_ttl", parse_duration, "10s", "a node missing heartbeats this long is gone"),
+        ConfigField("warm_on_capture", _parse_bool, True, "every capture also feeds the warm-prefix table"),
+        ConfigField("ran_buffer", _parse_int, 10000, "warm-table updates kept while Redis is down"),
+        ConfigField("promotion_scope", _parse_str, "", "scope promotions are counted in (default the node)"),
+        ConfigField("max_frame", parse_size, "16MiB", "largest protocol frame accepted"),
+        ConfigField("workers", _parse_int, 0, "worker threads for copies and hashing (0: automatic)"),
+        ConfigField("allowed_uids", _parse_ids, (), "peer uids allowed (default: owner, root, socket group)"),
+        ConfigField("allowed_gids", _parse_ids, (), "peer gids allowed (default: owner, root, socket group)"),
+        ConfigField("socket_group", _parse_str, "", "group the socket is handed to (mode 0660)"),
+        ConfigField("shutdown_timeout", parse_duration, "10s", "time in-flight requests get at shutdown"),
+        ConfigField("idle_timeout", parse_duration, 0, "close connections idle this long (0: never)"),
+        ConfigField("log_level", _parse_choice("debug", "info", "warning", "error"), "info", "log level"),
+        ConfigField("log_format", _parse_choice("human", "json"), "human", "log line format"),
+        ConfigField("metrics_addr", _parse_str, "", "host:port for Prometheus metrics (off by default)"),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    socket: str = DEFAULT_SOCKET
+    state_dir: str = "/var/lib/skippyd"
+    shm_dir: str = ""
+    l2_budget: int = 4 << 30
+    max_entry: int = 0
+    staging_budget: int = 2 << 30
+    l3_dir: str = ""
+    l3_budget: int = 64 << 30
+    l3_min_free: int = 2 << 30
+    l3_queue: int = 64
+    redis_url: str = ""
+    redis_prefix: str = "skippyd"
+    redis_timeout: float = 0.25
+    node: str = ""
+    heartbeat: float = 2.0
+    node_ttl: float = 10.0
+    warm_on_capture: bool = True
+    ran_buffer: int = 10000
+    promotion_scope: str = ""
+    max_frame: int = 16 << 20
+    workers: int = 0
+    allowed_uids: tuple[int, ...] = ()
+    allowed_gids: tuple[int, ...] = ()
+    socket_group: str = ""
+    shutdown_timeout: float = 10.0
+    idle_timeout: float = 0.0
+    log_level: str = "info"
+    log_format: str = "human"
+    metrics_addr: str = ""
+
+    # ------------------------------------------------------------ derived values
+    @property
+    def node_name(self) -> str:
+        return self.node or _default_node()
+
+    @property
+    def shm_path(self) -> Path:
+        return Path(self.shm_dir) if self.shm_dir else Path("/dev/shm") / f"skippyd-{self.node_name}"  # noqa: S108
+
+    @property
+    def l3_path(self) -> Path | None:
+        if self.l3_dir.lower() == "off":
+            return None
+        return Path(self.l3_dir) if self.l3_dir else Path(self.state_dir) / "l3"
+
+    @property
+    def entry_limit(self) -> int:
+        return min(self.max_entry or self.l2_budget, self.l2_budget)
+
+    @property
+    def worker_threads(self) -> int:
+        return self.workers or min(32, (os.cpu_count() or 2) * 4)
+
+    @property
+    def scope(self) -> str:
+        return self.promotion_scope or f"node:{self.node_name}"
+
+
+def _default_node() -> str:
+    name = _socket.gethostname().split(".")[0] or "localhost"
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name)[:128]
+    return cleaned if _NODE_RE.match(cleaned) else "localhost"
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    config: Config
+    sources: Mapping[str, str]  # name -> "flag", "env SKIPPYD_X", "file PATH" or "default"
+    config_file: Path | None
+
+
+def _load_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            data = tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except (tomllib.TOMLDecodeError, OSError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    table = data.get("skippyd", data) if isinstance(data.get("skippyd"), dict) else data
+    unknown = sorted(set(table) - set(FIELDS))
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}")
+    return dict(table)
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+) -> LoadedConfig:
+    """Resolves every field by precedence and validates it; raises :class:`ConfigError` naming the key."""
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    env = os.environ if env is None else env
+    unknown_flags = sorted(set(flags) - set(FIELDS))
+    if unknown_flags:
+        raise ConfigError(f"unknown option(s): {', '.join(unknown_flags)}")
+    file_path = config_file if config_file is not None else env.get(ENV_PREFIX + "CONFIG") or None
+    path = Path(file_path) if file_path else None
+    file_values = _load_toml(path) if path is not None else {}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for name, spec in FIELDS.items():
+        if name in flags:
+            raw, source = flags[name], "flag"
+        elif env.get(spec.env, ""):  # an empty variable counts as unset
+            raw, source = env[spec.env], f"env {spec.env}"
+        elif name in file_values:
+            raw, source = file_values[name], f"file {path}"
+        else:
+            raw, source = spec.default, "default"
+        try:
+            values[name] = spec.parse(raw)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"invalid {name} (from {source}): {exc}") from exc
+        sources[name] = source
+    config = Config(**values)
+    _check(config)
+    return LoadedConfig(config, sources, path)
+
+
+def _check(config: Config) -> None:
+    if config.l2_budget <= 0:
+        raise ConfigError("invalid l2_budget: must be positive")
+    if config.max_frame < 64 * 1024:
+        raise ConfigError("invalid max_frame: must be at least 64KiB")
+    if len(os.fsencode(config.socket)) >= 108:
+        raise ConfigError(f"invalid socket: {config.socket!r} is longer than a unix socket path may be")
+    if config.heartbeat <= 0 or config.node_ttl <= config.heartbeat:
+        raise ConfigError("invalid node_ttl: must be longer than heartbeat")
+    if config.redis_url and not re.match(r"^(redis|rediss|unix|redis\+cluster)://", config.redis_url):
+        raise ConfigError("invalid redis_url: use redis://, rediss://, unix:// or redis+cluster://")
+
+
+def as_dict(config: Config) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in fields(config)}

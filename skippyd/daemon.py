@@ -1,0 +1,52 @@
+"""The composition root: builds the tiers, coordination and server from a Config and runs them.
+
+Start-up order: embedded Redis (when no ``redis_url``), L2 tier (adopts what tmpfs still holds), the
+handlers, then the socket. Shutdown runs the same list backwards, so committed entries and the warm
+table are always left consistent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+from .config import Config
+from .handlers import Handlers
+from .l2 import L2Tier
+from .logs import setup_logging
+from .redis_embedded import EmbeddedRedis
+from .server import Server
+from .tiers import Tiers
+
+__all__ = ["run"]
+
+log = logging.getLogger("skippyd.daemon")
+
+
+def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_signals: bool = True) -> int:
+    """Runs the daemon until SIGTERM/SIGINT; returns the process exit code."""
+    setup_logging(config.log_level, config.log_format)
+    with contextlib.ExitStack() as stack:
+        redis_url = config.redis_url
+        if not redis_url:
+            embedded = EmbeddedRedis(Path(config.state_dir))
+            redis_url = embedded.start()
+            stack.callback(embedded.stop)
+        l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=2)
+        tiers = Tiers(l2, copy_threads=2, max_entry=config.entry_limit)
+        stack.callback(tiers.close)
+        stats = l2.stats()
+        log.info(
+            "L2 at %s: %d entries adopted (%d dropped), budget %d bytes",
+            config.shm_path,
+            stats.adopted,
+            stats.adopt_dropped,
+            config.l2_budget,
+        )
+        handlers = Handlers(config, tiers)
+        server = Server(config, handlers)
+        asyncio.run(server.serve(install_signals=install_signals, on_ready=on_ready))
+    return 0

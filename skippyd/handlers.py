@@ -1,0 +1,321 @@
+"""One function per operation: a request map in, a reply map (and descriptors to send) out.
+
+No sockets here: the server hands each request over with the connection's :class:`Session` and sends
+what comes back. Every field of every request is validated here, so a malformed request is an
+``invalid_argument`` error naming the field, never an exception deeper down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from . import __version__
+from .config import Config
+from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMismatch
+from .keys import Identity, identity, is_hex_digest
+from .payload import MAX_TENSORS, check_decl, check_kind
+from .protocol import PROTOCOL_VERSION
+from .shm import PAGE, memfd
+from .tiers import Tiers
+
+__all__ = ["Coordinator", "Handlers", "Reply", "Session", "Staging"]
+
+_MAX_TOKENS_BYTES = 8 << 20  # 2M tokens
+_INLINE_TOKEN_BYTES = 32 * 1024  # prompts above 8k tokens are hashed off the event loop
+
+
+class Coordinator(Protocol):
+    """What the handlers need from the coordination layer (see :mod:`skippyd.coordination`)."""
+
+    def ran(self, model: str, tokens: bytes) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+@dataclass(slots=True)
+class Staging:
+    """Shared memory lent to one connection for captures: a sealed memfd mapped by both sides."""
+
+    mapping: mmap.mmap
+    size: int
+
+    def view(self, length: int) -> memoryview:
+        return memoryview(self.mapping)[:length]
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):
+            self.mapping.close()
+
+
+@dataclass(slots=True)
+class Session:
+    """What the daemon knows about one connection."""
+
+    id: int
+    pid: int = 0
+    uid: int = -1
+    gid: int = -1
+    handshaken: bool = False
+    staging: Staging | None = None
+    busy: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(slots=True)
+class Reply:
+    body: dict[str, Any]
+    fds: list[int] = field(default_factory=list)
+
+
+class Handlers:
+    def __init__(self, config: Config, tiers: Tiers, coordinator: Coordinator | None = None) -> None:
+        self.config = config
+        self.tiers = tiers
+        self.coordinator = coordinator
+        self.started = time.time()
+        self._staging_lock = threading.Lock()
+        self._staging_bytes = 0
+        self._ops: dict[str, Callable[[Session, dict[str, Any]], Reply]] = {
+            "hello": self.hello,
+            "ping": self.ping,
+            "stage": self.stage,
+            "capture": self.capture,
+            "lookup": self.lookup,
+            "restore": self.restore,
+            "ran": self.ran,
+            "stats": self.stats,
+            "ls": self.ls,
+            "evict": self.evict,
+        }
+        self.server_stats: Callable[[], dict[str, Any]] = dict
+
+    # ----------------------------------------------------------------- dispatch
+    def operation(self, body: dict[str, Any]) -> str:
+        op = body.get("op")
+        if not isinstance(op, str) or op not in self._ops:
+            raise InvalidArgument(f"unknown operation {op!r}")
+        return op
+
+    def needs_worker(self, op: str, body: dict[str, Any]) -> bool:
+        """Whether the request's cost grows with payload or prompt size (then it leaves the event loop)."""
+        if op in ("capture", "stage", "evict", "ls", "ran"):
+            return True
+        if op in ("lookup", "restore"):
+            tokens = body.get("tokens")
+            return isinstance(tokens, bytes) and len(tokens) > _INLINE_TOKEN_BYTES
+        return False
+
+    def handle(self, session: Session, body: dict[str, Any]) -> Reply:
+        op = self.operation(body)
+        if not session.handshaken and op != "hello":
+            raise InvalidArgument("the first request on a connection must be hello")
+        return self._ops[op](session, body)
+
+    def close_session(self, session: Session) -> None:
+        staging, session.staging = session.staging, None
+        if staging is not None:
+            staging.close()
+            with self._staging_lock:
+                self._staging_bytes -= staging.size
+
+    # ----------------------------------------------------------------- operations
+    def hello(self, session: Session, body: dict[str, Any]) -> Reply:
+        versions = body.get("versions", [PROTOCOL_VERSION])
+        if not isinstance(versions, list) or PROTOCOL_VERSION not in versions:
+            raise VersionMismatch(
+                f"this daemon speaks protocol {PROTOCOL_VERSION}; the client offers {versions}"
+            )
+        session.handshaken = True
+        return Reply(
+            {
+                "version": PROTOCOL_VERSION,
+                "server": f"skippyd/{__version__}",
+                "node": self.config.node_name,
+                "max_frame": self.config.max_frame,
+                "max_entry": self.config.entry_limit,
+                "staging_max": min(self.config.entry_limit, self.config.staging_budget),
+                "align": 4096,
+                "features": ["stage", "capture", "lookup", "restore", "ran", "stats", "ls", "evict"],
+            }
+        )
+
+    def ping(self, session: Session, body: dict[str, Any]) -> Reply:
+        return Reply({"pong": True, "node": self.config.node_name})
+
+    def stage(self, session: Session, body: dict[str, Any]) -> Reply:
+        want = _uint(body, "size")
+        limit = min(self.config.entry_limit, self.config.staging_budget)
+        if want == 0 or want > limit:
+            raise TooLarge(f"staging of {want} bytes: must be between 1 and {limit}")
+        size = (want + PAGE - 1) // PAGE * PAGE
+        old = session.staging
+        with self._staging_lock:
+            freed = old.size if old is not None else 0
+            if self._staging_bytes - freed + size > self.config.staging_budget:
+                raise Busy("the daemon's staging memory is all lent out; retry shortly")
+            self._staging_bytes += size - freed
+        session.staging = None
+        if old is not None:
+            old.close()
+        try:
+            fd = memfd("skippyd-staging", size)
+            try:
+                mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            with self._staging_lock:
+                self._staging_bytes -= size
+            raise
+        session.staging = Staging(mapping, size)
+        return Reply({"size": size}, [fd])
+
+    def capture(self, session: Session, body: dict[str, Any]) -> Reply:
+        identity = _identity(body)
+        tokens = _tokens(body)
+        raw_tensors = body.get("tensors")
+        if not isinstance(raw_tensors, list) or len(raw_tensors) > MAX_TENSORS:
+            raise InvalidArgument("tensors must be a list of [name, dtype, shape]")
+        decls = []
+        for item in raw_tensors:
+            if not isinstance(item, list) or len(item) != 3:
+                raise InvalidArgument("each tensor is [name, dtype, shape]")
+            decls.append(check_decl(item[0], item[1], item[2]))
+        kind = check_kind(body.get("kind", "kv"))
+        meta = body.get("meta")
+        durable = _bool(body, "durable", True)
+        staging = session.staging
+        if staging is None:
+            raise InvalidArgument("no staging buffer on this connection: send stage first")
+        with session.busy:
+            outcome = self.tiers.capture(
+                identity=identity,
+                tokens=tokens,
+                tensors=decls,
+                source=staging.view(staging.size),
+                kind=kind,
+                meta=meta,
+                durable=durable,
+            )
+        return Reply(
+            {
+                "digest": outcome.digest,
+                "token_count": outcome.token_count,
+                "nbytes": outcome.nbytes,
+                "l2": outcome.l2,
+                "l3": outcome.l3,
+            }
+        )
+
+    def lookup(self, session: Session, body: dict[str, Any]) -> Reply:
+        found = self.tiers.lookup(_identity(body), _tokens(body))
+        if found is None:
+            return Reply({"found": False})
+        return Reply(
+            {
+                "found": True,
+                "token_count": found.token_count,
+                "source": found.source,
+                "digest": found.digest,
+                "nbytes": found.nbytes,
+            }
+        )
+
+    def restore(self, session: Session, body: dict[str, Any]) -> Reply:
+        opened = self.tiers.open_restore(_identity(body), _tokens(body))
+        if opened is None:
+            return Reply({"found": False})
+        entry = opened.entry
+        return Reply(
+            {
+                "found": True,
+                "token_count": entry.token_count,
+                "kind": entry.kind,
+                "digest": entry.digest,
+                "meta": dict(entry.meta),
+                "tensors": [spec.to_wire() for spec in entry.tensors],
+                "data_offset": entry.data_offset,
+                "data_len": entry.data_len,
+                "source": opened.source,
+                "timings": opened.timings,
+            },
+            [opened.fd],
+        )
+
+    def ran(self, session: Session, body: dict[str, Any]) -> Reply:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise InvalidArgument("model must be a non-empty string")
+        tokens = _tokens(body)
+        if self.coordinator is None:
+            raise NotConfigured("this daemon runs without Redis, so it keeps no warm-prefix table")
+        self.coordinator.ran(model, tokens)
+        return Reply({})
+
+    def stats(self, session: Session, body: dict[str, Any]) -> Reply:
+        result = self.tiers.stats()
+        result.update(
+            node=self.config.node_name,
+            version=__version__,
+            uptime_s=time.time() - self.started,
+            staging_bytes=self._staging_bytes,
+            server=self.server_stats(),
+        )
+        result["redis"] = self.coordinator.status() if self.coordinator is not None else {"configured": False}
+        return Reply(result)
+
+    def ls(self, session: Session, body: dict[str, Any]) -> Reply:
+        limit = body.get("limit", 0)
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise InvalidArgument("limit must be a non-negative integer")
+        entries = self.tiers.entries()
+        total = len(entries)
+        if limit:
+            entries = entries[:limit]
+        return Reply({"entries": entries, "total": total})
+
+    def evict(self, session: Session, body: dict[str, Any]) -> Reply:
+        if _bool(body, "all", False):
+            return Reply({"removed": self.tiers.evict_all()})
+        digest = body.get("digest")
+        if not is_hex_digest(digest):
+            raise InvalidArgument("evict takes a 64-character hex digest, or all=true")
+        assert isinstance(digest, str)
+        return Reply({"removed": self.tiers.evict_digest(digest)})
+
+
+def _identity(body: dict[str, Any]) -> Identity:
+    model, state, namespace = body.get("model"), body.get("state"), body.get("namespace", "")
+    if not isinstance(model, str) or not isinstance(state, str) or not isinstance(namespace, str):
+        raise InvalidArgument("model, state and namespace must be strings")
+    return identity(model, state, namespace)
+
+
+def _tokens(body: dict[str, Any]) -> bytes:
+    tokens = body.get("tokens")
+    if not isinstance(tokens, bytes):
+        raise InvalidArgument("tokens must be little-endian uint32 bytes (msgpack bin)")
+    if len(tokens) % 4 or len(tokens) > _MAX_TOKENS_BYTES:
+        raise InvalidArgument(f"tokens must be whole uint32 values, at most {_MAX_TOKENS_BYTES // 4}")
+    return tokens
+
+
+def _uint(body: dict[str, Any], name: str) -> int:
+    value = body.get(name)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise InvalidArgument(f"{name} must be a non-negative integer")
+    return value
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be true or false")
+    return value

@@ -1,0 +1,226 @@
+"""The wire protocol: fixed frame headers, msgpack bodies with explicit limits, fd passing.
+
+Everything a client in another language needs is in docs/protocol.md; this module is its reference
+implementation and knows nothing about tiers or handlers.
+
+Frame (little-endian)::
+
+    0   4  magic        b"SKPD"
+    4   1  version      PROTOCOL_VERSION
+    5   1  type         1 request, 2 reply, 3 error
+    6   1  flags        reserved, 0
+    7   1  nfds         file descriptors sent with this frame (SCM_RIGHTS, on its first byte)
+    8   4  length       body length in bytes, at most the negotiated max frame
+    12  4  reserved     0
+    16  8  request_id   chosen by the client, echoed in the reply
+    24  …  body         msgpack map
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from .errors import BadFrame, FrameTooLarge, VersionMismatch
+
+__all__ = [
+    "DEFAULT_MAX_FRAME",
+    "HEADER",
+    "MAGIC",
+    "MAX_FDS",
+    "PROTOCOL_VERSION",
+    "Frame",
+    "FrameDecoder",
+    "FrameType",
+    "decode_body",
+    "encode_body",
+    "encode_frame",
+    "recv_fds_into",
+    "send_frame",
+]
+
+MAGIC = b"SKPD"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sBBBBII Q")
+HEADER_SIZE = HEADER.size
+assert HEADER_SIZE == 24
+DEFAULT_MAX_FRAME = 16 << 20
+MAX_FDS = 8
+
+
+class FrameType:
+    REQUEST = 1
+    REPLY = 2
+    ERROR = 3
+
+
+_TYPES = (FrameType.REQUEST, FrameType.REPLY, FrameType.ERROR)
+
+
+@dataclass(slots=True)
+class Frame:
+    type: int
+    request_id: int
+    body: dict[str, Any]
+    fds: list[int] = field(default_factory=list)
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    packed: bytes = msgpack.packb(body, use_bin_type=True)
+    return packed
+
+
+def decode_body(raw: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
+    """Unpacks a msgpack map with every container and string bounded by the frame size."""
+    try:
+        body = msgpack.unpackb(
+            raw,
+            raw=False,
+            use_list=True,
+            strict_map_key=True,
+            max_bin_len=max_frame,
+            max_str_len=min(max_frame, 1 << 20),
+            max_array_len=1 << 16,
+            max_map_len=1 << 12,
+            max_ext_len=0,
+        )
+    except Exception as exc:  # msgpack raises ValueError/TypeError subclasses and a few of its own
+        raise BadFrame(f"body is not valid msgpack: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadFrame(f"body must be a map, not {type(body).__name__}")
+    return body
+
+
+def encode_frame(frame_type: int, request_id: int, body: dict[str, Any], nfds: int = 0) -> bytes:
+    payload = encode_body(body)
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, frame_type, 0, nfds, len(payload), 0, request_id) + payload
+
+
+@dataclass(slots=True)
+class _Pending:
+    type: int
+    request_id: int
+    length: int
+    nfds: int
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes (and any received fds), take whole frames out.
+
+    The declared length is checked against ``max_frame`` as soon as the 24-byte header is in, before any
+    of the body is buffered, so a peer can never make this side hold more than one maximal frame.
+    """
+
+    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, *, expect: tuple[int, ...] = _TYPES) -> None:
+        self.max_frame = max_frame
+        self._expect = expect
+        self._buffer = bytearray()
+        self._fds: list[int] = []
+        self._pending: _Pending | None = None
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buffer)
+
+    @property
+    def mid_frame(self) -> bool:
+        return bool(self._buffer) or self._pending is not None
+
+    def feed(self, data: bytes | memoryview, fds: list[int] | None = None) -> None:
+        self._buffer += data
+        if fds:
+            self._fds.extend(fds)
+
+    def take_fds(self) -> list[int]:
+        fds, self._fds = self._fds, []
+        return fds
+
+    def next_frame(self) -> Frame | None:
+        """The next whole frame, or None when more bytes are needed. Raises on malformed input."""
+        if self._pending is None:
+            if len(self._buffer) < HEADER_SIZE:
+                return None
+            magic, version, ftype, _flags, nfds, length, _reserved, request_id = HEADER.unpack_from(
+                self._buffer
+            )
+            if magic != MAGIC:
+                raise BadFrame("bad magic: not a skippyd frame")
+            if version != PROTOCOL_VERSION:
+                raise VersionMismatch(f"frame version {version}; this side speaks {PROTOCOL_VERSION}")
+            if ftype not in self._expect:
+                raise BadFrame(f"unexpected frame type {ftype}")
+            if length > self.max_frame:
+                raise FrameTooLarge(f"frame body of {length} bytes exceeds the limit of {self.max_frame}")
+            if nfds > MAX_FDS:
+                raise BadFrame(f"frame announces {nfds} descriptors; at most {MAX_FDS}")
+            del self._buffer[:HEADER_SIZE]
+            self._pending = _Pending(ftype, request_id, length, nfds)
+        pending = self._pending
+        if len(self._buffer) < pending.length:
+            return None
+        raw = bytes(self._buffer[: pending.length])
+        del self._buffer[: pending.length]
+        self._pending = None
+        if len(self._fds) < pending.nfds:
+            for fd in self._fds:
+                _close_quietly(fd)
+            self._fds = []
+            raise BadFrame(f"frame announced {pending.nfds} descriptors but fewer arrived")
+        fds, self._fds = self._fds[: pending.nfds], self._fds[pending.nfds :]
+        try:
+            body = decode_body(raw, self.max_frame)
+        except BadFrame:
+            for fd in fds:
+                _close_quietly(fd)
+            raise
+        return Frame(pending.type, pending.request_id, body, fds)
+
+    def close(self) -> None:
+        for fd in self._fds:
+            _close_quietly(fd)
+        self._fds = []
+        self._buffer.clear()
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def send_frame(sock: socket.socket, data: bytes, fds: list[int] | None = None) -> int:
+    """Sends ``data`` with ``fds`` attached to its first byte; returns the bytes the kernel took."""
+    if fds:
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        return sock.sendmsg([data], ancillary)
+    return sock.send(data)
+
+
+_FD_SPACE = socket.CMSG_SPACE(MAX_FDS * 4)
+_MSG_CTRUNC = int(socket.MSG_CTRUNC)
+_MSG_CMSG_CLOEXEC = int(socket.MSG_CMSG_CLOEXEC)
+_SOL_SOCKET = int(socket.SOL_SOCKET)
+_SCM_RIGHTS = int(socket.SCM_RIGHTS)
+
+
+def recv_fds_into(sock: socket.socket, size: int = 256 * 1024) -> tuple[bytes, list[int]]:
+    """One ``recvmsg``: the bytes and any descriptors that arrived with them (closed-on-exec)."""
+    data, ancillary, flags, _addr = sock.recvmsg(size, _FD_SPACE, _MSG_CMSG_CLOEXEC)
+    if not ancillary:
+        return data, []
+    fds: list[int] = []
+    for level, kind, payload in ancillary:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds.extend(array.array("i", payload[:usable]))
+    if flags & _MSG_CTRUNC:
+        for fd in fds:
+            _close_quietly(fd)
+        raise BadFrame("descriptors were truncated in transit")
+    return data, fds

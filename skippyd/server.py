@@ -1,0 +1,597 @@
+"""The daemon's event loop: the listening socket, connections, signals and systemd notification.
+
+One asyncio loop drives non-blocking sockets directly (``add_reader``/``add_writer``, ``recv`` and
+``sendmsg``) so replies can carry file descriptors, which asyncio's transports cannot. Requests of one
+connection run in order; operations whose cost grows with payload or prompt size run on worker
+threads, everything else inline. Per connection, at most one frame is buffered on input and a bounded
+amount of replies on output: a client that stops reading only stops its own requests.
+
+Lifecycle (``uvicorn``-style): :class:`Server` is built from a :class:`~skippyd.config.Config` and the
+handlers; :meth:`Server.serve` publishes the socket atomically (bind a temporary name, chmod 0660,
+rename into place), tells systemd ``READY=1``, and runs until SIGTERM/SIGINT. The first signal stops
+accepting, lets in-flight requests finish within ``shutdown_timeout`` and exits; a second one forces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import fcntl
+import grp
+import logging
+import os
+import secrets
+import signal
+import socket
+import stat
+import struct
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .errors import PermissionDenied, ShuttingDown, SkippydError, StoreLocked, VersionMismatch
+from .handlers import Handlers, Reply, Session
+from .protocol import Frame, FrameDecoder, FrameType, encode_frame, send_frame
+
+__all__ = ["Server", "notify", "publish_socket"]
+
+log = logging.getLogger("skippyd.server")
+
+_RECV_SIZE = 256 * 1024
+_MAX_OUT_BYTES = 8 << 20
+_MAX_QUEUED_FRAMES = 64
+_PARTIAL_FRAME_TIMEOUT = 30.0
+_MAX_CONNECTIONS = 4096
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
+
+
+def notify(state: str) -> bool:
+    """Sends ``state`` to systemd's ``$NOTIFY_SOCKET`` (READY=1, STOPPING=1, WATCHDOG=1…)."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.sendto(state.encode(), address)
+    except OSError as exc:
+        log.warning("could not notify systemd (%s): %s", state.split("=", maxsplit=1)[0], exc)
+        return False
+    return True
+
+
+@dataclass
+class PublishedSocket:
+    sock: socket.socket
+    path: Path
+    inode: int
+    lock_fd: int
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(OSError):
+            if os.lstat(self.path).st_ino == self.inode:
+                os.unlink(self.path)
+        with contextlib.suppress(OSError):
+            os.close(self.lock_fd)
+
+
+def publish_socket(path: Path, *, group: str = "", backlog: int = 512) -> PublishedSocket:
+    """Binds, chmods 0660 and renames the listening socket into place; refuses if a live daemon answers."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = path.with_name(path.name + ".lock")
+    lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(lock_fd)
+        raise StoreLocked(f"another skippyd is starting or serving on {path}") from None
+    try:
+        _check_existing(path)
+        temp = path.with_name(f".{path.name}.{secrets.token_hex(6)}")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(os.fspath(temp))
+            os.chmod(temp, 0o660)
+            if group:
+                os.chown(temp, -1, grp.getgrnam(group).gr_gid)
+            sock.listen(backlog)
+            sock.setblocking(False)
+            os.rename(temp, path)
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+        return PublishedSocket(sock, path, os.lstat(path).st_ino, lock_fd)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+
+
+def _check_existing(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StoreLocked(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(os.fspath(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("replacing the stale socket %s", path)
+        return
+    except OSError as exc:
+        if exc.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return
+        raise
+    finally:
+        probe.close()
+    raise StoreLocked(f"a live daemon answers on {path}; refusing to start a second one")
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int, tuple[int, ...]]:
+    """(pid, uid, gid, supplementary gids) of the process at the other end."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    groups: tuple[int, ...] = ()
+    with contextlib.suppress(OSError):
+        blob = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 4 * 256)
+        groups = struct.unpack(f"{len(blob) // 4}I", blob[: len(blob) // 4 * 4])
+    return pid, uid, gid, groups
+
+
+class PeerPolicy:
+    """Who may talk to the daemon: by default its own user, root, and members of the socket's group."""
+
+    def __init__(self, config: Config, socket_gid: int) -> None:
+        self.uids = set(config.allowed_uids)
+        self.gids = set(config.allowed_gids)
+        self.default = not self.uids and not self.gids
+        self.own_uid = os.geteuid()
+        self.socket_gid = socket_gid
+
+    def allows(self, uid: int, gid: int, groups: tuple[int, ...]) -> bool:
+        if uid in (0, self.own_uid):
+            return True
+        peer_groups = {gid, *groups}
+        if self.default:
+            return self.socket_gid in peer_groups
+        return uid in self.uids or bool(self.gids & peer_groups)
+
+
+class Connection:
+    def __init__(self, server: Server, sock: socket.socket, session: Session) -> None:
+        self.server = server
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.session = session
+        self.decoder = FrameDecoder(server.config.max_frame, expect=(FrameType.REQUEST,))
+        self.queue: deque[Frame] = deque()
+        self.running = False
+        self.out: deque[tuple[memoryview, list[int]]] = deque()
+        self.out_bytes = 0
+        self.reading = False
+        self.writing = False
+        self.closed = False
+        self.close_after_flush = False
+        self.last_activity = time.monotonic()
+        self.frame_started = 0.0
+
+    # ------------------------------------------------------------- reading
+    def start(self) -> None:
+        self._resume_reading()
+
+    def _resume_reading(self) -> None:
+        if not self.reading and not self.closed and not self.close_after_flush and not self.server.stopping:
+            self.server.loop.add_reader(self.fd, self.on_readable)
+            self.reading = True
+
+    def _pause_reading(self) -> None:
+        if self.reading:
+            self.server.loop.remove_reader(self.fd)
+            self.reading = False
+
+    def on_readable(self) -> None:
+        try:
+            data = self.sock.recv(_RECV_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close()
+            return
+        if not data:
+            self.close()
+            return
+        now = time.monotonic()
+        self.last_activity = now
+        if not self.decoder.mid_frame:
+            self.frame_started = now
+        self.decoder.feed(data)
+        while True:
+            try:
+                frame = self.decoder.next_frame()
+            except SkippydError as exc:
+                self._protocol_error(exc)
+                return
+            if frame is None:
+                break
+            if self.decoder.mid_frame:
+                self.frame_started = now
+            self.queue.append(frame)
+        if len(self.queue) >= _MAX_QUEUED_FRAMES or self.out_bytes > _MAX_OUT_BYTES:
+            self._pause_reading()
+        self._run_next()
+
+    def _protocol_error(self, exc: SkippydError) -> None:
+        log.info("closing connection %d: %s", self.session.id, exc)
+        self.server.stats["protocol_errors"] += 1
+        self._pause_reading()
+        self.queue.clear()
+        self._send(encode_frame(FrameType.ERROR, 0, exc.to_wire()), [])
+        self.close_after_flush = True
+        self._maybe_close()
+
+    # ------------------------------------------------------------- running requests
+    def _run_next(self) -> None:
+        while not self.running and self.queue and not self.closed:
+            frame = self.queue.popleft()
+            request_id, body = frame.request_id, frame.body
+            try:
+                if self.server.stopping:
+                    raise ShuttingDown("the daemon is shutting down")
+                op = self.server.handlers.operation(body)
+                pooled = self.server.handlers.needs_worker(op, body)
+            except SkippydError as exc:
+                self._reply_error(request_id, exc)
+                continue
+            self.server.count(op)
+            if pooled:
+                self.running = True
+                self.server.inflight += 1
+                future = self.server.pool.submit(self.server.handlers.handle, self.session, body)
+                future.add_done_callback(self._done_callback(request_id))
+            else:
+                try:
+                    reply = self.server.handlers.handle(self.session, body)
+                except SkippydError as exc:
+                    self._reply_error(request_id, exc)
+                except Exception as exc:
+                    log.exception("operation %s failed", op)
+                    self._reply_error(request_id, SkippydError(f"internal error: {type(exc).__name__}"))
+                else:
+                    self._reply(request_id, reply)
+        if not self.running and not self.queue:
+            self._resume_reading_if_room()
+
+    def _done_callback(self, request_id: int) -> Callable[[Future[Reply]], None]:
+        def done(future: Future[Reply]) -> None:
+            self.server.loop.call_soon_threadsafe(self._finished, request_id, future)
+
+        return done
+
+    def _finished(self, request_id: int, future: Future[Reply]) -> None:
+        self.running = False
+        self.server.inflight -= 1
+        try:
+            reply = future.result()
+        except SkippydError as exc:
+            self._reply_error(request_id, exc)
+        except Exception as exc:
+            log.exception("a request failed")
+            self._reply_error(request_id, SkippydError(f"internal error: {type(exc).__name__}"))
+        else:
+            if self.closed:
+                _close_fds(reply.fds)
+            else:
+                self._reply(request_id, reply)
+        if self.closed:
+            self.server.handlers.close_session(self.session)
+        self.server.maybe_stopped()
+        self._run_next()
+
+    def _resume_reading_if_room(self) -> None:
+        if len(self.queue) < _MAX_QUEUED_FRAMES and self.out_bytes <= _MAX_OUT_BYTES:
+            self._resume_reading()
+
+    def _reply(self, request_id: int, reply: Reply) -> None:
+        try:
+            data = encode_frame(FrameType.REPLY, request_id, reply.body, len(reply.fds))
+        except Exception as exc:
+            _close_fds(reply.fds)
+            log.exception("could not encode a reply")
+            self._reply_error(request_id, SkippydError(f"internal error: {type(exc).__name__}"))
+            return
+        self._send(data, reply.fds)
+
+    def _reply_error(self, request_id: int, exc: SkippydError) -> None:
+        self.server.stats["errors"] += 1
+        if isinstance(exc, VersionMismatch | PermissionDenied):
+            self.close_after_flush = True
+        self._send(encode_frame(FrameType.ERROR, request_id, exc.to_wire()), [])
+
+    # ------------------------------------------------------------- writing
+    def _send(self, data: bytes, fds: list[int]) -> None:
+        if self.closed:
+            _close_fds(fds)
+            return
+        self.out.append((memoryview(data), fds))
+        self.out_bytes += len(data)
+        self._flush()
+
+    def _flush(self) -> None:
+        while self.out and not self.closed:
+            view, fds = self.out[0]
+            try:
+                sent = send_frame(self.sock, view, fds)  # type: ignore[arg-type]
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                self.close()
+                return
+            if sent == 0:
+                break
+            if fds:
+                _close_fds(fds)  # the kernel holds them now, attached to the first byte sent
+            self.out_bytes -= sent
+            if sent == len(view):
+                self.out.popleft()
+            else:
+                self.out[0] = (view[sent:], [])
+                break
+        if self.out and not self.writing and not self.closed:
+            self.server.loop.add_writer(self.fd, self._flush)
+            self.writing = True
+        elif not self.out and self.writing:
+            self.server.loop.remove_writer(self.fd)
+            self.writing = False
+        self._maybe_close()
+        if not self.out:
+            self._resume_reading_if_room()
+
+    def _maybe_close(self) -> None:
+        if self.close_after_flush and not self.out and not self.running:
+            self.close()
+
+    # ------------------------------------------------------------- closing
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.queue and not self.out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._pause_reading()
+        if self.writing:
+            self.server.loop.remove_writer(self.fd)
+            self.writing = False
+        for _view, fds in self.out:
+            _close_fds(fds)
+        self.out.clear()
+        self.queue.clear()
+        self.decoder.close()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.server.forget(self)
+        if not self.running:
+            self.server.handlers.close_session(self.session)
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class Server:
+    """Serves :class:`Handlers` on the configured Unix socket until told to stop."""
+
+    def __init__(self, config: Config, handlers: Handlers) -> None:
+        self.config = config
+        self.handlers = handlers
+        self.pool = ThreadPoolExecutor(max_workers=config.worker_threads, thread_name_prefix="skippyd-worker")
+        self.connections: dict[int, Connection] = {}
+        self.inflight = 0
+        self.stopping = False
+        self.stats: dict[str, int] = {"accepted": 0, "refused": 0, "errors": 0, "protocol_errors": 0}
+        self.ops: dict[str, int] = {}
+        self._next_session = 0
+        self._stopped: asyncio.Event | None = None
+        self._signals = 0
+        self._published: PublishedSocket | None = None
+        self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
+        self.periodic: list[Callable[[], None]] = []
+        handlers.server_stats = self.snapshot
+
+    def count(self, op: str) -> None:
+        self.ops[op] = self.ops.get(op, 0) + 1
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            **self.stats,
+            "connections": len(self.connections),
+            "inflight": self.inflight,
+            "ops": dict(self.ops),
+        }
+
+    # ------------------------------------------------------------- lifecycle
+    async def serve(
+        self, *, install_signals: bool = True, on_ready: Callable[[], None] | None = None
+    ) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stopped = asyncio.Event()
+        published = publish_socket(Path(self.config.socket), group=self.config.socket_group)
+        self._published = published
+        socket_gid = os.stat(published.path).st_gid
+        self.policy = PeerPolicy(self.config, socket_gid)
+        if install_signals:
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self.loop.add_signal_handler(signum, self._on_signal, signum)
+        self.loop.add_reader(published.sock.fileno(), self._accept)
+        tasks = [asyncio.create_task(self._housekeeping())]
+        watchdog = _watchdog_interval()
+        if watchdog:
+            tasks.append(asyncio.create_task(self._watchdog(watchdog)))
+        log.info("serving on %s (node %s)", published.path, self.config.node_name)
+        notify(f"READY=1\nSTATUS=serving on {published.path}\nMAINPID={os.getpid()}")
+        if on_ready is not None:
+            on_ready()
+        try:
+            await self._stopped.wait()
+            await self._drain()
+        finally:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if install_signals:
+                for signum in (signal.SIGTERM, signal.SIGINT):
+                    self.loop.remove_signal_handler(signum)
+            for conn in list(self.connections.values()):
+                conn.close()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            published.close()
+            log.info("stopped")
+
+    def request_stop(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        notify("STOPPING=1")
+        log.info("stopping: no new connections; finishing %d in-flight request(s)", self.inflight)
+        if self._published is not None:
+            with contextlib.suppress(ValueError, OSError):
+                self.loop.remove_reader(self._published.sock.fileno())
+            self._published.close()
+        for conn in list(self.connections.values()):
+            conn._pause_reading()
+            if conn.idle:
+                conn.close()
+        if self._stopped is not None:
+            self._stopped.set()
+
+    def _on_signal(self, signum: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second %s: exiting now", signal.Signals(signum).name)
+            with contextlib.suppress(Exception):
+                self.handlers.tiers.l2.flush_recency()
+            os._exit(128 + signum)
+        self.request_stop()
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.config.shutdown_timeout
+        while time.monotonic() < deadline:
+            busy = [c for c in self.connections.values() if not c.idle]
+            if not busy:
+                return
+            await asyncio.sleep(0.02)
+        log.warning(
+            "shutdown timeout: abandoning %d busy connection(s)",
+            sum(not c.idle for c in self.connections.values()),
+        )
+
+    def maybe_stopped(self) -> None:
+        if self.stopping:
+            for conn in list(self.connections.values()):
+                if conn.idle:
+                    conn.close()
+
+    # ------------------------------------------------------------- connections
+    def _accept(self) -> None:
+        assert self._published is not None
+        for _ in range(64):
+            try:
+                sock, _addr = self._published.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            self._next_session += 1
+            session = Session(self._next_session)
+            try:
+                session.pid, session.uid, session.gid, groups = peer_credentials(sock)
+            except OSError:
+                sock.close()
+                continue
+            conn = Connection(self, sock, session)
+            if len(self.connections) >= _MAX_CONNECTIONS:
+                self.stats["refused"] += 1
+                conn._send(
+                    encode_frame(FrameType.ERROR, 0, {"code": "busy", "message": "too many connections"}), []
+                )
+                conn.close()
+                continue
+            if not self.policy.allows(session.uid, session.gid, groups):
+                self.stats["refused"] += 1
+                log.warning(
+                    "refused a connection from pid %d uid %d gid %d", session.pid, session.uid, session.gid
+                )
+                error = PermissionDenied(f"uid {session.uid} is not allowed to use this daemon")
+                self.connections[conn.fd] = conn
+                conn.close_after_flush = True
+                conn._send(encode_frame(FrameType.ERROR, 0, error.to_wire()), [])
+                continue
+            self.stats["accepted"] += 1
+            self.connections[conn.fd] = conn
+            log.debug("connection %d from pid %d uid %d", session.id, session.pid, session.uid)
+            conn.start()
+
+    def forget(self, conn: Connection) -> None:
+        if self.connections.get(conn.fd) is conn:
+            del self.connections[conn.fd]
+
+    # ------------------------------------------------------------- periodic work
+    async def _housekeeping(self) -> None:
+        last_flush = time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for conn in list(self.connections.values()):
+                if conn.decoder.mid_frame and now - conn.frame_started > _PARTIAL_FRAME_TIMEOUT:
+                    log.info("closing connection %d: a frame stalled mid-way", conn.session.id)
+                    conn.close()
+                elif (
+                    self.config.idle_timeout
+                    and conn.idle
+                    and now - conn.last_activity > self.config.idle_timeout
+                ):
+                    conn.close()
+            if now - last_flush >= 5.0:
+                last_flush = now
+                await self.loop.run_in_executor(self.pool, self.handlers.tiers.housekeeping)
+            for job in self.periodic:
+                try:
+                    job()
+                except Exception:
+                    log.exception("periodic job failed")
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+
+def _watchdog_interval() -> float:
+    usec = os.environ.get("WATCHDOG_USEC")
+    pid = os.environ.get("WATCHDOG_PID")
+    if not usec or (pid and pid != str(os.getpid())):
+        return 0.0
+    try:
+        return max(0.05, int(usec) / 1e6 / 2)
+    except ValueError:
+        return 0.0

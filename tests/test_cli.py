@@ -1,0 +1,123 @@
+"""The command line: status/stats/ls/evict against a real daemon, serve's start-up errors, config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from daemonutil import DaemonProcess
+
+from skippyd.cli import main
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_status_check_exits_zero_only_when_the_daemon_answers(daemon: DaemonProcess, tmp_short: Path) -> None:
+    assert run("status", "--check", "--socket", str(daemon.socket)) == (0, "", "")
+    code, out, _ = run("status", "--check", "--socket", str(tmp_short / "nothing.sock"))
+    assert code == 1 and out == ""
+
+
+def test_status_json_is_one_document(daemon: DaemonProcess) -> None:
+    code, out, _ = run("status", "--json", "--socket", str(daemon.socket))
+    doc = json.loads(out)
+    assert code == 0 and doc["up"] is True and doc["node"] == "test-node"
+    assert doc["l2"]["budget_bytes"] == 256 << 20
+
+
+def test_status_reads_the_socket_from_the_environment_and_the_config_file(
+    daemon: DaemonProcess, tmp_short: Path
+) -> None:
+    assert run("status", "--check", env={"SKIPPYD_SOCKET": str(daemon.socket)})[0] == 0
+    config = tmp_short / "skippyd.toml"
+    config.write_text(f'socket = "{daemon.socket}"\n')
+    assert run("status", "--check", "--config", str(config), env={"SKIPPYD_SOCKET": ""})[0] == 0
+    bogus = str(tmp_short / "nope.sock")
+    assert run("status", "--check", "--config", str(config), env={"SKIPPYD_SOCKET": bogus})[0] == 1, (
+        "the environment wins over the file"
+    )
+
+
+def test_ls_stats_and_evict_show_and_remove_entries(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        first = client.capture(model="m", state="s", tokens=[1, 2, 3], tensors={"x": torch.ones(1000)})
+        client.capture(model="m", state="s", tokens=[4, 5], tensors={"x": torch.zeros(10)})
+    sock = str(daemon.socket)
+    code, out, _ = run("ls", "--socket", sock)
+    assert code == 0 and first.digest[:16] in out and "3.9 KiB" in out
+    code, out, _ = run("ls", "--json", "--socket", sock)
+    entries = json.loads(out)
+    assert {e["digest"] for e in entries} >= {first.digest} and len(entries) == 2
+    code, out, _ = run("stats", "--json", "--socket", sock)
+    assert json.loads(out)["l2"]["entries"] == 2
+    code, out, _ = run("stats", "--socket", sock)
+    assert "[l2]" in out and "entries" in out
+    assert run("evict", "--digest", first.digest, "--socket", sock)[1].strip() == "removed 1 entry"
+    assert run("evict", "--all", "--socket", sock)[1].strip() == "removed 1 entry"
+    code, _, err = run("evict", "--socket", sock)
+    assert code == 2 and "exactly one" in err
+
+
+def test_commands_fail_with_one_line_on_stderr_when_the_daemon_is_down(tmp_short: Path) -> None:
+    code, out, err = run("stats", "--socket", str(tmp_short / "down.sock"))
+    assert code == 1 and out == ""
+    assert err.startswith("skippyd: error:") and "cannot reach skippyd" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def _serve(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "skippyd", "serve", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_serve_without_redis_server_says_how_to_install_it_in_one_line(tmp_short: Path) -> None:
+    bare = tmp_short / "bin"
+    bare.mkdir()
+    env = {**os.environ, "PATH": str(bare)}
+    done = _serve(["--state-dir", str(tmp_short / "s"), "--socket", str(tmp_short / "x.sock")], env)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert "apt-get install redis-server" in lines[0] and "--redis-url" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--l2-budget", "lots"], "l2_budget"),
+        (["--node", "bad name!"], "node"),
+        (["--shutdown-timeout", "soon"], "shutdown_timeout"),
+        (["--redis-url", "http://x"], "redis_url"),
+    ],
+)
+def test_serve_rejects_bad_values_naming_the_key(tmp_short: Path, args: list[str], names: str) -> None:
+    done = _serve(
+        ["--state-dir", str(tmp_short / "s"), "--socket", str(tmp_short / "x.sock"), *args], dict(os.environ)
+    )
+    assert done.returncode == 2
+    assert names in done.stderr and "skippyd: error:" in done.stderr
+
+
+def test_help_lists_every_contract_command() -> None:
+    _, out, _ = run("--help")
+    for command in ("serve", "status", "stats", "ls", "evict"):
+        assert command in out
+    _, out, _ = run("serve", "--help")
+    for flag in ("--socket", "--state-dir", "--shm-dir", "--l2-budget", "--l3-dir", "--l3-budget",
+                 "--redis-url", "--node", "--config"):  # fmt: skip
+        assert flag in out

@@ -1,0 +1,85 @@
+"""Configuration: one precedence (flags > env > TOML > defaults), units, and errors naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skippyd.config import load_config, parse_duration, parse_size
+from skippyd.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("512MiB", 512 << 20), ("8GiB", 8 << 30), ("1.5GB", 1_500_000_000), ("4096", 4096), (123, 123),
+     ("2 k", 2048), ("1TiB", 1 << 40), ("10mb", 10_000_000)],
+)  # fmt: skip
+def test_sizes_take_bytes_or_units(text: object, value: int) -> None:
+    assert parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["lots", "-1", "1.5 parsecs", "", True])
+def test_bad_sizes_are_rejected(text: object) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("500ms", 0.5), ("30s", 30.0), ("10m", 600.0), ("2h", 7200.0), ("1.5", 1.5), (3, 3.0)]
+)
+def test_durations_take_units(text: object, value: float) -> None:
+    assert parse_duration(text) == value
+
+
+def test_flags_beat_environment_beat_file_beat_defaults(tmp_path: Path) -> None:
+    config = tmp_path / "skippyd.toml"
+    config.write_text('l2_budget = "1GiB"\nnode = "from-file"\nl3_budget = 12345\nlog_level = "debug"\n')
+    env = {"SKIPPYD_NODE": "from-env", "SKIPPYD_L3_BUDGET": "2GiB"}
+    loaded = load_config({"l3_budget": "3GiB", "node": None}, env=env, config_file=config)
+    cfg, sources = loaded.config, loaded.sources
+    assert cfg.l3_budget == 3 << 30 and sources["l3_budget"] == "flag"
+    assert cfg.node == "from-env" and sources["node"] == "env SKIPPYD_NODE"
+    assert cfg.l2_budget == 1 << 30 and sources["l2_budget"] == f"file {config}"
+    assert cfg.log_level == "debug"
+    assert cfg.redis_timeout == 0.25 and sources["redis_timeout"] == "default"
+
+
+def test_the_config_file_can_come_from_the_environment(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('[skippyd]\nl2_budget = "64MiB"\n')
+    loaded = load_config({}, env={"SKIPPYD_CONFIG": str(config)})
+    assert loaded.config.l2_budget == 64 << 20 and loaded.config_file == config
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "toml", "needle"),
+    [
+        ({"l2_budget": "huge"}, {}, "", "l2_budget (from flag)"),
+        ({}, {"SKIPPYD_HEARTBEAT": "often"}, "", "heartbeat (from env SKIPPYD_HEARTBEAT)"),
+        ({}, {}, "workers = -3\n", "workers (from file"),
+        ({}, {}, "l2_budgett = 5\n", "unknown key(s) l2_budgett"),
+        ({}, {}, "l2_budget = [\n", "not valid TOML"),
+        ({"log_format": "xml"}, {}, "", "log_format"),
+        ({"socket": "/tmp/" + "x" * 120}, {}, "", "socket"),
+        ({"heartbeat": "10s", "node_ttl": "5s"}, {}, "", "node_ttl"),
+    ],
+)
+def test_bad_values_fail_naming_the_key_and_where_it_came_from(
+    tmp_path: Path, flags: dict[str, str], env: dict[str, str], toml: str, needle: str
+) -> None:
+    path = None
+    if toml:
+        path = tmp_path / "c.toml"
+        path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(flags, env=env, config_file=path)
+    assert needle in str(info.value)
+
+
+def test_derived_paths_follow_the_node_and_state_dir() -> None:
+    cfg = load_config({"node": "gpu-7", "state_dir": "/srv/sk"}, env={}).config
+    assert str(cfg.shm_path) == "/dev/shm/skippyd-gpu-7"
+    assert str(cfg.l3_path) == "/srv/sk/l3"
+    assert load_config({"l3_dir": "off"}, env={}).config.l3_path is None
+    assert cfg.scope == "node:gpu-7"

@@ -1,0 +1,524 @@
+"""``skippyd serve`` as a real process: capture/restore over the socket, restarts, signals, bad clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import stat
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from daemonutil import DaemonProcess
+
+import skippyd
+from skippyd.errors import InvalidArgument, PermissionDenied, StoreLocked, Timeout, TooLarge
+from skippyd.protocol import (
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    FrameType,
+    encode_frame,
+    recv_fds_into,
+)
+
+MODEL, STATE = "test-model@sha256:0", "kv-v1"
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def odd_tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+
+    def bits(n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.randint(0, 256, (n * torch.empty(0, dtype=dtype).element_size(),), generator=g,
+                             dtype=torch.uint8).view(dtype)  # fmt: skip
+
+    base = torch.randn(6, 10, 4, generator=g)
+    tensors: dict[str, torch.Tensor] = {
+        "f32": torch.randn(3, 5, generator=g),
+        "f16": torch.randn(7, generator=g).half(),
+        "f64": torch.randn(2, 2, generator=g, dtype=torch.float64),
+        "bf16_bits": bits(33, torch.bfloat16),  # every bit pattern, NaN payloads included
+        "f32_bits": bits(17, torch.float32),
+        "e4m3": bits(19, torch.float8_e4m3fn),
+        "e5m2": bits(23, torch.float8_e5m2),
+        "i8": torch.randint(-128, 127, (9,), dtype=torch.int8, generator=g),
+        "i16": torch.randint(-(2**15), 2**15 - 1, (9,), dtype=torch.int16, generator=g),
+        "i32": torch.randint(-(2**31), 2**31 - 1, (9,), dtype=torch.int32, generator=g),
+        "i64": torch.tensor([-(2**63), 2**63 - 1, 0, -1]),
+        "u8": torch.randint(0, 255, (5, 3), dtype=torch.uint8, generator=g),
+        "bool": torch.rand(13, generator=g) > 0.5,
+        "scalar": torch.tensor(3.25),
+        "empty": torch.empty(0, 7),
+        "transposed": base[:, :, 0].t(),
+        "channels_last": torch.randn(2, 3, 4, 5, generator=g).to(memory_format=torch.channels_last),
+        "offset_view": base.view(-1)[17:57].view(5, 8),
+        "strided": base[::2, 1::3, :],
+        "neg_zero": torch.tensor([-0.0, 0.0, float("inf"), float("-inf"), float("nan")]),
+    }
+    return tensors
+
+
+def test_capture_and_restore_are_bit_exact_for_every_contract_dtype_and_odd_shape(
+    daemon: DaemonProcess,
+) -> None:
+    tensors = odd_tensors()
+    tokens = list(range(100, 400))
+    with daemon.client() as client:
+        result = client.capture(
+            model=MODEL, state=STATE, tokens=tokens, tensors=tensors, kind="kv", meta={"x": 1}
+        )
+        assert result.l2 and result.token_count == 300
+        assert result.nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+        restored = client.restore(model=MODEL, state=STATE, tokens=[*tokens, 1, 2, 3])
+    assert restored is not None
+    assert restored.token_count == 300 and restored.kind == "kv" and restored.meta == {"x": 1}
+    assert restored.digest == result.digest and restored.source == "l2"
+    assert list(restored.tensors) == list(tensors)
+    for name, original in tensors.items():
+        got = restored.tensors[name]
+        assert got.dtype == original.dtype, name
+        assert got.shape == original.shape, name
+        assert raw_bytes(got) == raw_bytes(original), name
+
+
+def test_a_cpu_restore_is_a_view_of_shared_memory_and_writing_to_it_never_changes_the_entry(
+    daemon: DaemonProcess,
+) -> None:
+    tensors = {"k": torch.arange(4096, dtype=torch.float32), "v": torch.ones(100, dtype=torch.int64)}
+    with daemon.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[1, 2, 3], tensors=tensors)
+        first = client.restore(model=MODEL, state=STATE, tokens=[1, 2, 3])
+        assert first is not None
+        storage = {t.untyped_storage().data_ptr() for t in first.tensors.values()}
+        assert len(storage) == 1, "both tensors view one mapping: nothing was copied per tensor"
+        first.tensors["k"].fill_(-1)
+        first.tensors["v"][0] = 99
+        second = client.restore(model=MODEL, state=STATE, tokens=[1, 2, 3])
+        assert second is not None
+        assert torch.equal(second.tensors["k"], tensors["k"])
+        assert torch.equal(second.tensors["v"], tensors["v"])
+
+
+def test_lookup_reports_the_longest_prefix_and_misses_other_identities(daemon: DaemonProcess) -> None:
+    prompt = list(range(1000))
+    with daemon.client() as client:
+        for n in (128, 512):
+            client.capture(model=MODEL, state=STATE, tokens=prompt[:n], tensors={"x": torch.full((n,), n)})
+        hit = client.lookup(model=MODEL, state=STATE, tokens=prompt)
+        assert hit is not None and hit.token_count == 512 and hit.source == "l2"
+        assert client.lookup(model=MODEL, state=STATE, namespace="other", tokens=prompt) is None
+        assert client.lookup(model="other", state=STATE, tokens=prompt) is None
+        assert client.lookup(model=MODEL, state="kv-v2", tokens=prompt) is None
+        partial = client.restore(model=MODEL, state=STATE, tokens=[*prompt[:300], 7])
+        assert partial is not None and partial.token_count == 128
+        assert torch.equal(partial.tensors["x"], torch.full((128,), 128))
+
+
+def test_errors_come_back_as_the_same_classes(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        with pytest.raises(InvalidArgument):
+            client.evict(digest="nope")
+        with pytest.raises(TooLarge):
+            client.capture(
+                model=MODEL, state=STATE, tokens=[1], tensors={"x": torch.zeros(300 << 20, dtype=torch.uint8)}
+            )
+        with pytest.raises(ValueError, match="32 bits"):
+            client.lookup(model=MODEL, state=STATE, tokens=[-1])
+        assert client.ping(), "the connection still works after errors"
+
+
+def test_thirty_two_clients_mixing_operations_for_twenty_seconds_always_get_the_right_bytes(
+    daemon: DaemonProcess,
+) -> None:
+    from blake3 import blake3
+
+    stop = time.monotonic() + 20.0
+    failures: list[str] = []
+    counts = [0] * 32
+
+    def worker(index: int) -> None:
+        rng = torch.Generator().manual_seed(index)
+        with daemon.client(timeout=30.0) as client:
+            while time.monotonic() < stop:
+                n = int(torch.randint(1, 64, (1,), generator=rng)) * 7
+                tokens = [index, *range(n)]
+                payload = {"x": torch.randint(0, 255, (n * 97,), dtype=torch.uint8, generator=rng)}
+                want = blake3(raw_bytes(payload["x"])).hexdigest()
+                try:
+                    result = client.capture(model=MODEL, state=STATE, tokens=tokens, tensors=payload)
+                    if result.digest != want:
+                        failures.append(f"capture digest {result.digest} != {want}")
+                    hit = client.lookup(model=MODEL, state=STATE, tokens=tokens)
+                    restored = client.restore(model=MODEL, state=STATE, tokens=tokens)
+                except skippyd.SkippydError as exc:
+                    failures.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                if restored is None or hit is None:
+                    continue  # evicted by another client's capture in between: allowed
+                got = blake3(raw_bytes(restored.tensors["x"])).hexdigest()
+                if got != restored.digest:
+                    failures.append(f"restored bytes hash to {got}, entry says {restored.digest}")
+                if restored.token_count == len(tokens) and got != want and restored.digest == want:
+                    failures.append("wrong bytes for the captured prompt")
+                counts[index] += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures[:5]
+    assert all(c > 0 for c in counts), counts
+    with daemon.client() as client:
+        assert client.stats()["server"]["errors"] == 0
+
+
+def test_after_kill_9_and_a_restart_every_committed_entry_restores(daemon: DaemonProcess) -> None:
+    captured = {}
+    with daemon.client() as client:
+        for i in range(20):
+            tensors = {"k": torch.full((1000 + i,), float(i)), "b": torch.tensor([i % 2 == 0])}
+            result = client.capture(model=MODEL, state=STATE, tokens=[i, i + 1, i + 2], tensors=tensors)
+            captured[i] = (result.digest, tensors)
+    daemon.kill9()
+    daemon.start()
+    with daemon.client() as client:
+        for i, (digest, tensors) in captured.items():
+            restored = client.restore(model=MODEL, state=STATE, tokens=[i, i + 1, i + 2])
+            assert restored is not None and restored.digest == digest
+            assert torch.equal(restored.tensors["k"], tensors["k"])
+            assert torch.equal(restored.tensors["b"], tensors["b"])
+        assert client.stats()["l2"]["adopted"] == 20
+
+
+def _raw_connect(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(path))
+    return sock
+
+
+def _read_frames(sock: socket.socket) -> list[Any]:
+    decoder = FrameDecoder(expect=(FrameType.REPLY, FrameType.ERROR))
+    frames = []
+    try:
+        while True:
+            data, fds = recv_fds_into(sock)
+            if not data:
+                break
+            decoder.feed(data, fds)
+            while (frame := decoder.next_frame()) is not None:
+                frames.append(frame)
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return frames
+
+
+BAD_INPUTS = {
+    "http": b"GET / HTTP/1.1\r\nHost: skippyd\r\n\r\n",
+    "random": os.urandom(4096),
+    "oversize": HEADER.pack(MAGIC, PROTOCOL_VERSION, FrameType.REQUEST, 0, 0, 1 << 30, 0, 1),
+    "version": HEADER.pack(MAGIC, 99, FrameType.REQUEST, 0, 0, 1, 0, 1) + b"\x80",
+    "not_a_map": HEADER.pack(MAGIC, PROTOCOL_VERSION, FrameType.REQUEST, 0, 0, 1, 0, 1) + b"\x01",
+    "reply_type": encode_frame(FrameType.REPLY, 1, {"op": "ping"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_malformed_frames_get_an_error_and_a_closed_connection_while_others_are_served(
+    daemon: DaemonProcess, name: str
+) -> None:
+    with daemon.client() as good:
+        good.capture(model=MODEL, state=STATE, tokens=[1], tensors={"x": torch.ones(10)})
+        bad = _raw_connect(daemon.socket)
+        bad.sendall(BAD_INPUTS[name])
+        frames = _read_frames(bad)
+        bad.close()
+        assert frames and frames[-1].type == FrameType.ERROR
+        assert frames[-1].body["code"] in ("bad_frame", "frame_too_large", "version_mismatch")
+        restored = good.restore(model=MODEL, state=STATE, tokens=[1])
+        assert restored is not None and torch.equal(restored.tensors["x"], torch.ones(10))
+
+
+def test_bad_requests_get_typed_errors_and_the_connection_stays_usable(daemon: DaemonProcess) -> None:
+    sock = _raw_connect(daemon.socket)
+    decoder = FrameDecoder(expect=(FrameType.REPLY, FrameType.ERROR))
+
+    def ask(rid: int, body: dict[str, Any]) -> Any:
+        sock.sendall(encode_frame(FrameType.REQUEST, rid, body))
+        while True:
+            frame = decoder.next_frame()
+            if frame is not None:
+                return frame
+            data, fds = recv_fds_into(sock)
+            assert data
+            decoder.feed(data, fds)
+
+    assert ask(1, {"op": "ping"}).body["code"] == "invalid_argument", "hello comes first"
+    assert ask(2, {"op": "hello", "versions": [1]}).type == FrameType.REPLY
+    cases: list[dict[str, Any]] = [
+        {"op": "nope"},
+        {"op": "lookup", "model": 1, "state": "s", "tokens": b""},
+        {"op": "lookup", "model": "m", "state": "s", "tokens": b"\x01\x02\x03"},
+        {"op": "lookup", "model": "m", "state": "s", "tokens": [1, 2]},
+        {
+            "op": "capture",
+            "model": "m",
+            "state": "s",
+            "tokens": b"\x01\x00\x00\x00",
+            "tensors": [["x", "f99", [1]]],
+        },
+        {
+            "op": "capture",
+            "model": "m",
+            "state": "s",
+            "tokens": b"\x01\x00\x00\x00",
+            "tensors": [["x", "uint8", [4]]],
+        },
+        {"op": "stage", "size": -5},
+        {"op": "stage", "size": 1 << 40},
+        {"op": "evict"},
+        {"op": "ls", "limit": "all"},
+    ]
+    for rid, body in enumerate(cases, start=10):
+        frame = ask(rid, body)
+        assert frame.type == FrameType.ERROR, body
+        assert frame.request_id == rid
+        assert frame.body["code"] in ("invalid_argument", "unsupported_dtype", "too_large"), frame.body
+    assert ask(99, {"op": "ping"}).body == {"pong": True, "node": "test-node"}
+    sock.close()
+
+
+def test_a_stalled_half_frame_does_not_hold_up_other_clients(daemon: DaemonProcess) -> None:
+    staller = _raw_connect(daemon.socket)
+    frame = encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]})
+    staller.sendall(frame[:10])
+    with daemon.client() as client:
+        started = time.monotonic()
+        for _ in range(50):
+            assert client.ping()
+        assert time.monotonic() - started < 5
+    staller.close()
+
+
+def test_the_socket_is_published_with_mode_0660(daemon: DaemonProcess) -> None:
+    st = os.stat(daemon.socket)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o660
+
+
+def test_a_second_daemon_on_the_same_socket_refuses_to_start(daemon: DaemonProcess, make_daemon: Any) -> None:
+    second = make_daemon("--socket", str(daemon.socket))
+    second.start(wait=False)
+    assert second.proc is not None
+    assert second.proc.wait(timeout=30) != 0
+    assert "refusing" in second.log_text() or "another skippyd" in second.log_text()
+    assert daemon.client().ping()
+
+
+def test_a_stale_socket_is_replaced(make_daemon: Any, tmp_short: Path) -> None:
+    proc = make_daemon(root=tmp_short / "stale")
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(str(proc.socket))
+    stale.close()  # a socket file nobody listens on, as a crashed daemon leaves it
+    assert proc.socket.exists()
+    proc.start()
+    assert proc.client().ping()
+
+
+def test_publish_socket_refuses_to_replace_a_regular_file(tmp_short: Path) -> None:
+    from skippyd.server import publish_socket
+
+    target = tmp_short / "not-a-socket"
+    target.write_text("precious")
+    with pytest.raises(StoreLocked, match="not a socket"):
+        publish_socket(target)
+    assert target.read_text() == "precious"
+
+
+def test_sigterm_finishes_in_flight_work_and_exits_cleanly(make_daemon: Any) -> None:
+    daemon = make_daemon(budget="1GiB").start()
+    big = {"x": torch.randint(0, 255, (384 << 20,), dtype=torch.uint8)}
+    result: dict[str, Any] = {}
+
+    def capture() -> None:
+        with daemon.client(timeout=60.0) as client:
+            result["r"] = client.capture(model=MODEL, state=STATE, tokens=[5], tensors=big)
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # wait until the capture request is running in the daemon
+        with daemon.client() as probe:
+            server = probe.stats()["server"]
+            if server["ops"].get("capture") and server["inflight"] > 0:
+                break
+        time.sleep(0.01)
+    daemon.send(signal.SIGTERM)
+    thread.join(timeout=60)
+    assert daemon.proc is not None and daemon.proc.wait(timeout=60) == 0
+    assert "r" in result, "the in-flight capture completed before exit"
+    assert not daemon.socket.exists()
+    daemon.start()
+    with daemon.client() as client:
+        assert client.lookup(model=MODEL, state=STATE, tokens=[5]) is not None
+
+
+def test_a_second_signal_forces_exit(make_daemon: Any) -> None:
+    proc = make_daemon("--shutdown-timeout", "120s").start()
+    # A client that sends requests and never reads the replies keeps its connection busy, so the
+    # first SIGTERM waits for it (up to the shutdown timeout).
+    staller = _raw_connect(proc.socket)
+    staller.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]}))
+    staller.sendall(b"".join(encode_frame(FrameType.REQUEST, i, {"op": "stats"}) for i in range(2, 3000)))
+    time.sleep(0.5)
+    proc.send(signal.SIGTERM)
+    time.sleep(1.0)
+    assert proc.proc is not None and proc.proc.poll() is None, "still draining the busy connection"
+    started = time.monotonic()
+    proc.send(signal.SIGTERM)
+    code = proc.proc.wait(timeout=20)
+    assert code == 128 + signal.SIGTERM
+    assert time.monotonic() - started < 5
+    staller.close()
+
+
+def test_systemd_notify_socket_receives_ready_and_stopping(make_daemon: Any, tmp_short: Path) -> None:
+    path = tmp_short / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(path))
+    listener.settimeout(30)
+    proc = make_daemon(env={"NOTIFY_SOCKET": str(path)}).start()
+    ready = listener.recv(4096).decode()
+    assert "READY=1" in ready and f"MAINPID={proc.proc.pid}" in ready
+    proc.stop()
+    messages = [listener.recv(4096).decode()]
+    assert any("STOPPING=1" in m for m in messages)
+    listener.close()
+
+
+def test_peers_outside_the_allowed_users_are_refused_even_if_the_socket_is_opened_up(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--allowed-uids", "4242").start()
+    os.chmod(proc.socket, 0o666)  # as if someone loosened the mode by hand
+    for parent in (proc.socket.parent, proc.socket.parent.parent):
+        os.chmod(parent, 0o711)
+    nobody = 65534
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: become nobody, try to talk to the daemon
+        try:
+            os.close(read_end)
+            os.setgid(nobody)
+            os.setuid(nobody)
+            code = b"?"
+            try:
+                with skippyd.Client(proc.socket, timeout=5.0) as client:
+                    client.stats()
+                code = b"allowed"
+            except PermissionDenied:
+                code = b"denied"
+            except Exception as exc:
+                code = type(exc).__name__.encode()
+            os.write(write_end, code)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    outcome = os.read(read_end, 100)
+    os.close(read_end)
+    assert outcome == b"denied"
+    assert proc.client().ping(), "root (and the daemon's own user) stay allowed"
+
+
+def test_the_client_reconnects_after_the_daemon_restarts(daemon: DaemonProcess) -> None:
+    client = daemon.client()
+    client.capture(model=MODEL, state=STATE, tokens=[9], tensors={"x": torch.ones(3)})
+    daemon.stop()
+    daemon.start()
+    restored = client.restore(model=MODEL, state=STATE, tokens=[9])
+    assert restored is not None and torch.equal(restored.tensors["x"], torch.ones(3))
+    client.capture(model=MODEL, state=STATE, tokens=[10], tensors={"x": torch.zeros(3)})
+    client.close()
+
+
+def test_a_daemon_that_does_not_answer_times_out(daemon: DaemonProcess) -> None:
+    client = daemon.client(timeout=0.5)
+    assert client.ping()
+    daemon.send(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with pytest.raises(Timeout):
+            client.stats()
+        assert time.monotonic() - started < 5
+    finally:
+        daemon.send(signal.SIGCONT)
+    assert client.ping()
+    client.close()
+
+
+def test_async_client_pipelines_operations(daemon: DaemonProcess) -> None:
+    async def scenario() -> None:
+        async with skippyd.AsyncClient(daemon.socket) as client:
+            assert await client.ping()
+            results = await asyncio.gather(
+                *(
+                    client.capture(
+                        model=MODEL, state=STATE, tokens=[i, 1, 2], tensors={"x": torch.full((64,), i)}
+                    )
+                    for i in range(10)
+                )
+            )
+            assert len({r.digest for r in results}) == 10
+            hits = await asyncio.gather(
+                *(client.lookup(model=MODEL, state=STATE, tokens=[i, 1, 2]) for i in range(10))
+            )
+            assert all(h is not None and h.token_count == 3 for h in hits)
+            restored = await asyncio.gather(
+                *(client.restore(model=MODEL, state=STATE, tokens=[i, 1, 2, 3]) for i in range(10))
+            )
+            for i, r in enumerate(restored):
+                assert r is not None and torch.equal(r.tensors["x"], torch.full((64,), i))
+            stats = await client.stats()
+            assert stats["l2"]["entries"] == 10
+            assert await client.evict(all=True) == 10
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_restore_to_a_cuda_device_lands_the_bytes_there(daemon: DaemonProcess) -> None:
+    tensors = odd_tensors()
+    with daemon.client() as client:
+        client.capture(
+            model=MODEL, state=STATE, tokens=[1, 2], tensors={k: v.cuda() for k, v in tensors.items()}
+        )
+        restored = client.restore(model=MODEL, state=STATE, tokens=[1, 2], device="cuda:0")
+    assert restored is not None
+    for name, original in tensors.items():
+        assert restored.tensors[name].device.type == "cuda"
+        assert raw_bytes(restored.tensors[name]) == raw_bytes(original), name
+
+
+def test_peer_credentials_are_read_for_every_connection() -> None:
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    from skippyd.server import peer_credentials
+
+    pid, uid, gid, _groups = peer_credentials(left)
+    assert (pid, uid, gid) == (os.getpid(), os.geteuid(), os.getegid())
+    left.close()
+    right.close()
+    assert struct.calcsize("3i") == 12
