@@ -120,9 +120,12 @@ def main() -> None:
     )
     parser.add_argument("--sizes", default="1,16,64,256", help="payload sizes in MiB")
     parser.add_argument("--write-docs", action="store_true", help="write the table into docs/benchmarks.md")
+    parser.add_argument(
+        "--shm", default="/dev/shm", help="tmpfs to put the tier on (e.g. one mounted huge=always)"
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    workdir = Path(tempfile.mkdtemp(prefix="skippyd-bench-", dir="/dev/shm"))
+    workdir = Path(tempfile.mkdtemp(prefix="skippyd-bench-", dir=args.shm))
     rows: list[list[str]] = []
     try:
         with redis_server() as url:

@@ -23,12 +23,9 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from . import tensors as skt
 from .errors import BadFrame, ConnectionLost, InvalidArgument, SkippydError, Timeout, error_from_wire
 from .keys import encode_tokens
 from .payload import TensorSpec, plan_layout
@@ -41,6 +38,11 @@ from .protocol import (
     encode_frame,
     recv_fds_into,
 )
+
+if TYPE_CHECKING:  # torch loads on the first capture or restore, so pings and stats stay light
+    import torch
+
+    from . import tensors as skt
 
 __all__ = [
     "DEFAULT_SOCKET",
@@ -94,13 +96,21 @@ def _identity_body(model: str, state: str, namespace: str, tokens: Any) -> dict[
     return {"model": model, "state": state, "namespace": namespace, "tokens": encode_tokens(tokens)}
 
 
+def _skt() -> Any:
+    from . import tensors
+
+    return tensors
+
+
 def _tensor_table(tensors: Mapping[str, Any]) -> tuple[list[Any], list[TensorSpec], int]:
-    decls = skt.declare(tensors)
+    decls = _skt().declare(tensors)
     specs, data_len = plan_layout(decls)
     return [[d.name, d.dtype, list(d.shape)] for d in decls], specs, data_len
 
 
 def _device(device: str | torch.device | None) -> torch.device:
+    import torch
+
     return torch.device("cpu") if device is None else torch.device(device)
 
 
@@ -130,6 +140,7 @@ def _finish_restore(
         raise BadFrame("a restore reply must carry exactly one descriptor")
     fd = fds[0]
     started = time.perf_counter()
+    skt = _skt()
     try:
         specs = [TensorSpec.from_wire(item) for item in reply["tensors"]]
         offset, length = int(reply["data_offset"]), int(reply["data_len"])
@@ -335,7 +346,7 @@ class Client:
                     staging = conn.ensure_staging(max(data_len, 1), self.timeout)
                     region = staging.region(data_len)
                     try:
-                        skt.write_into(region, specs, tensors)
+                        _skt().write_into(region, specs, tensors)
                     finally:
                         region.release()
                     reply, _ = conn.request(body, self.timeout)
@@ -381,7 +392,7 @@ class Client:
         if not reply.get("found"):
             return None
         if target.type == "cuda" and self._stager is None:
-            self._stager = skt.DeviceStager()
+            self._stager = _skt().DeviceStager()
         restored = _finish_restore(reply, fds, target, self._stager)
         restored.timings["total_ms"] = (time.perf_counter() - started) * 1e3
         return restored
@@ -607,7 +618,7 @@ class AsyncClient:
                         conn.staging = staging = _Staging(fds[0], int(reply["size"]))
                     region = staging.region(data_len)
                     try:
-                        await asyncio.to_thread(skt.write_into, region, specs, tensors)
+                        await asyncio.to_thread(_skt().write_into, region, specs, tensors)
                     finally:
                         region.release()
                     reply, _ = await conn.request(body, self.timeout)
@@ -650,7 +661,7 @@ class AsyncClient:
         if not reply.get("found"):
             return None
         if target.type == "cuda" and self._stager is None:
-            self._stager = skt.DeviceStager()
+            self._stager = _skt().DeviceStager()
         if target.type == "cpu":
             restored = _finish_restore(reply, fds, target, None)
         else:

@@ -73,6 +73,9 @@ class Reply:
     fds: list[int] = field(default_factory=list)
 
 
+Operation = Callable[[Session, dict[str, Any]], Reply]
+
+
 class Handlers:
     def __init__(self, config: Config, tiers: Tiers, coordinator: Coordinator | None = None) -> None:
         self.config = config
@@ -81,7 +84,7 @@ class Handlers:
         self.started = time.time()
         self._staging_lock = threading.Lock()
         self._staging_bytes = 0
-        self._ops: dict[str, Callable[[Session, dict[str, Any]], Reply]] = {
+        self._ops: dict[str, Operation] = {
             "hello": self.hello,
             "ping": self.ping,
             "stage": self.stage,
@@ -111,11 +114,20 @@ class Handlers:
             return isinstance(tokens, bytes) and len(tokens) > _INLINE_TOKEN_BYTES
         return False
 
-    def handle(self, session: Session, body: dict[str, Any]) -> Reply:
-        op = self.operation(body)
+    def route(self, session: Session, body: dict[str, Any]) -> tuple[str, Operation, bool]:
+        """The operation a request names, its handler, and whether it runs on a worker thread."""
+        op = body.get("op")
+        handler = self._ops.get(op) if isinstance(op, str) else None
+        if handler is None:
+            raise InvalidArgument(f"unknown operation {op!r}")
+        assert isinstance(op, str)
         if not session.handshaken and op != "hello":
             raise InvalidArgument("the first request on a connection must be hello")
-        return self._ops[op](session, body)
+        return op, handler, self.needs_worker(op, body)
+
+    def handle(self, session: Session, body: dict[str, Any]) -> Reply:
+        _op, handler, _pooled = self.route(session, body)
+        return handler(session, body)
 
     def close_session(self, session: Session) -> None:
         staging, session.staging = session.staging, None

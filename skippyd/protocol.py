@@ -122,16 +122,17 @@ class FrameDecoder:
         self.max_frame = max_frame
         self._expect = expect
         self._buffer = bytearray()
+        self._pos = 0  # bytes of the buffer already consumed (compacted lazily)
         self._fds: list[int] = []
         self._pending: _Pending | None = None
 
     @property
     def buffered(self) -> int:
-        return len(self._buffer)
+        return len(self._buffer) - self._pos
 
     @property
     def mid_frame(self) -> bool:
-        return bool(self._buffer) or self._pending is not None
+        return len(self._buffer) > self._pos or self._pending is not None
 
     def feed(self, data: bytes | memoryview, fds: list[int] | None = None) -> None:
         self._buffer += data
@@ -144,11 +145,14 @@ class FrameDecoder:
 
     def next_frame(self) -> Frame | None:
         """The next whole frame, or None when more bytes are needed. Raises on malformed input."""
-        if self._pending is None:
-            if len(self._buffer) < HEADER_SIZE:
+        buffer = self._buffer
+        pos = self._pos
+        pending = self._pending
+        if pending is None:
+            if len(buffer) - pos < HEADER_SIZE:
                 return None
             magic, version, ftype, _flags, nfds, length, _reserved, request_id = HEADER.unpack_from(
-                self._buffer
+                buffer, pos
             )
             if magic != MAGIC:
                 raise BadFrame("bad magic: not a skippyd frame")
@@ -160,33 +164,55 @@ class FrameDecoder:
                 raise FrameTooLarge(f"frame body of {length} bytes exceeds the limit of {self.max_frame}")
             if nfds > MAX_FDS:
                 raise BadFrame(f"frame announces {nfds} descriptors; at most {MAX_FDS}")
-            del self._buffer[:HEADER_SIZE]
-            self._pending = _Pending(ftype, request_id, length, nfds)
-        pending = self._pending
-        if len(self._buffer) < pending.length:
+            pos += HEADER_SIZE
+            pending = _Pending(ftype, request_id, length, nfds)
+        end = pos + pending.length
+        if len(buffer) < end:
+            self._pos, self._pending = pos, pending
             return None
-        raw = bytes(self._buffer[: pending.length])
-        del self._buffer[: pending.length]
+        view = memoryview(buffer)
+        raw = view[pos:end]
+        error: BadFrame | None = None
+        try:
+            body = decode_body(raw, self.max_frame)
+        except BadFrame as exc:
+            error = exc
+        finally:
+            raw.release()
+            view.release()
         self._pending = None
-        if len(self._fds) < pending.nfds:
+        if end == len(buffer):
+            buffer.clear()
+            self._pos = 0
+        elif end > 1 << 16:
+            del buffer[:end]
+            self._pos = 0
+        else:
+            self._pos = end
+        fds = self._claim_fds(pending.nfds)
+        if error is not None:
+            for fd in fds:
+                _close_quietly(fd)
+            raise error
+        return Frame(pending.type, pending.request_id, body, fds)
+
+    def _claim_fds(self, count: int) -> list[int]:
+        if not count:
+            return []
+        if len(self._fds) < count:
             for fd in self._fds:
                 _close_quietly(fd)
             self._fds = []
-            raise BadFrame(f"frame announced {pending.nfds} descriptors but fewer arrived")
-        fds, self._fds = self._fds[: pending.nfds], self._fds[pending.nfds :]
-        try:
-            body = decode_body(raw, self.max_frame)
-        except BadFrame:
-            for fd in fds:
-                _close_quietly(fd)
-            raise
-        return Frame(pending.type, pending.request_id, body, fds)
+            raise BadFrame(f"frame announced {count} descriptors but fewer arrived")
+        fds, self._fds = self._fds[:count], self._fds[count:]
+        return fds
 
     def close(self) -> None:
         for fd in self._fds:
             _close_quietly(fd)
         self._fds = []
         self._buffer.clear()
+        self._pos = 0
 
 
 def _close_quietly(fd: int) -> None:

@@ -213,23 +213,25 @@ class Connection:
         if not data:
             self.close()
             return
+        decoder = self.decoder
         now = time.monotonic()
         self.last_activity = now
-        if not self.decoder.mid_frame:
+        if not decoder.mid_frame:
             self.frame_started = now
-        self.decoder.feed(data)
+        decoder.feed(data)
+        queue = self.queue
         while True:
             try:
-                frame = self.decoder.next_frame()
+                frame = decoder.next_frame()
             except SkippydError as exc:
                 self._protocol_error(exc)
                 return
             if frame is None:
                 break
-            if self.decoder.mid_frame:
-                self.frame_started = now
-            self.queue.append(frame)
-        if len(self.queue) >= _MAX_QUEUED_FRAMES or self.out_bytes > _MAX_OUT_BYTES:
+            queue.append(frame)
+        if decoder.mid_frame:
+            self.frame_started = now
+        if len(queue) >= _MAX_QUEUED_FRAMES or self.out_bytes > _MAX_OUT_BYTES:
             self._pause_reading()
         self._run_next()
 
@@ -244,34 +246,34 @@ class Connection:
 
     # ------------------------------------------------------------- running requests
     def _run_next(self) -> None:
+        server = self.server
         while not self.running and self.queue and not self.closed:
             frame = self.queue.popleft()
             request_id, body = frame.request_id, frame.body
             try:
-                if self.server.stopping:
+                if server.stopping:
                     raise ShuttingDown("the daemon is shutting down")
-                op = self.server.handlers.operation(body)
-                pooled = self.server.handlers.needs_worker(op, body)
+                op, handler, pooled = server.handlers.route(self.session, body)
             except SkippydError as exc:
                 self._reply_error(request_id, exc)
                 continue
-            self.server.count(op)
+            server.ops[op] = server.ops.get(op, 0) + 1
             if pooled:
                 self.running = True
-                self.server.inflight += 1
-                future = self.server.pool.submit(self.server.handlers.handle, self.session, body)
+                server.inflight += 1
+                future = server.pool.submit(handler, self.session, body)
                 future.add_done_callback(self._done_callback(request_id))
+                return
+            try:
+                reply = handler(self.session, body)
+            except SkippydError as exc:
+                self._reply_error(request_id, exc)
+            except Exception as exc:
+                log.exception("operation %s failed", op)
+                self._reply_error(request_id, SkippydError(f"internal error: {type(exc).__name__}"))
             else:
-                try:
-                    reply = self.server.handlers.handle(self.session, body)
-                except SkippydError as exc:
-                    self._reply_error(request_id, exc)
-                except Exception as exc:
-                    log.exception("operation %s failed", op)
-                    self._reply_error(request_id, SkippydError(f"internal error: {type(exc).__name__}"))
-                else:
-                    self._reply(request_id, reply)
-        if not self.running and not self.queue:
+                self._reply(request_id, reply)
+        if not self.running and not self.reading:
             self._resume_reading_if_room()
 
     def _done_callback(self, request_id: int) -> Callable[[Future[Reply]], None]:
@@ -325,6 +327,23 @@ class Connection:
         if self.closed:
             _close_fds(fds)
             return
+        if not self.out:  # the common case: the whole reply goes out now, nothing is queued
+            try:
+                sent = send_frame(self.sock, data, fds)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError:
+                _close_fds(fds)
+                self.close()
+                return
+            if sent:
+                _close_fds(fds)  # the kernel holds them now, attached to the first byte sent
+                fds = []
+                if sent == len(data):
+                    if self.close_after_flush:
+                        self._maybe_close()
+                    return
+                data = data[sent:]
         self.out.append((memoryview(data), fds))
         self.out_bytes += len(data)
         self._flush()
@@ -413,9 +432,6 @@ class Server:
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
         self.periodic: list[Callable[[], None]] = []
         handlers.server_stats = self.snapshot
-
-    def count(self, op: str) -> None:
-        self.ops[op] = self.ops.get(op, 0) + 1
 
     def snapshot(self) -> dict[str, Any]:
         return {
