@@ -41,6 +41,8 @@ _LAZY = {
     "CaptureResult": "skippyd.client",
     "Hit": "skippyd.client",
     "Restored": "skippyd.client",
+    "WarmTable": "skippyd.coordination",
+    "Promotions": "skippyd.coordination",
     "Identity": "skippyd.keys",
     "cache_key": "skippyd.keys",
     "encode_tokens": "skippyd.keys",
@@ -66,6 +68,7 @@ __all__ = [
     "NotConfigured",
     "NotFound",
     "PermissionDenied",
+    "Promotions",
     "Restored",
     "ShuttingDown",
     "SkippydError",
@@ -74,6 +77,7 @@ __all__ = [
     "TooLarge",
     "UnsupportedDtype",
     "VersionMismatch",
+    "WarmTable",
     "__version__",
     "cache_key",
     "encode_tokens",
@@ -81,6 +85,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import AsyncClient, CaptureResult, Client, Hit, Restored
+    from .coordination import Promotions, WarmTable
     from .keys import Identity, cache_key, encode_tokens
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
@@ -19,12 +20,7 @@ from .errors import ConfigError, ConnectionLost, SkippydError, Timeout
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_SERVE_FLAGS = [
-    "socket", "state_dir", "shm_dir", "l2_budget", "l3_dir", "l3_budget", "l3_min_free", "redis_url",
-    "node", "max_entry", "staging_budget", "workers", "allowed_uids", "allowed_gids", "socket_group",
-    "shutdown_timeout", "idle_timeout", "log_level", "log_format", "metrics_addr", "redis_prefix",
-    "promotion_scope", "warm_on_capture",
-]  # fmt: skip
+_SERVE_FLAGS = list(FIELDS)  # every configuration key is a flag of serve
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -222,3 +218,136 @@ def evict(socket: str | None, config_file: str | None, digest: str | None, every
         except SkippydError as exc:
             _fail(str(exc))
     click.echo(f"removed {removed} entr{'y' if removed == 1 else 'ies'}")
+
+
+# ----------------------------------------------------------------------------- Redis-side commands
+
+
+def _redis_options(fn: F) -> F:
+    for option in reversed(
+        [
+            click.option("--redis-url", default=None, help="Redis URL [env SKIPPYD_REDIS_URL]"),
+            click.option(
+                "--state-dir", default=None, help="where the embedded Redis lives [env SKIPPYD_STATE_DIR]"
+            ),
+            click.option("--redis-prefix", default=None, help="key prefix [env SKIPPYD_REDIS_PREFIX]"),
+            click.option(
+                "--config", "config_file", default=None, help="TOML config file [env SKIPPYD_CONFIG]"
+            ),
+        ]
+    ):
+        fn = option(fn)
+    return fn
+
+
+def _table(redis_url: str | None, state_dir: str | None, redis_prefix: str | None, config_file: str | None,
+           **table: Any) -> Any:  # fmt: skip
+    try:
+        config = load_config(
+            {"redis_url": redis_url, "state_dir": state_dir, "redis_prefix": redis_prefix},
+            config_file=config_file,
+        ).config
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    url = config.redis_url or f"unix://{config.state_dir}/redis/redis.sock"
+    if url == "none":
+        _fail("this configuration runs without Redis (redis_url = none)", 2)
+    from .coordination import WarmTable
+
+    return WarmTable.from_url(url, prefix=config.redis_prefix, timeout=5.0, **table)
+
+
+def read_tokens(source: str) -> list[int]:
+    """Integers separated by white space or commas, or a JSON array; ``-`` is standard input."""
+    text = (sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")).strip()
+    try:
+        values = (
+            json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]
+        )
+    except ValueError as exc:
+        raise click.BadParameter(f"not a list of integers: {exc}", param_hint="--tokens") from exc
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise click.BadParameter("tokens must be integers", param_hint="--tokens")
+    return list(values)
+
+
+@main.group()
+def warm() -> None:
+    """The warm-prefix table: which node last ran each prompt prefix."""
+
+
+@warm.command(name="ran")
+@_redis_options
+@click.option("--model", required=True, help="model identity")
+@click.option("--node", required=True, help="the node that ran the prompt")
+@click.option("--tokens", "tokens_file", default="-", show_default=True, help="token file, or - for stdin")
+@click.option("--block", default=64, show_default=True, help="tokens per block")
+def warm_ran(model: str, node: str, tokens_file: str, block: int, **redis: Any) -> None:
+    """Record that NODE ran this prompt."""
+    tokens = read_tokens(tokens_file)
+    try:
+        _table(**redis, block=block).ran(model, tokens, node)
+    except SkippydError as exc:
+        _fail(str(exc))
+    click.echo(f"recorded {len(tokens) // block} block(s) for {node}")
+
+
+@warm.command(name="warmest")
+@_redis_options
+@click.option("--model", required=True, help="model identity")
+@click.option("--tokens", "tokens_file", default="-", show_default=True, help="token file, or - for stdin")
+@click.option("--block", default=64, show_default=True, help="tokens per block")
+@click.option("--min-blocks", default=2, show_default=True, help="shorter answers are no answer")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+def warm_warmest(
+    model: str, tokens_file: str, block: int, min_blocks: int, as_json: bool, **redis: Any
+) -> None:
+    """The live node that ran the longest remembered prefix of this prompt."""
+    tokens = read_tokens(tokens_file)
+    try:
+        found = _table(**redis, block=block, min_blocks=min_blocks).warmest(model, tokens)
+    except SkippydError as exc:
+        _fail(str(exc))
+    if as_json:
+        doc = {"node": found[0], "tokens": found[1]} if found else {"node": None, "tokens": 0}
+        click.echo(json.dumps(doc))
+    elif found:
+        click.echo(f"{found[0]} {found[1]}")
+    else:
+        click.echo("no warm prefix")
+
+
+@warm.command(name="forget")
+@_redis_options
+@click.option("--node", required=True, help="the node to remove with every prefix it holds")
+def warm_forget(node: str, **redis: Any) -> None:
+    """Remove a node and its prefixes (in bounded steps)."""
+    try:
+        removed = _table(**redis).forget(node)
+    except SkippydError as exc:
+        _fail(str(exc))
+    click.echo(f"forgot {node}: {removed} prefix(es) removed")
+
+
+@main.command()
+@_redis_options
+@click.option("--all", "include_gone", is_flag=True, help="include nodes whose heartbeat expired")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+def nodes(include_gone: bool, as_json: bool, **redis: Any) -> None:
+    """Nodes registered in Redis, with incarnation and last heartbeat."""
+    try:
+        found = _table(**redis).nodes(include_gone=include_gone)
+    except SkippydError as exc:
+        _fail(str(exc))
+    if as_json:
+        click.echo(json.dumps([n.__dict__ for n in found], indent=2))
+        return
+    if not found:
+        click.echo("no nodes")
+        return
+    click.echo(f"{'NODE':24}  {'STATE':10}  {'INCARNATION':>20}  {'HEARTBEAT':>10}")
+    for n in found:
+        state = "up" if n.alive else ("forgotten" if n.state == "forgotten" else "gone")
+        click.echo(
+            f"{n.node:24}  {state:10}  {n.incarnation:>20}  {human_age(n.last_heartbeat_age_ms / 1000):>10}"
+        )

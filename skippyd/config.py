@@ -309,8 +309,10 @@ def _check(config: Config) -> None:
         raise ConfigError(f"invalid socket: {config.socket!r} is longer than a unix socket path may be")
     if config.heartbeat <= 0 or config.node_ttl <= config.heartbeat:
         raise ConfigError("invalid node_ttl: must be longer than heartbeat")
-    if config.redis_url and not re.match(r"^(redis|rediss|unix|redis\+cluster)://", config.redis_url):
-        raise ConfigError("invalid redis_url: use redis://, rediss://, unix:// or redis+cluster://")
+    if config.redis_url not in ("", "none") and not re.match(
+        r"^(redis|rediss|unix|redis\+cluster)://", config.redis_url
+    ):
+        raise ConfigError("invalid redis_url: use redis://, rediss://, unix://, redis+cluster:// or none")
 
 
 def as_dict(config: Config) -> dict[str, Any]:

@@ -14,8 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .config import Config
+from .coordination import Coordinator
 from .handlers import Handlers
-from .l2 import L2Tier
+from .keys import Identity
+from .l2 import L2Entry, L2Tier
 from .logs import setup_logging
 from .redis_embedded import EmbeddedRedis
 from .server import Server
@@ -38,6 +40,22 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
         l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=2)
         tiers = Tiers(l2, copy_threads=2, max_entry=config.entry_limit)
         stack.callback(tiers.close)
+        coordinator = None
+        if redis_url != "none":
+            coordinator = Coordinator(
+                redis_url,
+                node=config.node_name,
+                scope=config.scope,
+                prefix=config.redis_prefix,
+                timeout=config.redis_timeout,
+                heartbeat_s=config.heartbeat,
+                ttl_s=config.node_ttl,
+                buffer=config.ran_buffer,
+            )
+            coordinator.start()
+            stack.callback(coordinator.close)
+            if config.warm_on_capture:
+                tiers.capture_hooks.append(_feed_warm_table(coordinator))
         stats = l2.stats()
         log.info(
             "L2 at %s: %d entries adopted (%d dropped), budget %d bytes",
@@ -46,7 +64,18 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
             stats.adopt_dropped,
             config.l2_budget,
         )
-        handlers = Handlers(config, tiers)
+        handlers = Handlers(config, tiers, coordinator)
         server = Server(config, handlers)
         asyncio.run(server.serve(install_signals=install_signals, on_ready=on_ready))
     return 0
+
+
+def _feed_warm_table(coordinator: Coordinator) -> Callable[[Identity, bytes, L2Entry, bool], bool]:
+    """A capture is this node running that prompt: the warm table hears of it (in a batch, later)."""
+
+    def hook(identity: Identity, tokens: bytes, entry: L2Entry, durable: bool) -> bool:
+        del entry, durable
+        coordinator.ran(identity.model, tokens)
+        return False
+
+    return hook

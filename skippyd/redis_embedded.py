@@ -22,8 +22,8 @@ __all__ = ["EmbeddedRedis", "redis_server_binary"]
 log = logging.getLogger("skippyd.redis")
 
 INSTALL_HINT = (
-    "redis-server is not installed: install it (Debian/Ubuntu: apt-get install redis-server) "
-    "or point skippyd at a shared Redis with --redis-url"
+    "redis-server is not installed: install it (Debian/Ubuntu: apt-get install redis-server), "
+    "point skippyd at a shared Redis with --redis-url, or run without one with --redis-url none"
 )
 
 

@@ -61,3 +61,47 @@ def make_daemon(tmp_short: Path):  # type: ignore[no-untyped-def]
     finally:
         for proc in made:
             proc.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_session():  # type: ignore[no-untyped-def]
+    """One real redis-server (unix socket, no persistence) for the whole run."""
+    from redisutil import RedisServer
+
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def redis_url(redis_session) -> str:  # type: ignore[no-untyped-def]
+    """The session's redis-server, flushed for this test (scripts flushed too)."""
+    client = redis_session.client()
+    client.flushall()
+    client.script_flush()
+    client.close()
+    return str(redis_session.url)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_session():  # type: ignore[no-untyped-def]
+    """A real three-master Redis Cluster, started once, on first use."""
+    from redisutil import RedisCluster
+
+    cluster = RedisCluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.cleanup()
+
+
+@pytest.fixture(params=["single", "cluster"])
+def any_redis_url(request):  # type: ignore[no-untyped-def]
+    """Runs a test against the single server and against the three-master cluster."""
+    if request.param == "single":
+        return request.getfixturevalue("redis_url")
+    cluster = request.getfixturevalue("redis_cluster_session")
+    cluster.flush()
+    return cluster.url

@@ -115,9 +115,71 @@ def test_serve_rejects_bad_values_naming_the_key(tmp_short: Path, args: list[str
 
 def test_help_lists_every_contract_command() -> None:
     _, out, _ = run("--help")
-    for command in ("serve", "status", "stats", "ls", "evict"):
+    for command in ("serve", "status", "stats", "ls", "evict", "warm", "nodes"):
         assert command in out
     _, out, _ = run("serve", "--help")
     for flag in ("--socket", "--state-dir", "--shm-dir", "--l2-budget", "--l3-dir", "--l3-budget",
                  "--redis-url", "--node", "--config"):  # fmt: skip
         assert flag in out
+
+
+def test_warm_ran_and_warmest_from_the_command_line(redis_url: str, tmp_short: Path) -> None:
+    tokens = tmp_short / "tokens.txt"
+    tokens.write_text(", ".join(str(i) for i in range(300)))
+    code, out, _ = run(
+        "warm", "ran", "--model", "m", "--node", "gpu-1", "--tokens", str(tokens), "--redis-url", redis_url
+    )
+    assert code == 0 and "4 block(s)" in out
+    as_json = tmp_short / "tokens.json"
+    as_json.write_text(json.dumps(list(range(400))))
+    code, out, _ = run(
+        "warm", "warmest", "--model", "m", "--tokens", str(as_json), "--json", "--redis-url", redis_url
+    )
+    assert json.loads(out) == {"node": "gpu-1", "tokens": 256}
+    result = CliRunner().invoke(main, ["warm", "warmest", "--model", "m", "--redis-url", redis_url],
+                                input=" ".join(str(i) for i in range(300)))  # fmt: skip
+    assert result.stdout.strip() == "gpu-1 256"
+    code, out, _ = run(
+        "warm", "warmest", "--model", "other", "--tokens", str(tokens), "--redis-url", redis_url
+    )
+    assert out.strip() == "no warm prefix"
+
+
+def test_nodes_and_warm_forget_from_the_command_line(redis_url: str) -> None:
+    from skippyd import WarmTable
+
+    table = WarmTable.from_url(redis_url)
+    table.heartbeat("gpu-1", 7, ttl_s=60)
+    table.ran("m", list(range(256)), "gpu-1")
+    code, out, _ = run("nodes", "--json", "--redis-url", redis_url)
+    assert code == 0 and json.loads(out)[0]["node"] == "gpu-1" and json.loads(out)[0]["incarnation"] == 7
+    code, out, _ = run("nodes", "--redis-url", redis_url)
+    assert "gpu-1" in out and "up" in out
+    code, out, _ = run("warm", "forget", "--node", "gpu-1", "--redis-url", redis_url)
+    assert code == 0 and "4 prefix(es) removed" in out
+    assert run("nodes", "--redis-url", redis_url)[1].strip() == "no nodes"
+
+
+def test_warm_commands_default_to_the_embedded_redis_of_the_state_dir(
+    daemon: DaemonProcess, tmp_short: Path
+) -> None:
+    tokens = tmp_short / "t.txt"
+    tokens.write_text(" ".join(str(i) for i in range(128)))
+    state = str(daemon.state_dir)
+    assert (
+        run("warm", "ran", "--model", "m", "--node", "n", "--tokens", str(tokens), "--state-dir", state)[0]
+        == 0
+    )
+    _code, out, _ = run("nodes", "--state-dir", state)
+    assert "test-node" in out
+    assert (
+        run("warm", "warmest", "--model", "m", "--tokens", str(tokens), "--state-dir", state)[1].strip()
+        == "n 128"
+    )
+
+
+def test_bad_token_files_are_rejected_with_a_usage_error(tmp_short: Path, redis_url: str) -> None:
+    bad = tmp_short / "bad.txt"
+    bad.write_text("1 2 three")
+    code, _, err = run("warm", "warmest", "--model", "m", "--tokens", str(bad), "--redis-url", redis_url)
+    assert code == 2 and "integers" in err

@@ -165,3 +165,45 @@ def test_prefix_keys_reject_descending_or_out_of_range_lengths() -> None:
 def test_ragged_token_bytes_are_rejected() -> None:
     with pytest.raises(ValueError, match="multiple"):
         cache_key(Identity("m", "s"), b"\x01\x02\x03")
+
+
+def test_the_warm_chain_c_extension_agrees_with_the_blake3_reference() -> None:
+    import os
+
+    from skippyd.keys import warm_chain, warm_chain_key, warm_chain_reference
+
+    assert keys._c_chain is not None, "the C extension is built by the install"
+    for block in (16, 64, 256):
+        for count in (0, block - 1, block, 5 * block + 3, 300 * block):
+            data = os.urandom(count * 4)
+            key = warm_chain_key("m", block)
+            expected = warm_chain_reference(key, data[: count // block * block * 4], block * 4)
+            assert warm_chain("m", data, block) == expected
+            assert len(expected) == count // block * keys.WARM_HASH_BYTES
+
+
+def test_the_warm_chain_is_standard_blake3_keyed_hashing() -> None:
+    from skippyd.keys import warm_chain, warm_chain_key
+
+    toks = encode_tokens(list(range(128)))
+    key = warm_chain_key("model-x", 64)
+    d0 = blake3(toks[:256], key=key).digest()
+    h0 = blake3(bytes(32) + d0, key=key).digest()
+    d1 = blake3(toks[256:512], key=key).digest()
+    h1 = blake3(h0 + d1, key=key).digest()
+    w = keys.WARM_HASH_BYTES
+    assert warm_chain("model-x", toks, 64) == h0[:w] + h1[:w]
+
+
+def test_warm_chains_bind_the_model_the_block_size_and_every_earlier_block() -> None:
+    from skippyd.keys import warm_chain
+
+    a = encode_tokens(list(range(256)))
+    b = encode_tokens([*range(63), 9999, *range(64, 256)])  # differs in the first block only
+    w = keys.WARM_HASH_BYTES
+    chain_a, chain_b = warm_chain("m", a), warm_chain("m", b)
+    assert all(chain_a[i : i + w] != chain_b[i : i + w] for i in range(0, len(chain_a), w))
+    assert warm_chain("m2", a)[:w] != chain_a[:w]
+    assert warm_chain("m", a, block=32)[w : 2 * w] != chain_a[:w]
+    with pytest.raises(ValueError, match="block"):
+        warm_chain("m", a, block=65)

@@ -1,0 +1,573 @@
+"""The cluster's shared facts in Redis: the warm-prefix table, node liveness and promotion counts.
+
+The only module that imports ``redis``. Each fact changes through one Lua script (``skippyd/lua/``),
+so it is atomic on a single Redis, a shared one and a Redis Cluster alike (every script's keys share a
+hash slot; key names come from :mod:`skippyd.rediskeys`). Redis errors become
+:class:`~skippyd.errors.CoordinationUnavailable` here, at the boundary.
+
+* :class:`WarmTable` — the seed's ``Warm`` (superfluid ``fleet_warm``): which node last ran each prompt
+  prefix; ``warmest`` is one round trip and a binary search inside Redis.
+* :class:`Promotions` — the seed's ``should_promote``/``promote``, counted in Redis on Redis's clock
+  by every process that shares a scope; :class:`LocalPromotions` is the same rules in-process.
+* :class:`Coordinator` — the daemon's side: registers its node and heartbeats, sends ``ran`` updates in
+  batches from a background thread, and falls back to local promotion counting while Redis is away,
+  so no request ever waits on Redis.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis
+import redis.cluster
+import redis.exceptions
+
+from .errors import CoordinationUnavailable, InvalidArgument, SkippydError
+from .keys import WARM_HASH_BYTES, encode_tokens, warm_chain
+from .rediskeys import RedisKeys
+
+__all__ = [
+    "Coordinator",
+    "LocalPromotions",
+    "NodeInfo",
+    "Promotions",
+    "WarmTable",
+    "connect",
+]
+
+log = logging.getLogger("skippyd.coordination")
+
+_NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+RedisClient = Any  # redis.Redis | redis.cluster.RedisCluster
+
+
+def _check_node(node: str) -> str:
+    if not isinstance(node, str) or not 0 < len(node) <= 128 or not set(node) <= _NODE_CHARS:
+        raise InvalidArgument(f"node names are 1-128 letters, digits, '.', '_' or '-'; got {node!r}")
+    return node
+
+
+def connect(url: str, *, timeout: float = 1.0) -> RedisClient:
+    """A redis-py client for ``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://host:port``."""
+    options: dict[str, Any] = {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry_on_timeout": False,
+    }
+    try:
+        if url.startswith("redis+cluster://"):
+            return redis.cluster.RedisCluster.from_url(
+                "redis://" + url.removeprefix("redis+cluster://"), **options
+            )
+        if not url.startswith(("redis://", "rediss://", "unix://")):
+            raise InvalidArgument(f"unsupported Redis URL {url!r}")
+        return redis.Redis.from_url(url, **options)
+    except redis.exceptions.RedisError as exc:
+        raise CoordinationUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
+
+
+class _Script:
+    """One Lua file, sent by SHA; reloaded when Redis answers NOSCRIPT (after a restart or SCRIPT FLUSH)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.source = resources.files("skippyd").joinpath("lua", name).read_text()
+        self.sha = hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()
+
+    def __call__(self, client: RedisClient, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            client.script_load(self.source)  # a cluster client loads it on every primary
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+
+
+def _is_cluster(client: RedisClient) -> bool:
+    return isinstance(client, redis.cluster.RedisCluster)
+
+
+_SCRIPTS: dict[str, _Script] = {}
+
+
+def script(name: str) -> _Script:
+    found = _SCRIPTS.get(name)
+    if found is None:
+        found = _SCRIPTS[name] = _Script(name)
+    return found
+
+
+def run_pipeline(
+    client: RedisClient, calls: Sequence[tuple[_Script, Sequence[str], Sequence[Any]]]
+) -> list[Any]:
+    """Runs several script calls in one round trip; calls that met NOSCRIPT are reloaded and re-sent.
+
+    Only the calls Redis refused with NOSCRIPT run again (they never executed), so scripts that are not
+    idempotent (``warm_ran`` advances the clock) still run exactly once.
+    """
+    results: list[Any] = [None] * len(calls)
+    pending = list(range(len(calls)))
+    for attempt in range(2):
+        pipe = client.pipeline(transaction=False)
+        for i in pending:
+            scr, keys, args = calls[i]
+            pipe.evalsha(scr.sha, len(keys), *keys, *args)
+        answers = pipe.execute(raise_on_error=False)
+        retry = []
+        for i, answer in zip(pending, answers, strict=True):
+            if isinstance(answer, redis.exceptions.NoScriptError) and attempt == 0:
+                retry.append(i)
+            elif isinstance(answer, Exception):
+                raise answer
+            else:
+                results[i] = answer
+        if not retry:
+            break
+        for name in {calls[i][0].name for i in retry}:
+            client.script_load(script(name).source)
+        pending = retry
+    return results
+
+
+@contextlib.contextmanager
+def _redis_errors(what: str) -> Any:
+    try:
+        yield
+    except redis.exceptions.RedisError as exc:
+        raise CoordinationUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """A registered node as Redis sees it (times are Redis's clock, in ms)."""
+
+    node: str
+    incarnation: int
+    last_heartbeat_ms: int
+    ttl_ms: int
+    alive: bool
+    state: str
+    last_heartbeat_age_ms: int
+
+
+class WarmTable:
+    """Which node last ran each prompt prefix (matched in whole ``block``-token blocks)."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        block: int = 64,
+        min_blocks: int = 2,
+        max_prefixes: int = 65536,
+        prefix: str = "skippyd",
+        max_dead_runs: int = 8,
+    ) -> None:
+        if min_blocks < 1 or max_prefixes < 8:
+            raise InvalidArgument("min_blocks must be at least 1 and max_prefixes at least 8")
+        warm_chain("validate", b"", block)  # checks the block size
+        self.client = client
+        self.block = block
+        self.min_blocks = min_blocks
+        self.max_prefixes = max_prefixes
+        self.keys = RedisKeys(prefix)
+        self.max_dead_runs = max_dead_runs
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        block: int = 64,
+        min_blocks: int = 2,
+        max_prefixes: int = 65536,
+        prefix: str = "skippyd",
+        timeout: float = 1.0,
+    ) -> WarmTable:
+        return cls(connect(url, timeout=timeout), block=block, min_blocks=min_blocks,
+                   max_prefixes=max_prefixes, prefix=prefix)  # fmt: skip
+
+    def chain(self, model: str, tokens: Any) -> bytes:
+        """The prompt's block chain (8 bytes a whole block), as sent to Redis."""
+        return warm_chain(model, tokens if isinstance(tokens, bytes) else encode_tokens(tokens), self.block)
+
+    # ------------------------------------------------------------- the seed's operations
+    def ran(self, model: str, tokens: Any, node: str) -> None:
+        """``node`` ran this prompt: every whole-block prefix of it now points at ``node``."""
+        self.ran_chains([self.chain(model, tokens)], node)
+
+    def ran_chains(self, chains: Sequence[bytes], node: str) -> int:
+        """Several prompts' chains in one round trip (each prompt gets its own tick, as in the seed)."""
+        _check_node(node)
+        k = self.keys
+        with _redis_errors("warm table update failed"):
+            written = script("warm_ran.lua")(
+                self.client,
+                [k.warm_prefixes, k.warm_ages, k.warm_clock],
+                [node, self.max_prefixes, WARM_HASH_BYTES, *chains],
+            )
+        return int(written)
+
+    def warmest(self, model: str, tokens: Any) -> tuple[str, int] | None:
+        """The live node that ran the longest remembered prefix of ``tokens``, and its length in tokens."""
+        return self.warmest_chain(self.chain(model, tokens))
+
+    def warmest_chain(self, chain: bytes) -> tuple[str, int] | None:
+        if len(chain) // WARM_HASH_BYTES < self.min_blocks:
+            return None
+        k = self.keys
+        with _redis_errors("warm table lookup failed"):
+            found = script("warm_warmest.lua")(
+                self.client,
+                [k.warm_prefixes, k.nodes],
+                [chain, WARM_HASH_BYTES, self.min_blocks, self.max_dead_runs],
+            )
+        if not found:
+            return None
+        return _text(found[0]), int(found[1]) * self.block
+
+    # ------------------------------------------------------------- node liveness
+    def heartbeat(self, node: str, incarnation: int, ttl_s: float) -> bool:
+        """Registers or renews ``node``; False when a newer incarnation of it holds the name."""
+        _check_node(node)
+        with _redis_errors("node heartbeat failed"):
+            ok, _current = script("node_heartbeat.lua")(
+                self.client, [self.keys.nodes], [node, int(incarnation), int(ttl_s * 1000)]
+            )
+        return bool(int(ok))
+
+    register = heartbeat
+
+    def nodes(self, *, include_gone: bool = False) -> list[NodeInfo]:
+        """Registered nodes (live ones only unless ``include_gone``), with incarnation and last heartbeat."""
+        with _redis_errors("node listing failed"):
+            raw = script("node_list.lua")(self.client, [self.keys.nodes], [])
+        now = int(raw[0])
+        out = []
+        for name, record in zip(raw[1::2], raw[2::2], strict=True):
+            inc, last, ttl, state = _text(record).split()
+            alive = state == "up" and now - int(last) <= int(ttl)
+            if alive or include_gone:
+                out.append(
+                    NodeInfo(_text(name), int(inc), int(last), int(ttl), alive, state, now - int(last))
+                )
+        return sorted(out, key=lambda n: n.node)
+
+    def forget(self, node: str, *, step: int = 1000) -> int:
+        """Removes ``node`` and every prefix it holds, ``step`` table fields per script call."""
+        _check_node(node)
+        k = self.keys
+        cursor, removed = "0", 0
+        while True:
+            with _redis_errors("forget failed"):
+                cursor_raw, count = script("node_forget.lua")(
+                    self.client, [k.warm_prefixes, k.warm_ages, k.nodes], [node, cursor, step]
+                )
+            removed += int(count)
+            cursor = _text(cursor_raw)
+            if cursor == "0":
+                return removed
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+class LocalPromotions:
+    """The seed's ``should_promote``/``promote``, in-process (the fallback while Redis is away)."""
+
+    def __init__(
+        self,
+        *,
+        window_s: float = 600.0,
+        max_bytes: int = 64 * 2**20,
+        worth_tokens: int = 4096,
+        max_observations: int = 4096,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.window_s = window_s
+        self.max_bytes = max_bytes
+        self.worth_tokens = worth_tokens
+        self.max_observations = max_observations
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._obs: dict[str, list[Any]] = {}  # key -> [first_seen, hits, terminal]
+
+    def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool:
+        now = self._clock()
+        with self._lock:
+            obs = self._obs
+            for key in [k for k, o in obs.items() if now - o[0] > self.window_s]:
+                del obs[key]
+            if len(obs) >= self.max_observations and manifest_key not in obs and obs:
+                oldest = min(obs.items(), key=lambda item: (item[1][0], item[0]))[0]
+                del obs[oldest]
+            entry = obs.setdefault(manifest_key, [now, 0, False])
+            if entry[2]:
+                return False
+            entry[1] = min(entry[1] + 1, 255)
+            if payload_bytes > self.max_bytes:
+                entry[2] = True
+                return False
+            return token_count >= self.worth_tokens or entry[1] >= 2
+
+    def settle(self, manifest_key: str) -> None:
+        with self._lock:
+            entry = self._obs.get(manifest_key)
+            if entry is not None:
+                entry[2] = True
+
+
+class Promotions:
+    """Second-hit counting before an L3 entry is promoted into L2, shared by everyone in ``scope``."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        *,
+        scope: str,
+        window_s: float = 600.0,
+        max_bytes: int = 64 * 2**20,
+        worth_tokens: int = 4096,
+        max_observations: int = 4096,
+        prefix: str = "skippyd",
+    ) -> None:
+        if not isinstance(scope, str) or not scope:
+            raise InvalidArgument("scope must be a non-empty string")
+        self.client = client
+        self.scope = scope
+        self.window_s = window_s
+        self.max_bytes = max_bytes
+        self.worth_tokens = worth_tokens
+        self.max_observations = max_observations
+        keys = RedisKeys(prefix)
+        self._keys = [keys.promo_obs(scope), keys.promo_ages(scope)]
+
+    @classmethod
+    def from_url(
+        cls,
+        url: str,
+        *,
+        scope: str,
+        window_s: float = 600.0,
+        max_bytes: int = 64 * 2**20,
+        worth_tokens: int = 4096,
+        max_observations: int = 4096,
+        prefix: str = "skippyd",
+        timeout: float = 1.0,
+    ) -> Promotions:
+        return cls(connect(url, timeout=timeout), scope=scope, window_s=window_s, max_bytes=max_bytes,
+                   worth_tokens=worth_tokens, max_observations=max_observations, prefix=prefix)  # fmt: skip
+
+    def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool:
+        """The seed's ``should_promote``: True when this L3 fill should be promoted into L2."""
+        if not isinstance(manifest_key, str) or not manifest_key:
+            raise InvalidArgument("manifest_key must be a non-empty string")
+        with _redis_errors("promotion count failed"):
+            answer = script("promo_consider.lua")(
+                self.client,
+                self._keys,
+                [manifest_key, int(token_count), int(payload_bytes), int(self.window_s * 1000),
+                 int(self.max_bytes), int(self.worth_tokens), int(self.max_observations)],
+            )  # fmt: skip
+        return bool(int(answer))
+
+    def settle(self, manifest_key: str) -> None:
+        """A promotion was attempted: the observation is terminal (no more promotions in the window)."""
+        with _redis_errors("promotion settle failed"):
+            script("promo_settle.lua")(self.client, self._keys[:1], [manifest_key])
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+
+class Coordinator:
+    """The daemon's link to Redis; nothing here ever makes a client request wait on Redis.
+
+    A background thread registers the node, heartbeats, and sends buffered ``ran`` updates in batches.
+    While Redis is down or slow the tiers keep serving: ``ran`` updates wait in a bounded buffer (and are
+    dropped, counted, once it is full), promotions are counted locally by the same rules, and the thread
+    reconnects with exponential backoff. :meth:`status` says whether it is degraded and why.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        node: str,
+        scope: str,
+        prefix: str = "skippyd",
+        timeout: float = 0.25,
+        heartbeat_s: float = 2.0,
+        ttl_s: float = 10.0,
+        buffer: int = 10000,
+        block: int = 64,
+    ) -> None:
+        self.url = url
+        self.node = _check_node(node)
+        self.incarnation = time.time_ns() // 1000
+        self.heartbeat_s = heartbeat_s
+        self.ttl_s = ttl_s
+        self.client = connect(url, timeout=timeout)
+        self.table = WarmTable(self.client, block=block, prefix=prefix)
+        self.promotions = Promotions(self.client, scope=scope, prefix=prefix)
+        self.local = LocalPromotions()
+        self._buffer: collections.deque[bytes] = collections.deque()
+        self._buffer_limit = buffer
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.degraded = False
+        self.cause = ""
+        self.degraded_since = 0.0
+        self.counters = {"ran_sent": 0, "ran_dropped": 0, "batches": 0, "failures": 0, "heartbeats": 0,
+                         "promotions_local": 0, "promotions_redis": 0, "superseded": 0}  # fmt: skip
+        self._last_heartbeat = 0.0
+
+    # ------------------------------------------------------------- request side (never blocks on Redis)
+    def ran(self, model: str, tokens: bytes) -> None:
+        """Queues a warm-table update (the chain is computed here, on the caller's worker thread)."""
+        chain = warm_chain(model, tokens, self.table.block)
+        if len(chain) < WARM_HASH_BYTES:
+            return
+        with self._cond:
+            if len(self._buffer) >= self._buffer_limit:
+                self.counters["ran_dropped"] += 1
+                return
+            self._buffer.append(chain)
+            self._cond.notify()
+
+    def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool:
+        if not self.degraded:
+            try:
+                answer = self.promotions.consider(manifest_key, token_count, payload_bytes)
+            except SkippydError as exc:
+                self._degrade(str(exc))
+            else:
+                self.counters["promotions_redis"] += 1
+                return answer
+        self.counters["promotions_local"] += 1
+        return self.local.consider(manifest_key, token_count, payload_bytes)
+
+    def settle(self, manifest_key: str) -> None:
+        self.local.settle(manifest_key)
+        if not self.degraded:
+            try:
+                self.promotions.settle(manifest_key)
+            except SkippydError as exc:
+                self._degrade(str(exc))
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            buffered = len(self._buffer)
+        return {
+            "configured": True,
+            "degraded": self.degraded,
+            "cause": self.cause,
+            "degraded_for_s": time.monotonic() - self.degraded_since if self.degraded else 0.0,
+            "node": self.node,
+            "incarnation": self.incarnation,
+            "buffered": buffered,
+            "last_heartbeat_age_s": time.monotonic() - self._last_heartbeat if self._last_heartbeat else None,
+            **self.counters,
+        }
+
+    # ------------------------------------------------------------- background side
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="skippyd-coordination", daemon=True)
+        self._thread.start()
+
+    def close(self, flush_timeout: float = 2.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=flush_timeout + 5)
+        self.table.close()
+
+    def _degrade(self, cause: str) -> None:
+        if not self.degraded:
+            log.warning("coordination degraded: %s (serving continues; retrying in the background)", cause)
+            self.degraded_since = time.monotonic()
+        self.degraded = True
+        self.cause = cause
+        self.counters["failures"] += 1
+
+    def _recover(self) -> None:
+        if self.degraded:
+            log.info("coordination recovered after %.1fs", time.monotonic() - self.degraded_since)
+        self.degraded = False
+        self.cause = ""
+
+    def _take_batch(self, limit: int = 256) -> list[bytes]:
+        with self._cond:
+            batch: list[bytes] = []
+            while self._buffer and len(batch) < limit:
+                batch.append(self._buffer.popleft())
+            return batch
+
+    def _put_back(self, batch: list[bytes]) -> None:
+        with self._cond:
+            room = self._buffer_limit - len(self._buffer)
+            keep = batch[: max(0, room)]
+            self.counters["ran_dropped"] += len(batch) - len(keep)
+            self._buffer.extendleft(reversed(keep))
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            with self._cond:
+                final = self._stop
+                if not final and not self._buffer:
+                    due = self._last_heartbeat + self.heartbeat_s - time.monotonic()
+                    if due > 0:
+                        self._cond.wait(timeout=due)
+                    final = self._stop
+            try:
+                self._tick()
+            except SkippydError as exc:
+                self._degrade(str(exc))
+                if final:
+                    return
+                with self._cond:
+                    if not self._stop:
+                        self._cond.wait(timeout=backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            self._recover()
+            backoff = 0.1
+            if final:
+                return
+
+    def _tick(self) -> None:
+        """Heartbeat when due, then send what the buffer holds (a few batches at most per tick)."""
+        if time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
+            if not self.table.heartbeat(self.node, self.incarnation, self.ttl_s):
+                self.counters["superseded"] += 1
+                log.error("another daemon with a newer incarnation claims node %s", self.node)
+            self._last_heartbeat = time.monotonic()
+            self.counters["heartbeats"] += 1
+        for _ in range(16):
+            batch = self._take_batch()
+            if not batch:
+                return
+            try:
+                self.table.ran_chains(batch, self.node)
+            except SkippydError:
+                self._put_back(batch)
+                raise
+            self.counters["ran_sent"] += len(batch)
+            self.counters["batches"] += 1
