@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import redis
@@ -79,24 +80,23 @@ def main() -> None:
             cold = rng.integers(0, 2**17, n).astype(np.int64)
             encoded = encode_tokens(prompt)
             chain = warm_chain("bench-model", encoded)
-            hashing = median(timed(lambda e=encoded: warm_chain("bench-model", e), reps=reps))
+            hashing = median(timed(partial(warm_chain, "bench-model", encoded), reps=reps))
             label = f"{n // 1024}k tokens"
             assert warm.warmest("bench-model", prompt) == ("node-a", n)
             assert warm.warmest("bench-model", half) == ("node-a", n // 2 // 64 * 64)
             assert warm.warmest("bench-model", cold) is None
             row(
-                f"warmest, {label}, all warm (hashing included)",
-                lambda p=prompt: warm.warmest("bench-model", p),
+                f"warmest, {label}, all warm (hashing included)", partial(warm.warmest, "bench-model", prompt)
             )
-            row(f"warmest, {label}, half warm", lambda p=half: warm.warmest("bench-model", p))
-            row(f"warmest, {label}, cold", lambda p=cold: warm.warmest("bench-model", p))
+            row(f"warmest, {label}, half warm", partial(warm.warmest, "bench-model", half))
+            row(f"warmest, {label}, cold", partial(warm.warmest, "bench-model", cold))
             rows.append([f"  of which: chain hashing, {label}", fmt_time(hashing), "", "", ""])
             row(
                 f"  reference: seed's linear scan as a script, {label} all warm",
-                lambda c=chain: linear(keys=[warm.keys.warm_prefixes], args=[c, WARM_HASH_BYTES]),
+                partial(linear, keys=[warm.keys.warm_prefixes], args=[chain, WARM_HASH_BYTES]),
             )
-            row(f"ran, {label} (hashing included)", lambda p=prompt: warm.ran("bench-model", p, "node-a"),
-                max(20, reps // (1 + n // 8192)))  # fmt: skip
+            ran = partial(warm.ran, "bench-model", prompt, "node-a")
+            row(f"ran, {label} (hashing included)", ran, max(20, reps // (1 + n // 8192)))
         keys = iter(range(10**9))
         row("consider (new key each call)", lambda: promotions.consider(f"k{next(keys)}", 10, 1000))
         row("consider (same key)", lambda: promotions.consider("hot", 10, 1000))
