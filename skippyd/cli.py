@@ -126,9 +126,17 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
             else:
                 click.echo(f"skippyd is not answering on {client.socket_path}: {exc}", err=True)
             sys.exit(1)
-    doc = {"up": True, "socket": client.socket_path, "server": info.get("server"), "node": stats["node"],
-           "uptime_s": stats["uptime_s"], "l2": stats["l2"], "redis": stats.get("redis", {}),
-           "connections": stats["server"].get("connections", 0)}  # fmt: skip
+    doc = {
+        "up": True,
+        "socket": client.socket_path,
+        "server": info.get("server"),
+        "node": stats["node"],
+        "uptime_s": stats["uptime_s"],
+        "l2": stats["l2"],
+        "l3": stats.get("l3"),
+        "redis": stats.get("redis", {}),
+        "connections": stats["server"].get("connections", 0),
+    }
     if as_json:
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
         return
@@ -142,6 +150,16 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
         f"  L2         {l2['entries']} entries, {human_size(l2['bytes'])} of {human_size(l2['budget_bytes'])}"
         f", {l2['hits']} hits / {l2['misses']} misses"
     )
+    l3 = stats.get("l3")
+    if l3:
+        flags = " READ-ONLY (disk below its free-space floor)" if l3["readonly"] else ""
+        used = f"{human_size(l3['bytes'])} of {human_size(l3['budget_bytes'])}"
+        click.echo(
+            f"  L3         {l3['entries']} entries, {used}, {l3['corrupt']} quarantined, "
+            f"queue {stats['ops']['l3_queue_depth']}{flags}"
+        )
+    else:
+        click.echo("  L3         off")
     if redis.get("configured") is False:
         click.echo("  redis      not configured")
     elif redis:
@@ -351,3 +369,83 @@ def nodes(include_gone: bool, as_json: bool, **redis: Any) -> None:
         click.echo(
             f"{n.node:24}  {state:10}  {n.incarnation:>20}  {human_age(n.last_heartbeat_age_ms / 1000):>10}"
         )
+
+
+# ----------------------------------------------------------------------------- L3 maintenance
+
+
+_REPAIRS = (
+    "temporary_removed",
+    "manifests_quarantined",
+    "objects_quarantined",
+    "dangling_links_dropped",
+    "links_restored",
+    "orphans_collected",
+)
+
+
+@main.group()
+def l3() -> None:
+    """The durable disk tier."""
+
+
+@l3.command(name="fsck")
+@click.option("--l3-dir", default=None, help="the L3 directory [env SKIPPYD_L3_DIR]")
+@click.option("--state-dir", default=None, help="its default parent [env SKIPPYD_STATE_DIR]")
+@click.option("--config", "config_file", default=None, help="TOML config file [env SKIPPYD_CONFIG]")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="hash every stored byte")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+def l3_fsck(
+    l3_dir: str | None, state_dir: str | None, config_file: str | None, verify: bool, as_json: bool
+) -> None:
+    """Check and repair the L3 store (the daemon must be stopped: it owns the store).
+
+    Removes temporary files, quarantines manifests that do not check out, drops dangling links, restores
+    missing ones, collects orphaned objects and, with --verify, re-hashes every segment of every object.
+    Exit status 0 when the store was clean, 1 when something was repaired or quarantined.
+    """
+    try:
+        config = load_config({"l3_dir": l3_dir, "state_dir": state_dir}, config_file=config_file).config
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    path = config.l3_path
+    if path is None:
+        _fail("L3 is turned off in this configuration (l3_dir = off)", 2)
+    if not path.exists():
+        _fail(f"{path} does not exist", 2)
+    from rich.progress import Progress
+
+    from .l3 import L3Store
+
+    try:
+        store = L3Store(path, config.l3_budget, min_free_bytes=0)
+    except SkippydError as exc:
+        _fail(f"{exc}; stop the daemon first (or read `skippyd stats` for the live store)", 1)
+    with store:
+        report = store.last_reconciliation
+        if verify:
+            with Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as progress:
+                task = progress.add_task("verifying objects", total=None)
+
+                def advance(done: int, total: int) -> None:
+                    progress.update(task, completed=done, total=total)
+
+                verified = store.reconcile(verify_objects=True, progress=advance)
+            report.verified = verified.verified
+            report.objects_quarantined = verified.objects_quarantined
+            report.problems.extend(verified.problems)
+    doc = report.as_dict()
+    repairs = [k for k in _REPAIRS if doc[k]]
+    clean = not report.problems and not repairs
+    if as_json:
+        click.echo(json.dumps({"clean": clean, **doc}, indent=2))
+    else:
+        click.echo(
+            f"{path}: {report.manifests} entries, {report.objects} objects, {report.verified} verified"
+        )
+        for key in repairs:
+            click.echo(f"  {key.replace('_', ' ')}: {doc[key]}")
+        for problem in report.problems:
+            click.echo(f"  problem: {problem}")
+        click.echo("clean" if clean else "repaired")
+    sys.exit(0 if clean else 1)

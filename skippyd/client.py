@@ -206,8 +206,14 @@ class _Conn:
         data = encode_frame(FrameType.REQUEST, request_id, body)
         self._set_timeout(timeout)
         try:
-            self.sock.sendall(data)
-            frame = self._read_frame(request_id)
+            try:
+                self.sock.sendall(data)
+            except (BrokenPipeError, ConnectionResetError):
+                # The daemon may have refused this connection (e.g. permission_denied) and closed it
+                # before our request went out: its error frame is still waiting to be read.
+                frame = self._read_frame(0)
+            else:
+                frame = self._read_frame(request_id)
         except (TimeoutError, BlockingIOError) as exc:
             raise Timeout(f"skippyd did not answer {body.get('op')} within {timeout:g}s") from exc
         except OSError as exc:

@@ -14,14 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .config import Config
-from .coordination import Coordinator
+from .coordination import Coordinator, LocalPromotions
 from .handlers import Handlers
 from .keys import Identity
 from .l2 import L2Entry, L2Tier
+from .l3 import L3Store
 from .logs import setup_logging
 from .redis_embedded import EmbeddedRedis
 from .server import Server
-from .tiers import Tiers
+from .tiers import PromotionPolicy, Tiers
 
 __all__ = ["run"]
 
@@ -37,10 +38,8 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
             embedded = EmbeddedRedis(Path(config.state_dir))
             redis_url = embedded.start()
             stack.callback(embedded.stop)
-        l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=2)
-        tiers = Tiers(l2, copy_threads=2, max_entry=config.entry_limit)
-        stack.callback(tiers.close)
         coordinator = None
+        promotions: PromotionPolicy = LocalPromotions()
         if redis_url != "none":
             coordinator = Coordinator(
                 redis_url,
@@ -54,8 +53,32 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
             )
             coordinator.start()
             stack.callback(coordinator.close)
-            if config.warm_on_capture:
-                tiers.capture_hooks.append(_feed_warm_table(coordinator))
+            promotions = coordinator
+        l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=2)
+        l3 = None
+        if config.l3_path is not None:
+            try:
+                l3 = L3Store(config.l3_path, config.l3_budget, min_free_bytes=config.l3_min_free)
+            except BaseException:
+                l2.close()
+                raise
+            report = l3.last_reconciliation
+            log.info(
+                "L3 at %s: %d entries; reconciliation removed %d temporary file(s), quarantined %d, "
+                "collected %d orphan(s)", config.l3_path, report.manifests, report.temporary_removed,
+                report.manifests_quarantined, report.orphans_collected,
+            )  # fmt: skip
+        tiers = Tiers(
+            l2,
+            l3=l3,
+            promotions=promotions,
+            copy_threads=2,
+            max_entry=config.entry_limit,
+            l3_queue=config.l3_queue,
+        )
+        stack.callback(tiers.close)
+        if coordinator is not None and config.warm_on_capture:
+            tiers.capture_hooks.append(_feed_warm_table(coordinator))
         stats = l2.stats()
         log.info(
             "L2 at %s: %d entries adopted (%d dropped), budget %d bytes",
@@ -70,12 +93,11 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
     return 0
 
 
-def _feed_warm_table(coordinator: Coordinator) -> Callable[[Identity, bytes, L2Entry, bool], bool]:
+def _feed_warm_table(coordinator: Coordinator) -> Callable[[Identity, bytes, L2Entry], None]:
     """A capture is this node running that prompt: the warm table hears of it (in a batch, later)."""
 
-    def hook(identity: Identity, tokens: bytes, entry: L2Entry, durable: bool) -> bool:
-        del entry, durable
+    def hook(identity: Identity, tokens: bytes, entry: L2Entry) -> None:
+        del entry
         coordinator.ran(identity.model, tokens)
-        return False
 
     return hook

@@ -23,12 +23,38 @@ from .keys import Identity, identity, is_hex_digest
 from .payload import MAX_TENSORS, check_decl, check_kind
 from .protocol import PROTOCOL_VERSION
 from .shm import PAGE, memfd
-from .tiers import Tiers
+from .tiers import RunOnWorker, Tiers
 
-__all__ = ["Coordinator", "Handlers", "Reply", "Session", "Staging"]
+__all__ = [
+    "Coordinator",
+    "Handlers",
+    "Reply",
+    "RunOnWorker",
+    "Session",
+    "Staging",
+    "on_worker",
+    "run_on_worker",
+]
 
 _MAX_TOKENS_BYTES = 8 << 20  # 2M tokens
 _INLINE_TOKEN_BYTES = 32 * 1024  # prompts above 8k tokens are hashed off the event loop
+
+
+_worker = threading.local()
+
+
+def on_worker() -> bool:
+    """Whether the current request runs on a worker thread (where disk I/O is allowed)."""
+    return bool(getattr(_worker, "active", False))
+
+
+def run_on_worker(handler: Operation, session: Session, body: dict[str, Any]) -> Reply:
+    """How the server calls a handler on its thread pool."""
+    _worker.active = True
+    try:
+        return handler(session, body)
+    finally:
+        _worker.active = False
 
 
 class Coordinator(Protocol):
@@ -241,20 +267,19 @@ class Handlers:
         )
 
     def restore(self, session: Session, body: dict[str, Any]) -> Reply:
-        opened = self.tiers.open_restore(_identity(body), _tokens(body))
+        opened = self.tiers.open_restore(_identity(body), _tokens(body), may_fill=on_worker())
         if opened is None:
             return Reply({"found": False})
-        entry = opened.entry
         return Reply(
             {
                 "found": True,
-                "token_count": entry.token_count,
-                "kind": entry.kind,
-                "digest": entry.digest,
-                "meta": dict(entry.meta),
-                "tensors": [spec.to_wire() for spec in entry.tensors],
-                "data_offset": entry.data_offset,
-                "data_len": entry.data_len,
+                "token_count": opened.token_count,
+                "kind": opened.kind,
+                "digest": opened.digest,
+                "meta": dict(opened.meta),
+                "tensors": [spec.to_wire() for spec in opened.tensors],
+                "data_offset": opened.data_offset,
+                "data_len": opened.data_len,
                 "source": opened.source,
                 "timings": opened.timings,
             },

@@ -218,6 +218,20 @@ class Reservation:
             with contextlib.suppress(Exception):
                 self.abort()
 
+    def open_reader(self) -> int:
+        """A leased read-only fd of the reserved file (its data region is at ``data_offset``)."""
+        if self._done:
+            raise InvalidArgument("reservation already committed or aborted")
+        return open_reader(self._file.path)
+
+    @property
+    def data_offset(self) -> int:
+        return self._data_offset
+
+    @property
+    def header(self) -> EntryHeader:
+        return self._header
+
     def tensor_view(self, name: str) -> memoryview:
         for spec in self.tensors:
             if spec.name == name:
@@ -634,6 +648,11 @@ class L2Tier:
                 return None
             self._stats.hits += 1
             return self._touch(slot)
+
+    def count_miss(self) -> None:
+        """Counts a miss found by a lookup made elsewhere (the tier rules look at both tiers)."""
+        with self._lock:
+            self._stats.misses += 1
 
     def peek(self, key: str) -> L2Entry | None:
         """The entry under ``key`` without touching recency or counters."""

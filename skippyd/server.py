@@ -36,7 +36,7 @@ from typing import Any
 
 from .config import Config
 from .errors import PermissionDenied, ShuttingDown, SkippydError, StoreLocked, VersionMismatch
-from .handlers import Handlers, Reply, Session
+from .handlers import Handlers, Operation, Reply, RunOnWorker, Session, run_on_worker
 from .protocol import Frame, FrameDecoder, FrameType, encode_frame, send_frame
 
 __all__ = ["Server", "notify", "publish_socket"]
@@ -259,13 +259,13 @@ class Connection:
                 continue
             server.ops[op] = server.ops.get(op, 0) + 1
             if pooled:
-                self.running = True
-                server.inflight += 1
-                future = server.pool.submit(handler, self.session, body)
-                future.add_done_callback(self._done_callback(request_id))
+                self._submit(request_id, handler, body)
                 return
             try:
                 reply = handler(self.session, body)
+            except RunOnWorker:  # it needs disk I/O after all: off the event loop with it
+                self._submit(request_id, handler, body)
+                return
             except SkippydError as exc:
                 self._reply_error(request_id, exc)
             except Exception as exc:
@@ -275,6 +275,12 @@ class Connection:
                 self._reply(request_id, reply)
         if not self.running and not self.reading:
             self._resume_reading_if_room()
+
+    def _submit(self, request_id: int, handler: Operation, body: dict[str, Any]) -> None:
+        self.running = True
+        self.server.inflight += 1
+        future = self.server.pool.submit(run_on_worker, handler, self.session, body)
+        future.add_done_callback(self._done_callback(request_id))
 
     def _done_callback(self, request_id: int) -> Callable[[Future[Reply]], None]:
         def done(future: Future[Reply]) -> None:

@@ -1,24 +1,55 @@
 """The rules across tiers: where a capture goes, which tier answers a lookup, what a restore serves.
 
-The daemon's handlers talk to this one object; it owns the L2 tier (and, when configured, the L3 tier
-and the coordination layer, each through a small interface). It never touches sockets and never
-imports torch.
+* **capture**: copied into L2 (the daemon hashes it there) and answered at once; a durable capture is
+  then written to L3 by a background writer through a bounded queue — when the queue is full the write
+  is dropped and counted: L3 is a durability floor, not a serving dependency.
+* **lookup/restore**: the longest captured prefix across both tiers wins. Where L3 holds that prefix
+  it is the authority: an L2 entry is served only if its digest and token count match L3's (a mismatch
+  removes the L2 entry). On an L2 miss the L3 entry is read and verified into pre-faulted L2 memory and
+  served from there; concurrent misses for one digest load it once. Corruption quarantines the L3
+  entry, drops every L2 entry with that digest and falls back to a shorter prefix.
+* **promotion**: after each L3 fill a bounded worker asks ``consider`` (the seed's should_promote,
+  counted in Redis across the scope, or locally); yes publishes the loaded memory as an L2 entry (no
+  second copy) and ``settle``\\ s; no gives the memory back.
+
+Nothing here touches sockets or imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import mmap
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from .errors import InvalidArgument, TooLarge
+from .errors import CorruptEntry, InvalidArgument, NoSpace, NotFound, SkippydError, TooLarge
 from .keys import Identity, cache_key, prefix_keys, token_count
-from .l2 import L2Entry, L2Tier, copy_into
+from .l2 import L2Entry, L2Tier, Reservation, copy_into
+from .l3 import L3Entry, L3Store
 from .payload import TensorDecl, plan_layout
+from .shm import memfd
 
-__all__ = ["CaptureOutcome", "Located", "Opened", "Tiers"]
+__all__ = ["CaptureOutcome", "Located", "Opened", "PromotionPolicy", "RunOnWorker", "Tiers"]
+
+log = logging.getLogger("skippyd.tiers")
+
+
+class RunOnWorker(Exception):
+    """Raised on the event loop when a request turns out to need disk I/O (an L3 fill): run it again
+    on a worker thread."""
+
+
+class PromotionPolicy(Protocol):
+    def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool: ...
+
+    def settle(self, manifest_key: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,16 +71,22 @@ class Located:
 
 @dataclass(slots=True)
 class Opened:
-    """An entry opened for a restore: its description and a leased read-only fd (caller closes)."""
+    """What a restore sends: the entry's description and a leased read-only fd (the caller closes it)."""
 
-    entry: L2Entry
+    token_count: int
+    kind: str
+    digest: str
+    meta: Mapping[str, Any]
+    tensors: tuple[Any, ...]
+    data_offset: int
+    data_len: int
     fd: int
     source: str
     timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
-class OpCounters:
+class Counters:
     captures: int = 0
     capture_bytes: int = 0
     lookups: int = 0
@@ -57,19 +94,85 @@ class OpCounters:
     restores: int = 0
     restore_hits: int = 0
     restore_bytes: int = 0
+    restores_l2: int = 0
+    restores_l3: int = 0
+    l3_vouched: int = 0
+    l2_mismatches_removed: int = 0
+    l3_queued: int = 0
+    l3_dropped: int = 0
+    l3_write_failures: int = 0
+    fills: int = 0
+    fill_waits: int = 0
+    corrupt_fallbacks: int = 0
+    promotions: int = 0
+    promotions_declined: int = 0
+    promotions_dropped: int = 0
     evictions_requested: int = 0
 
 
-class Tiers:
-    """L2 today; L3 and coordination plug in through ``on_capture`` hooks and the same lookup path."""
+@dataclass
+class _Fill:
+    """One L3 entry loaded into reserved L2 memory, shared by every restore that wants it.
 
-    def __init__(self, l2: L2Tier, *, copy_threads: int = 2, max_entry: int | None = None) -> None:
+    ``users`` counts the restores between joining and holding their own fd; the promoter's decision
+    (``resolution``: commit or abort) is carried out once the last of them is done, so no restore ever
+    finds the memory gone between the load and its fd.
+    """
+
+    entry: L3Entry
+    done: Future[None] = field(default_factory=Future)
+    reservation: Reservation | None = None
+    fd: int = -1  # a memfd when L2 had no room
+    fill_ms: float = 0.0
+    users: int = 0
+    resolution: str | None = None  # "commit" | "abort"
+    released: bool = False
+
+
+@dataclass(slots=True)
+class _Candidate:
+    key: str
+    length: int
+    l2: L2Entry | None
+    l3: L3Entry | None
+
+
+class Tiers:
+    def __init__(
+        self,
+        l2: L2Tier,
+        *,
+        l3: L3Store | None = None,
+        promotions: PromotionPolicy | None = None,
+        copy_threads: int = 2,
+        max_entry: int | None = None,
+        l3_queue: int = 64,
+        promotion_queue: int = 16,
+    ) -> None:
         self.l2 = l2
+        self.l3 = l3
+        self.promotions = promotions
         self._copy_threads = copy_threads
         self._max_entry = max_entry
         self._lock = threading.Lock()
-        self.counters = OpCounters()
-        self.capture_hooks: list[Callable[[Identity, bytes, L2Entry, bool], bool]] = []
+        self.counters = Counters()
+        self.capture_hooks: list[Callable[[Identity, bytes, L2Entry], None]] = []
+        self._fills: dict[str, _Fill] = {}
+        self._writes: queue.Queue[tuple[L2Entry, int, int] | None] = queue.Queue(maxsize=max(1, l3_queue))
+        self._generation = 0  # evict --all cancels every durable write queued before it
+        self._cancelled: set[str] = set()  # evict --digest cancels queued writes of that digest
+        self._promote: queue.Queue[tuple[_Fill, str] | None] = queue.Queue(maxsize=max(1, promotion_queue))
+        self._threads: list[threading.Thread] = []
+        if l3 is not None:
+            self._threads.append(threading.Thread(target=self._writer, name="skippyd-l3-writer", daemon=True))
+        self._threads.append(threading.Thread(target=self._promoter, name="skippyd-promoter", daemon=True))
+        for thread in self._threads:
+            thread.start()
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self.counters, name, getattr(self.counters, name) + delta)
 
     # ----------------------------------------------------------------- capture
     def capture(
@@ -103,108 +206,412 @@ class Tiers:
             key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
         ) as reservation:
             for spec in specs:
-                copy_into(
-                    reservation.data,
-                    spec.offset,
-                    spec.nbytes,
-                    source[spec.offset : spec.offset + spec.nbytes],
-                    threads=self._copy_threads,
-                )
+                view = source[spec.offset : spec.offset + spec.nbytes]
+                copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads)
             entry = reservation.commit()
-        l3 = False
+        if self.l3 is not None:
+            stale = self.l3.get(key)
+            if stale is not None and stale.digest != entry.digest:
+                self.l3.remove(key)  # the newest capture wins over an older durable copy
+        l3 = self._queue_write(entry) if durable else False
         for hook in self.capture_hooks:
-            l3 = hook(identity, tokens, entry, durable) or l3
-        with self._lock:
-            self.counters.captures += 1
-            self.counters.capture_bytes += entry.nbytes
+            hook(identity, tokens, entry)
+        self._count(captures=1, capture_bytes=entry.nbytes)
         return CaptureOutcome(entry.digest, entry.token_count, entry.nbytes, True, l3)
 
-    # ----------------------------------------------------------------- lookup / restore
+    def _queue_write(self, entry: L2Entry) -> bool:
+        if self.l3 is None:
+            return False
+        opened = self.l2.open_reader(entry.key)  # the lease keeps the bytes even if L2 evicts the entry
+        if opened is None:
+            return False
+        fd, current = opened
+        try:
+            self._writes.put_nowait((current, fd, self._generation))
+        except queue.Full:
+            os.close(fd)
+            self._count(l3_dropped=1)
+            return False
+        self._count(l3_queued=1)
+        return True
+
+    def _writer(self) -> None:
+        assert self.l3 is not None
+        while True:
+            job = self._writes.get()
+            if job is None:
+                return
+            entry, fd, generation = job
+            try:
+                with self._lock:
+                    cancelled = generation < self._generation or entry.digest in self._cancelled
+                    if self._writes.unfinished_tasks <= 1:
+                        self._cancelled.clear()
+                if cancelled:
+                    continue
+                length = entry.data_len or 1
+                with mmap.mmap(
+                    fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=entry.data_offset
+                ) as mapping:
+                    view = memoryview(mapping)[: entry.data_len]
+                    try:
+                        self.l3.write(entry, view)
+                    finally:
+                        view.release()
+            except SkippydError as exc:
+                self._count(l3_write_failures=1)
+                log.warning("durable write skipped: %s", exc)
+            except OSError as exc:
+                self._count(l3_write_failures=1)
+                log.error("durable write failed: %s", exc)
+            finally:
+                os.close(fd)
+                self._writes.task_done()
+
+    # ----------------------------------------------------------------- locating
+    def _candidates(self, identity: Identity, tokens: bytes) -> list[_Candidate]:
+        """Every captured prefix length of this prompt in either tier, longest first."""
+        upto = token_count(tokens)
+        lengths = set(self.l2.prefix_lengths(identity.digest, upto))
+        if self.l3 is not None:
+            lengths.update(self.l3.prefix_lengths(identity.digest, upto))
+        if not lengths:
+            return []
+        ordered = sorted(lengths)
+        keys = prefix_keys(identity, tokens, ordered)
+        return [_Candidate(k, n, None, None) for n, k in zip(reversed(ordered), reversed(keys), strict=True)]
+
+    def _resolve(self, candidate: _Candidate) -> _Candidate | None:
+        """Which tier can serve this prefix, with L3 as the authority where it holds it."""
+        l2 = self.l2.peek(candidate.key)
+        l3 = self.l3.get(candidate.key) if self.l3 is not None else None
+        if l3 is not None:
+            if l2 is not None and (l2.digest != l3.digest or l2.token_count != l3.token_count):
+                self.l2.remove(candidate.key)
+                self._count(l2_mismatches_removed=1)
+                l2 = None
+            return _Candidate(candidate.key, candidate.length, l2, l3)
+        if l2 is not None:
+            return _Candidate(candidate.key, candidate.length, l2, None)
+        return None
+
     def lookup(self, identity: Identity, tokens: bytes) -> Located | None:
-        """The longest captured prefix, without touching recency (a restore does that)."""
-        token_count(tokens)
-        entry = self._find(identity, tokens, touch=False)
-        with self._lock:
-            self.counters.lookups += 1
-            if entry is not None:
-                self.counters.lookup_hits += 1
+        """The longest captured prefix in either tier, without loading it or touching recency."""
+        for candidate in self._candidates(identity, tokens):
+            found = self._resolve(candidate)
+            if found is None:
+                continue
+            self._count(lookups=1, lookup_hits=1)
+            if found.l2 is not None:
+                return Located(found.l2.token_count, "l2", found.l2.digest, found.l2.nbytes)
+            assert found.l3 is not None
+            return Located(found.l3.token_count, "l3", found.l3.digest, found.l3.nbytes)
+        self._count(lookups=1)
+        return None
+
+    def open_restore(self, identity: Identity, tokens: bytes, *, may_fill: bool = True) -> Opened | None:
+        """The longest captured prefix opened for reading; L3 fills happen here.
+
+        With ``may_fill=False`` (the event loop) a restore that needs an L3 fill raises
+        :class:`RunOnWorker` instead of reading the disk.
+        """
+        started = time.perf_counter()
+        for candidate in self._candidates(identity, tokens):
+            found = self._resolve(candidate)
+            if found is None:
+                continue
+            opened = self._open_l2(found, started) if found.l2 is not None else None
+            if opened is None and found.l3 is not None:
+                if not may_fill:
+                    raise RunOnWorker
+                try:
+                    opened = self._open_l3(found.key, found.l3, started)
+                except CorruptEntry:
+                    self.l2.remove_by_digest(found.l3.digest)
+                    self._count(corrupt_fallbacks=1)
+                    continue  # never served: fall back to a shorter prefix
+                except NotFound:
+                    continue
+            if opened is None:
+                continue
+            self._count(restores=1, restore_hits=1, restore_bytes=sum(s.nbytes for s in opened.tensors))
+            return opened
+        self.l2.count_miss()
+        if self.l3 is not None:
+            self.l3.count_hit(False)
+        self._count(restores=1)
+        return None
+
+    def _open_l2(self, found: _Candidate, started: float) -> Opened | None:
+        entry = self.l2.get(found.key)  # counts the hit and moves recency
         if entry is None:
             return None
-        return Located(entry.token_count, "l2", entry.digest, entry.nbytes)
-
-    def open_restore(self, identity: Identity, tokens: bytes) -> Opened | None:
-        """The longest captured prefix, opened for reading with a lease; counts a hit and moves recency."""
-        started = time.perf_counter()
-        token_count(tokens)
-        for _attempt in range(3):
-            entry = self._find(identity, tokens, touch=True)
-            if entry is None:
-                break
-            opened = self.l2.open_reader(entry.key)
-            if opened is None:  # evicted between the lookup and the open: look again
-                continue
-            fd, current = opened
-            with self._lock:
-                self.counters.restores += 1
-                self.counters.restore_hits += 1
-                self.counters.restore_bytes += current.nbytes
-            return Opened(current, fd, "l2", {"lookup_ms": (time.perf_counter() - started) * 1e3})
-        with self._lock:
-            self.counters.restores += 1
-        return None
-
-    def _find(self, identity: Identity, tokens: bytes, *, touch: bool) -> L2Entry | None:
-        if touch:
-            return self.l2.lookup(identity, tokens)
-        lengths = self.l2.prefix_lengths(identity.digest, len(tokens) // 4)
-        if not lengths:
+        opened = self.l2.open_reader(found.key)
+        if opened is None:
             return None
-        for key in reversed(prefix_keys(identity, tokens, lengths)):
-            entry = self.l2.peek(key)
-            if entry is not None:
-                return entry
-        return None
+        fd, entry = opened
+        if found.l3 is not None:
+            self.l3.touch(found.key)  # type: ignore[union-attr]
+            self._count(l3_vouched=1)
+        self._count(restores_l2=1)
+        timings = {"lookup_ms": (time.perf_counter() - started) * 1e3}
+        return Opened(
+            entry.token_count,
+            entry.kind,
+            entry.digest,
+            entry.meta,
+            entry.tensors,
+            entry.data_offset,
+            entry.data_len,
+            fd,
+            "l2",
+            timings,
+        )
+
+    # ----------------------------------------------------------------- L3 fills
+    def _open_l3(self, key: str, entry: L3Entry, started: float) -> Opened:
+        assert self.l3 is not None
+        lookup_ms = (time.perf_counter() - started) * 1e3
+        with self._lock:
+            fill = self._fills.get(entry.digest)
+            leader = fill is None
+            if fill is None:
+                fill = self._fills[entry.digest] = _Fill(entry)
+            else:
+                self.counters.fill_waits += 1
+            fill.users += 1
+        try:
+            if leader:
+                self._load(key, fill)
+            fill.done.result()  # the leader's CorruptEntry/NotFound reaches every waiter
+            fd, data_offset = self._fill_reader(fill)
+        finally:
+            self._leave(fill)
+        self.l2.count_miss()
+        self.l3.count_hit(True)
+        self._count(restores_l3=1)
+        timings = {"lookup_ms": lookup_ms, "fill_ms": fill.fill_ms}
+        return Opened(
+            entry.token_count,
+            entry.kind,
+            entry.digest,
+            entry.meta,
+            entry.tensors,
+            data_offset,
+            entry.data_len,
+            fd,
+            "l3",
+            timings,
+        )
+
+    def _load(self, key: str, fill: _Fill) -> None:
+        assert self.l3 is not None
+        entry = fill.entry
+        began = time.perf_counter()
+        try:
+            decls = [TensorDecl(s.name, s.dtype, s.shape) for s in entry.tensors]
+            try:
+                fill.reservation = self.l2.reserve(
+                    key=key, identity=entry.identity, token_count=entry.token_count, tensors=decls,
+                    kind=entry.kind, meta=entry.meta, origin="l3",
+                )  # fmt: skip
+                if fill.reservation.header.data_len != entry.data_len:  # pragma: no cover - same layout rule
+                    raise CorruptEntry("L3 entry layout differs from L2's")
+                self.l3.load_into(key, fill.reservation.data)
+            except (TooLarge, NoSpace):
+                if fill.reservation is not None:
+                    fill.reservation.abort()
+                    fill.reservation = None
+                fill.fd = self._load_memfd(key, entry)  # no room in L2: serve from anonymous memory
+            fill.fill_ms = (time.perf_counter() - began) * 1e3
+            self._count(fills=1)
+        except BaseException as exc:
+            with self._lock:
+                self._fills.pop(entry.digest, None)
+                fill.released = True
+            if fill.reservation is not None:
+                fill.reservation.abort()
+                fill.reservation = None
+            fill.done.set_exception(exc)
+            return
+        fill.done.set_result(None)
+        if fill.reservation is None:
+            self._resolve_fill(fill, promote=False)
+            return
+        try:
+            self._promote.put_nowait((fill, key))
+        except queue.Full:
+            self._count(promotions_dropped=1)
+            self._resolve_fill(fill, promote=False)
+
+    def _load_memfd(self, key: str, entry: L3Entry) -> int:
+        assert self.l3 is not None
+        fd = memfd("skippyd-l3-fill", max(entry.data_len, 1))
+        try:
+            with mmap.mmap(fd, max(entry.data_len, 1), flags=mmap.MAP_SHARED) as mapping:
+                view = memoryview(mapping)
+                try:
+                    self.l3.load_into(key, view[: entry.data_len])
+                finally:
+                    view.release()
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _fill_reader(self, fill: _Fill) -> tuple[int, int]:
+        with self._lock:
+            if fill.reservation is not None:
+                return fill.reservation.open_reader(), fill.reservation.data_offset
+            if fill.fd >= 0:
+                return os.dup(fill.fd), 0
+        raise NotFound("the loaded L3 entry was already released")  # pragma: no cover - users guard it
+
+    def _leave(self, fill: _Fill) -> None:
+        with self._lock:
+            fill.users -= 1
+            ready = fill.users == 0 and fill.resolution is not None and not fill.released
+            if ready:
+                fill.released = True
+                self._fills.pop(fill.entry.digest, None)
+        if ready:
+            self._release(fill)
+
+    def _resolve_fill(self, fill: _Fill, *, promote: bool) -> None:
+        with self._lock:
+            fill.resolution = "commit" if promote else "abort"
+            ready = fill.users == 0 and not fill.released
+            if ready:
+                fill.released = True
+                self._fills.pop(fill.entry.digest, None)
+        if ready:
+            self._release(fill)
+
+    def _release(self, fill: _Fill) -> None:
+        reservation, fill.reservation = fill.reservation, None
+        fd, fill.fd = fill.fd, -1
+        if fd >= 0:
+            os.close(fd)
+        if reservation is None:
+            return
+        if fill.resolution == "commit":
+            try:
+                reservation.commit(expected_digest=fill.entry.digest)
+                self._count(promotions=1)
+            except SkippydError as exc:
+                log.warning("promotion into L2 failed: %s", exc)
+        else:
+            reservation.abort()
+
+    def _promoter(self) -> None:
+        while True:
+            job = self._promote.get()
+            if job is None:
+                return
+            fill, _key = job
+            entry = fill.entry
+            promote = False
+            try:
+                if self.promotions is not None:
+                    promote = self.promotions.consider(entry.digest, entry.token_count, entry.nbytes)
+            except SkippydError as exc:
+                log.warning("promotion check failed: %s", exc)
+            if not promote:
+                self._count(promotions_declined=1)
+            self._resolve_fill(fill, promote=promote)
+            if promote and self.promotions is not None:
+                with contextlib.suppress(SkippydError):
+                    self.promotions.settle(entry.digest)
 
     # ----------------------------------------------------------------- admin
     def evict_digest(self, digest: str) -> int:
+        """Removes every entry with this payload digest from both tiers; returns how many cache keys."""
         with self._lock:
             self.counters.evictions_requested += 1
-        return self.l2.remove_by_digest(digest)
+            self._cancelled.add(digest)
+        keys = set(self.l2.keys_by_digest(digest))
+        self.l2.remove_by_digest(digest)
+        if self.l3 is not None:
+            keys.update(self.l3.keys_by_digest(digest))
+            self.l3.remove_by_digest(digest)
+        return len(keys)
 
     def evict_all(self) -> int:
+        """Removes every entry from both tiers (and every durable write still queued)."""
         with self._lock:
             self.counters.evictions_requested += 1
-        return self.l2.clear()
+            self._generation += 1
+        keys = {e.key for e in self.l2.entries()}
+        self.l2.clear()
+        if self.l3 is not None:
+            keys.update(e.key for e, _ in self.l3.entries())
+            self.l3.clear()
+        return len(keys)
 
     def entries(self) -> list[dict[str, Any]]:
         now = time.time_ns()
-        return [
-            {
-                "tier": "l2",
-                "digest": e.digest,
-                "token_count": e.token_count,
-                "kind": e.kind,
-                "nbytes": e.nbytes,
-                "file_size": e.file_size,
-                "age_s": max(0.0, (now - e.created_ns) / 1e9),
-                "idle_s": max(0.0, (now - last_use) / 1e9),
-                "tensors": len(e.tensors),
-            }
-            for e, last_use in reversed(self.l2.entries_with_last_use())
-        ]
+        out = []
+        durable = {e.key: e.digest for e, _ in self.l3.entries()} if self.l3 is not None else {}
+        seen = set()
+        for e, last_use in reversed(self.l2.entries_with_last_use()):
+            tier = "l2+l3" if durable.get(e.key) == e.digest else "l2"
+            seen.add(e.key)
+            out.append(_listing(tier, e, e.file_size, last_use, now))
+        if self.l3 is not None:
+            for e3, last_use in sorted(self.l3.entries(), key=lambda item: -item[1]):
+                if e3.key not in seen:
+                    out.append(_listing("l3", e3, e3.data_len, last_use, now))
+        return out
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            ops = _slots(self.counters)
-        return {"l2": self.l2.stats().as_dict(), "ops": ops}
+            ops = {name: getattr(self.counters, name) for name in self.counters.__slots__}
+            ops["l3_queue_depth"] = self._writes.qsize()
+            ops["fills_in_flight"] = len(self._fills)
+        result: dict[str, Any] = {"l2": self.l2.stats().as_dict(), "ops": ops}
+        if self.l3 is not None:
+            result["l3"] = self.l3.stats().as_dict()
+        return result
 
     def housekeeping(self) -> None:
         self.l2.flush_recency()
         self.l2.trim_free(idle_seconds=300.0)
+        if self.l3 is not None:
+            self.l3.flush_recency()
+
+    def drain(self, timeout: float = 30.0) -> None:
+        """Waits (bounded) until queued durable writes are on disk."""
+        deadline = time.monotonic() + timeout
+        while self._writes.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def close(self) -> None:
+        for q in (self._writes, self._promote):
+            with contextlib.suppress(queue.Full):
+                q.put(None, timeout=30)
+        for thread in self._threads:
+            thread.join(timeout=60)
+        while True:
+            try:
+                job = self._promote.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._resolve_fill(job[0], promote=False)
+        if self.l3 is not None:
+            self.l3.close()
         self.l2.close()
 
 
-def _slots(obj: Any) -> dict[str, Any]:
-    return {name: getattr(obj, name) for name in obj.__slots__}
+def _listing(tier: str, entry: L2Entry | L3Entry, size: int, last_use: int, now: int) -> dict[str, Any]:
+    return {
+        "tier": tier,
+        "digest": entry.digest,
+        "token_count": entry.token_count,
+        "kind": entry.kind,
+        "nbytes": entry.nbytes,
+        "file_size": size,
+        "age_s": max(0.0, (now - entry.created_ns) / 1e9),
+        "idle_s": max(0.0, (now - last_use) / 1e9),
+        "tensors": len(entry.tensors),
+    }

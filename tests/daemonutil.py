@@ -29,6 +29,7 @@ class DaemonProcess:
             "--shm-dir", str(self.shm_dir),
             "--l2-budget", budget,
             "--node", "test-node",
+            "--l3-min-free", "64MiB",
             *args,
         ]  # fmt: skip
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -1,0 +1,770 @@
+"""The L3 durable tier: content-addressed payloads on local disk, verified by BLAKE3 on every load.
+
+Layout under ``--l3-dir`` (directories 0700, files 0600)::
+
+    .lock                          owner lock (flock), the owner's pid inside
+    objects/<d[:2]>/<digest>.obj   one payload per content digest: the data region exactly as an L2
+                                   entry lays it out (tensors at 4 KiB offsets), shared by every
+                                   manifest that names it
+    manifests/<k[:2]>/<key>.man    one per cached entry: checksummed JSON (format, key, identity,
+                                   kind, token_count, tensor table, meta, digest, data_len,
+                                   segment size and a BLAKE3 per segment); mtime = last use
+    links/<identity>/<count>.<key> prefix links: which token counts an identity has, longest first
+    quarantine/<time>-<name>       whatever failed verification, kept for a post-mortem (budgeted)
+    tmp/                           writes in progress
+
+Every file is written to ``tmp/``, fsynced, renamed into place, and its directory fsynced, so a crash
+(kill -9, power loss) never leaves a torn entry under a real name; start-up reconciliation removes
+temporary files, quarantines manifests that do not parse or check out, drops dangling links, restores
+missing ones and collects objects no manifest names. The in-memory index is rebuilt from the manifests
+at start, so finding the longest recorded prefix never costs a disk access.
+
+A load reads an object segment by segment, hashing each segment on a second thread while the next one
+is read, checks every segment digest and then the payload digest; any mismatch quarantines the entry
+and raises :class:`~skippyd.errors.CorruptEntry` — wrong bytes are never returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from blake3 import blake3
+
+from .errors import CorruptEntry, InvalidArgument, NoSpace, NotFound, StoreLocked, TooLarge
+from .keys import is_hex_digest
+from .l2 import L2Entry, _Lengths
+from .payload import TensorSpec, payload_digest
+
+__all__ = ["L3Entry", "L3Stats", "L3Store", "Reconciliation"]
+
+log = logging.getLogger("skippyd.l3")
+
+MANIFEST_FORMAT = 1
+SEGMENT_BYTES = 4 << 20
+_MANIFEST_MAGIC = b"SKIPPYD-L3-MANIFEST 1\n"
+_MAX_MANIFEST = 8 << 20
+_EVICT_TO = 0.85
+_QUARANTINE_SHARE = 0.05
+_NAME = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True, slots=True)
+class L3Entry:
+    key: str
+    identity: str
+    token_count: int
+    kind: str
+    digest: str
+    meta: Mapping[str, Any]
+    tensors: tuple[TensorSpec, ...]
+    data_len: int
+    segment_bytes: int
+    segments: tuple[str, ...]
+    created_ns: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(spec.nbytes for spec in self.tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "key": self.key,
+            "identity": self.identity,
+            "token_count": self.token_count,
+            "kind": self.kind,
+            "digest": self.digest,
+            "meta": dict(self.meta),
+            "tensors": [spec.to_wire() for spec in self.tensors],
+            "data_len": self.data_len,
+            "segment_bytes": self.segment_bytes,
+            "segments": list(self.segments),
+            "created_ns": self.created_ns,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> L3Entry:
+        try:
+            if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+                raise CorruptEntry("unknown manifest format")
+            tensors = tuple(TensorSpec.from_wire(item) for item in doc["tensors"])
+            entry = cls(
+                key=doc["key"],
+                identity=doc["identity"],
+                token_count=int(doc["token_count"]),
+                kind=doc["kind"],
+                digest=doc["digest"],
+                meta=dict(doc["meta"]),
+                tensors=tensors,
+                data_len=int(doc["data_len"]),
+                segment_bytes=int(doc["segment_bytes"]),
+                segments=tuple(doc["segments"]),
+                created_ns=int(doc.get("created_ns", 0)),
+            )
+        except (KeyError, TypeError, ValueError, InvalidArgument) as exc:
+            raise CorruptEntry(f"manifest is invalid: {exc}") from exc
+        if not (is_hex_digest(entry.key) and is_hex_digest(entry.identity) and is_hex_digest(entry.digest)):
+            raise CorruptEntry("manifest names are not digests")
+        if entry.segment_bytes <= 0 or len(entry.segments) != -(-entry.data_len // entry.segment_bytes):
+            raise CorruptEntry("manifest segment list does not cover the data")
+        if any(not is_hex_digest(s) for s in entry.segments):
+            raise CorruptEntry("manifest segment digests are malformed")
+        end = 0
+        for spec in entry.tensors:
+            if spec.offset < end:
+                raise CorruptEntry("manifest tensors overlap")
+            end = spec.offset + spec.nbytes
+        if end > entry.data_len:
+            raise CorruptEntry("manifest tensors run past the data")
+        return entry
+
+
+def encode_manifest(entry: L3Entry) -> bytes:
+    body = json.dumps(entry.to_json(), sort_keys=True, separators=(",", ":")).encode()
+    return _MANIFEST_MAGIC + blake3(body).hexdigest().encode() + b"\n" + body
+
+
+def decode_manifest(raw: bytes) -> L3Entry:
+    if not raw.startswith(_MANIFEST_MAGIC):
+        raise CorruptEntry("not a skippyd manifest")
+    rest = raw[len(_MANIFEST_MAGIC) :]
+    checksum, _, body = rest.partition(b"\n")
+    if blake3(body).hexdigest().encode() != checksum:
+        raise CorruptEntry("manifest checksum does not match")
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CorruptEntry(f"manifest is not JSON: {exc}") from exc
+    return L3Entry.from_json(doc)
+
+
+@dataclass(slots=True)
+class L3Stats:
+    entries: int = 0
+    objects: int = 0
+    bytes: int = 0  # everything on disk: objects, manifests, quarantine, in-flight writes
+    budget_bytes: int = 0
+    quarantine_bytes: int = 0
+    inflight_bytes: int = 0
+    readonly: bool = False
+    free_disk_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    fills: int = 0
+    writes: int = 0
+    write_skips: int = 0
+    refused_writes: int = 0
+    evictions: int = 0
+    corrupt: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass
+class Reconciliation:
+    """What start-up (or ``skippyd l3 fsck``) found and did."""
+
+    manifests: int = 0
+    objects: int = 0
+    temporary_removed: int = 0
+    manifests_quarantined: int = 0
+    objects_quarantined: int = 0
+    dangling_links_dropped: int = 0
+    links_restored: int = 0
+    orphans_collected: int = 0
+    verified: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(slots=True)
+class _Record:
+    entry: L3Entry
+    manifest_size: int
+    last_use: int
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class L3Store:
+    """The disk tier. Thread-safe; one owning process per directory."""
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        budget_bytes: int,
+        *,
+        min_free_bytes: int = 0,
+        segment_bytes: int = SEGMENT_BYTES,
+        hash_threads: int = 2,
+        verify_objects_at_start: bool = False,
+    ) -> None:
+        if budget_bytes <= 0:
+            raise InvalidArgument("the L3 budget must be positive")
+        self.directory = Path(directory)
+        self.budget_bytes = budget_bytes
+        self.min_free_bytes = min_free_bytes
+        self.segment_bytes = segment_bytes
+        self._hash_threads = hash_threads
+        self._lock = threading.RLock()
+        self._records: dict[str, _Record] = {}
+        self._by_identity: dict[str, _Lengths] = {}
+        self._by_digest: dict[str, set[str]] = {}
+        self._object_sizes: dict[str, int] = {}
+        self._object_bytes = 0
+        self._manifest_bytes = 0
+        self._quarantine_bytes = 0
+        self._inflight = 0
+        self._dirty: set[str] = set()
+        self._stats = L3Stats(budget_bytes=budget_bytes)
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippyd-l3-hash")
+        self._closed = False
+        self._dirs = {
+            name: self.directory / name for name in ("objects", "manifests", "links", "quarantine", "tmp")
+        }
+        for path in (self.directory, *self._dirs.values()):
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if path.is_symlink() or not path.is_dir():
+                raise InvalidArgument(f"{path} is not a directory")
+        os.chmod(self.directory, 0o700)
+        self._lock_fd = self._take_owner_lock()
+        try:
+            self.last_reconciliation = self.reconcile(verify_objects=verify_objects_at_start)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
+
+    # ----------------------------------------------------------------- lifecycle
+    def _take_owner_lock(self) -> int:
+        path = self.directory / ".lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise StoreLocked(f"{self.directory} is owned by another process (pid {holder or '?'})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.flush_recency()
+            self._hasher.shutdown(wait=True)
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> L3Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- paths (never from client text)
+    def _object_path(self, digest: str) -> Path:
+        return self._dirs["objects"] / digest[:2] / f"{digest}.obj"
+
+    def _manifest_path(self, key: str) -> Path:
+        return self._dirs["manifests"] / key[:2] / f"{key}.man"
+
+    def _link_path(self, entry: L3Entry) -> Path:
+        return self._dirs["links"] / entry.identity / f"{entry.token_count}.{entry.key}"
+
+    # ----------------------------------------------------------------- reconciliation
+    def reconcile(
+        self, *, verify_objects: bool = False, progress: Callable[[int, int], None] | None = None
+    ) -> Reconciliation:
+        """Rebuilds the index from disk and repairs what a crash can leave behind."""
+        report = Reconciliation()
+        with self._lock:
+            self._records.clear()
+            self._by_identity.clear()
+            self._by_digest.clear()
+            self._object_sizes.clear()
+            self._object_bytes = self._manifest_bytes = 0
+            for child in self._dirs["tmp"].iterdir():
+                _remove(child)
+                report.temporary_removed += 1
+            for shard in self._dirs["objects"].iterdir():
+                for obj in shard.iterdir() if shard.is_dir() else ():
+                    name = obj.name.removesuffix(".obj")
+                    if not obj.name.endswith(".obj") or not _NAME.match(name) or obj.is_symlink():
+                        _remove(obj)
+                        report.orphans_collected += 1
+                        continue
+                    self._add_object(name, obj.stat().st_size)
+            report.objects = len(self._object_sizes)
+            found: list[tuple[int, str, _Record]] = []
+            for shard in self._dirs["manifests"].iterdir():
+                for man in shard.iterdir() if shard.is_dir() else ():
+                    key = man.name.removesuffix(".man")
+                    try:
+                        if not man.name.endswith(".man") or not _NAME.match(key) or man.is_symlink():
+                            raise CorruptEntry(f"unexpected file {man.name}")
+                        st = man.stat()
+                        raw = man.read_bytes() if st.st_size <= _MAX_MANIFEST else b""
+                        entry = decode_manifest(raw)
+                        if entry.key != key:
+                            raise CorruptEntry("manifest holds another key")
+                        size = self._object_sizes.get(entry.digest)
+                        if size is None:
+                            raise CorruptEntry("its object is missing")
+                        if size != entry.data_len:
+                            raise CorruptEntry("its object has the wrong size")
+                    except (CorruptEntry, OSError) as exc:
+                        self._quarantine_file(man, f"manifest {man.name}: {exc}")
+                        report.manifests_quarantined += 1
+                        report.problems.append(f"manifest {man.name}: {exc}")
+                        continue
+                    found.append((st.st_mtime_ns, key, _Record(entry, st.st_size, st.st_mtime_ns)))
+            for _mtime, _key, record in sorted(found, key=lambda item: (item[0], item[1])):
+                self._index(record)
+            report.manifests = len(self._records)
+            # links: drop dangling ones, restore missing ones
+            wanted = {self._link_path(r.entry) for r in self._records.values()}
+            for ident_dir in self._dirs["links"].iterdir():
+                for link in ident_dir.iterdir() if ident_dir.is_dir() else ():
+                    if link not in wanted:
+                        _remove(link)
+                        report.dangling_links_dropped += 1
+                if ident_dir.is_dir() and not any(ident_dir.iterdir()):
+                    ident_dir.rmdir()
+            for path in wanted:
+                if not path.exists():
+                    self._write_link(path)
+                    report.links_restored += 1
+            # objects no manifest names
+            for digest in list(self._object_sizes):
+                if digest not in self._by_digest:
+                    self._drop_object_if_unused(digest)
+                    report.orphans_collected += 1
+            self._quarantine_bytes = sum(
+                p.stat().st_size for p in self._dirs["quarantine"].iterdir() if p.is_file()
+            )
+        if verify_objects:
+            self._verify_all(report, progress)
+        if report.problems:
+            log.warning(
+                "L3 reconciliation: %d problem(s); first: %s", len(report.problems), report.problems[0]
+            )
+        return report
+
+    def _verify_all(self, report: Reconciliation, progress: Callable[[int, int], None] | None) -> None:
+        with self._lock:
+            digests = sorted(self._by_digest)
+        for index, digest in enumerate(digests):
+            with self._lock:
+                keys = sorted(self._by_digest.get(digest, ()))
+                record = self._records.get(keys[0]) if keys else None
+            if record is not None:
+                try:
+                    self._read_verified(record.entry, bytearray(record.entry.data_len))
+                    report.verified += 1
+                except CorruptEntry as exc:
+                    report.objects_quarantined += 1
+                    report.problems.append(f"object {digest[:16]}: {exc}")
+            if progress is not None:
+                progress(index + 1, len(digests))
+
+    # ----------------------------------------------------------------- index (lock held)
+    def _add_object(self, digest: str, size: int) -> None:
+        self._object_bytes += size - self._object_sizes.get(digest, 0)
+        self._object_sizes[digest] = size
+
+    def _index(self, record: _Record) -> None:
+        entry = record.entry
+        old = self._records.get(entry.key)
+        if old is not None:
+            self._unindex(old.entry)
+        self._records[entry.key] = record
+        self._manifest_bytes += record.manifest_size
+        self._by_identity.setdefault(entry.identity, _Lengths()).add(entry.token_count)
+        self._by_digest.setdefault(entry.digest, set()).add(entry.key)
+
+    def _unindex(self, entry: L3Entry) -> None:
+        record = self._records.pop(entry.key, None)
+        if record is not None:
+            self._manifest_bytes -= record.manifest_size
+        self._dirty.discard(entry.key)
+        lengths = self._by_identity.get(entry.identity)
+        if lengths is not None:
+            lengths.discard(entry.token_count)
+            if not lengths.counts:
+                del self._by_identity[entry.identity]
+        keys = self._by_digest.get(entry.digest)
+        if keys is not None:
+            keys.discard(entry.key)
+            if not keys:
+                del self._by_digest[entry.digest]
+
+    def _used(self) -> int:
+        return self._object_bytes + self._manifest_bytes + self._quarantine_bytes + self._inflight
+
+    # ----------------------------------------------------------------- lookups
+    def prefix_lengths(self, identity_digest: str, upto: int) -> list[int]:
+        with self._lock:
+            lengths = self._by_identity.get(identity_digest)
+            return lengths.upto(upto) if lengths is not None else []
+
+    def get(self, key: str) -> L3Entry | None:
+        with self._lock:
+            record = self._records.get(key)
+            return record.entry if record is not None else None
+
+    def entries(self) -> list[tuple[L3Entry, int]]:
+        with self._lock:
+            return [(r.entry, r.last_use) for r in self._records.values()]
+
+    def touch(self, key: str) -> None:
+        with self._lock:
+            record = self._records.get(key)
+            if record is not None:
+                record.last_use = max(record.last_use + 1, time.time_ns())
+                self._dirty.add(key)
+
+    def flush_recency(self) -> None:
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+            for key in dirty:
+                record = self._records.get(key)
+                if record is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.utime(self._manifest_path(key), ns=(record.last_use, record.last_use))
+
+    def count_hit(self, hit: bool) -> None:
+        with self._lock:
+            if hit:
+                self._stats.hits += 1
+            else:
+                self._stats.misses += 1
+
+    # ----------------------------------------------------------------- write path
+    def free_disk(self) -> int:
+        st = os.statvfs(self.directory)
+        return st.f_bavail * st.f_frsize
+
+    @property
+    def readonly(self) -> bool:
+        return self.free_disk() < self.min_free_bytes
+
+    def write(self, entry: L2Entry, data: memoryview) -> bool:
+        """Stores an L2 entry's data region durably; True if written, False if it was already there.
+
+        Raises :class:`NoSpace` (disk floor or a full filesystem) or :class:`TooLarge` (budget); a
+        failed write leaves nothing behind but what was there before.
+        """
+        if len(data) != entry.data_len:
+            raise InvalidArgument("the data region does not match the entry")
+        with self._lock:
+            existing = self._records.get(entry.key)
+            if existing is not None and existing.entry.digest == entry.digest:
+                self._stats.write_skips += 1
+                return False
+            have_object = entry.digest in self._object_sizes
+            need = (0 if have_object else entry.data_len) + 4096
+            if need > self.budget_bytes * _EVICT_TO:
+                self._stats.refused_writes += 1
+                raise TooLarge(f"an entry of {need} bytes does not fit the L3 budget ({self.budget_bytes})")
+            if self.free_disk() - need < self.min_free_bytes:
+                self._stats.refused_writes += 1
+                self._stats.readonly = True
+                raise NoSpace("L3 is read-only: the disk is below its minimum free space")
+            self._make_room(need)
+            self._inflight += need
+        try:
+            segments: tuple[str, ...] | None = None
+            segment_bytes = self.segment_bytes
+            if not have_object:
+                segments = tuple(self._segment_digests(data))
+                self._write_file(self._object_path(entry.digest), data)
+            with self._lock:
+                if have_object and entry.digest not in self._object_sizes:
+                    raise NoSpace("the shared object was evicted while this write waited")
+                if not have_object:
+                    self._add_object(entry.digest, entry.data_len)
+                    self._stats.bytes_written += entry.data_len
+                if segments is None:
+                    keys = self._by_digest.get(entry.digest)
+                    source = self._records[next(iter(keys))].entry if keys else None
+                    if source is None:
+                        raise NoSpace("the shared object lost its manifest while this write waited")
+                    segments, segment_bytes = source.segments, source.segment_bytes
+            manifest = L3Entry(
+                key=entry.key, identity=entry.identity, token_count=entry.token_count, kind=entry.kind,
+                digest=entry.digest, meta=dict(entry.meta), tensors=entry.tensors, data_len=entry.data_len,
+                segment_bytes=segment_bytes, segments=segments, created_ns=entry.created_ns,
+            )  # fmt: skip
+            raw = encode_manifest(manifest)
+            self._write_file(self._manifest_path(entry.key), memoryview(raw))
+            self._write_link(self._link_path(manifest))
+            with self._lock:
+                old = self._records.get(entry.key)
+                self._index(_Record(manifest, len(raw), time.time_ns()))
+                if old is not None and old.entry.digest != manifest.digest:
+                    self._drop_object_if_unused(old.entry.digest)
+                    with contextlib.suppress(FileNotFoundError):
+                        self._link_path(old.entry).unlink()
+                self._stats.writes += 1
+                self._stats.bytes_written += len(raw)
+            return True
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                with self._lock:
+                    self._stats.refused_writes += 1
+                raise NoSpace(f"L3 disk full: {exc.strerror}") from exc
+            raise
+        finally:
+            with self._lock:
+                self._inflight -= need
+
+    def _segment_digests(self, data: memoryview) -> list[str]:
+        step = self.segment_bytes
+        return [
+            blake3(data[i : i + step], max_threads=self._hash_threads).hexdigest()
+            for i in range(0, len(data), step)
+        ]
+
+    def _write_file(self, final: Path, data: memoryview) -> None:
+        """tmp + write + fsync + rename + directory fsync: the file appears whole or not at all."""
+        final.parent.mkdir(mode=0o700, exist_ok=True)
+        temp = self._dirs["tmp"] / f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            view = memoryview(data).cast("B")
+            written = 0
+            while written < len(view):
+                written += os.pwrite(fd, view[written : written + (64 << 20)], written)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+            raise
+        os.close(fd)
+        os.rename(temp, final)
+        _fsync_dir(final.parent)
+
+    def _write_link(self, path: Path) -> None:
+        path.parent.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        _fsync_dir(path.parent)
+
+    def _make_room(self, need: int) -> None:
+        """Evicts (quarantine first, then least recently used entries) when a write would pass the cap."""
+        if self._used() + need <= self.budget_bytes:
+            return
+        target = self.budget_bytes * _EVICT_TO - need
+        for path in sorted(self._dirs["quarantine"].iterdir(), key=lambda p: p.name):
+            if self._used() <= target:
+                return
+            with contextlib.suppress(OSError):
+                size = path.stat().st_size
+                path.unlink()
+                self._quarantine_bytes -= size
+        victims = sorted(self._records.values(), key=lambda r: (r.last_use, r.entry.key))
+        for record in victims:
+            if self._used() <= target:
+                return
+            self._remove_entry(record.entry)
+            self._stats.evictions += 1
+
+    def _remove_entry(self, entry: L3Entry) -> None:
+        self._unindex(entry)
+        for path in (self._manifest_path(entry.key), self._link_path(entry)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        self._drop_object_if_unused(entry.digest)
+
+    def _drop_object_if_unused(self, digest: str) -> None:
+        if digest not in self._by_digest and digest in self._object_sizes:
+            self._object_bytes -= self._object_sizes.pop(digest)
+            with contextlib.suppress(FileNotFoundError):
+                self._object_path(digest).unlink()
+
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            record = self._records.get(key)
+            if record is None:
+                return False
+            self._remove_entry(record.entry)
+            return True
+
+    def keys_by_digest(self, digest: str) -> list[str]:
+        with self._lock:
+            return sorted(self._by_digest.get(digest, ()))
+
+    def remove_by_digest(self, digest: str) -> int:
+        with self._lock:
+            keys = list(self._by_digest.get(digest, ()))
+            for key in keys:
+                self.remove(key)
+            return len(keys)
+
+    def clear(self) -> int:
+        with self._lock:
+            records = list(self._records.values())
+            for record in records:
+                self._remove_entry(record.entry)
+            return len(records)
+
+    # ----------------------------------------------------------------- read path
+    def load_into(self, key: str, dest: memoryview) -> L3Entry:
+        """Reads and verifies an entry's data region into ``dest``; corruption quarantines it."""
+        with self._lock:
+            record = self._records.get(key)
+            if record is None:
+                raise NotFound("no such L3 entry")
+            entry = record.entry
+        if len(dest) < entry.data_len:
+            raise InvalidArgument("the destination is smaller than the entry")
+        self._read_verified(entry, dest)
+        with self._lock:
+            self._stats.fills += 1
+            self._stats.bytes_read += entry.data_len
+        self.touch(key)
+        return entry
+
+    def _read_verified(self, entry: L3Entry, dest: Any) -> None:
+        view = memoryview(dest).cast("B")
+        path = self._object_path(entry.digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            with self._lock:
+                still_indexed = entry.digest in self._object_sizes
+            if not still_indexed:  # evicted (or replaced) between the lookup and the open
+                raise NotFound("the L3 entry was evicted") from None
+            self.quarantine(entry, "its object file is missing")
+            raise CorruptEntry("L3 object file is missing") from None
+        try:
+            if os.fstat(fd).st_size != entry.data_len:
+                raise CorruptEntry("L3 object has the wrong size")
+            step = entry.segment_bytes
+            pending = None
+            for index, start in enumerate(range(0, entry.data_len, step)):
+                stop = min(start + step, entry.data_len)
+                chunk = view[start:stop]
+                got = 0
+                while got < len(chunk):
+                    n = os.preadv(fd, [chunk[got:]], start + got)
+                    if n <= 0:
+                        raise CorruptEntry("L3 object ended early")
+                    got += n
+                if pending is not None:
+                    _check_segment(pending.result(), entry, index - 1)
+                pending = self._hasher.submit(_hash, chunk)
+            if pending is not None:
+                _check_segment(pending.result(), entry, len(entry.segments) - 1)
+            if payload_digest(view, entry.tensors, threads=self._hash_threads) != entry.digest:
+                raise CorruptEntry("L3 payload digest does not match its manifest")
+        except CorruptEntry as exc:
+            self.quarantine(entry, str(exc))
+            raise
+        finally:
+            os.close(fd)
+
+    def quarantine(self, entry: L3Entry, reason: str) -> None:
+        """Moves an entry (manifest and, if no other manifest shares it, its object) out of service."""
+        log.error("L3 entry quarantined: %s", reason)
+        with self._lock:
+            self._stats.corrupt += 1
+            if entry.key in self._records and self._records[entry.key].entry is entry:
+                self._unindex(entry)
+            self._quarantine_file(self._manifest_path(entry.key), reason)
+            with contextlib.suppress(FileNotFoundError):
+                self._link_path(entry).unlink()
+            # the object is bad for every manifest that names it
+            for other in list(self._by_digest.get(entry.digest, ())):
+                record = self._records[other]
+                self._unindex(record.entry)
+                self._quarantine_file(self._manifest_path(other), f"shares corrupt object: {reason}")
+                with contextlib.suppress(FileNotFoundError):
+                    self._link_path(record.entry).unlink()
+            if entry.digest in self._object_sizes:
+                self._object_bytes -= self._object_sizes.pop(entry.digest)
+                self._quarantine_file(self._object_path(entry.digest), reason)
+
+    def _quarantine_file(self, path: Path, reason: str) -> None:
+        target = self._dirs["quarantine"] / f"{time.time_ns()}-{path.name}"
+        try:
+            size = path.stat().st_size
+            os.rename(path, target)
+        except OSError:
+            return
+        self._quarantine_bytes += size
+        limit = int(self.budget_bytes * _QUARANTINE_SHARE)
+        for old in sorted(self._dirs["quarantine"].iterdir(), key=lambda p: p.name):
+            if self._quarantine_bytes <= limit or old == target:
+                break
+            with contextlib.suppress(OSError):
+                old_size = old.stat().st_size
+                old.unlink()
+                self._quarantine_bytes -= old_size
+        del reason
+
+    # ----------------------------------------------------------------- stats
+    def stats(self) -> L3Stats:
+        free = self.free_disk()
+        with self._lock:
+            stats = replace(self._stats)
+            stats.entries = len(self._records)
+            stats.objects = len(self._object_sizes)
+            stats.bytes = self._used()
+            stats.quarantine_bytes = self._quarantine_bytes
+            stats.inflight_bytes = self._inflight
+            stats.free_disk_bytes = free
+            stats.readonly = free < self.min_free_bytes
+            return stats
+
+    def iter_keys(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._records))
+
+
+def _hash(chunk: memoryview) -> str:
+    return str(blake3(chunk).hexdigest())
+
+
+def _check_segment(digest: str, entry: L3Entry, index: int) -> None:
+    if digest != entry.segments[index]:
+        raise CorruptEntry(f"L3 segment {index} does not match its digest")
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            for child in path.iterdir():
+                _remove(child)
+            path.rmdir()
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass

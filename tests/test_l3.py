@@ -1,0 +1,267 @@
+"""The L3 store on real files: durable writes, verified loads, quarantine, budgets, reconciliation."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from blake3 import blake3
+from l2util import IDENT, key_of
+
+from skippyd.errors import CorruptEntry, NoSpace, NotFound, StoreLocked, TooLarge
+from skippyd.l2 import L2Entry, L2Tier
+from skippyd.l3 import L3Store
+from skippyd.payload import TensorDecl
+
+KB, MB = 1024, 1 << 20
+
+
+@pytest.fixture
+def l2(shm_dir: Path) -> Iterator[L2Tier]:
+    with L2Tier(shm_dir, 512 * MB) as tier:
+        yield tier
+
+
+def admit(l2: L2Tier, name: str, sizes: list[int], fill: int = 3) -> L2Entry:
+    tensors = [TensorDecl(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
+    data = [bytes([(fill + i) % 256]) * n for i, n in enumerate(sizes)]
+    return l2.admit(key=key_of(name), identity=IDENT, token_count=len(name), tensors=tensors, data=data)
+
+
+def store(l2: L2Tier, l3: L3Store, entry: L2Entry) -> bool:
+    with l2.borrow(entry.key) as (_e, view):
+        return l3.write(entry, view)
+
+
+def load(l3: L3Store, key: str) -> bytes:
+    entry = l3.get(key)
+    assert entry is not None
+    buf = bytearray(entry.data_len)
+    l3.load_into(key, memoryview(buf))
+    return bytes(buf)
+
+
+def expected_bytes(l2: L2Tier, entry: L2Entry) -> bytes:
+    with l2.borrow(entry.key) as (_e, view):
+        return bytes(view)
+
+
+def test_a_written_entry_loads_verified_and_survives_a_new_process(l2: L2Tier, tmp_path: Path) -> None:
+    entry = admit(l2, "abc", [100 * KB, 0, 3 * MB + 5])
+    with L3Store(tmp_path / "l3", 1 << 30, segment_bytes=MB) as l3:
+        assert store(l2, l3, entry) is True
+        assert load(l3, entry.key) == expected_bytes(l2, entry)
+        found = l3.get(entry.key)
+        assert found is not None and found.digest == entry.digest and len(found.segments) == 4
+        assert l3.prefix_lengths(IDENT.digest, 10) == [3]
+    with L3Store(tmp_path / "l3", 1 << 30) as again:
+        assert again.last_reconciliation.manifests == 1
+        assert load(again, entry.key) == expected_bytes(l2, entry)
+    for path in (tmp_path / "l3").rglob("*"):
+        mode = path.stat().st_mode & 0o777
+        assert mode == (0o700 if path.is_dir() else 0o600), path
+
+
+def test_rewriting_identical_content_is_idempotent_and_shared_objects_are_stored_once(
+    l2: L2Tier, tmp_path: Path
+) -> None:
+    a = admit(l2, "aaa", [MB], fill=9)
+    b = admit(l2, "bbbb", [MB], fill=9)  # same bytes under another key
+    assert a.digest == b.digest
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        assert store(l2, l3, a) is True
+        assert store(l2, l3, a) is False
+        assert store(l2, l3, b) is True
+        stats = l3.stats()
+        assert (stats.entries, stats.objects, stats.write_skips) == (2, 1, 1)
+        assert l3.remove(a.key)
+        assert load(l3, b.key) == expected_bytes(l2, b), "the object stays while a manifest names it"
+        assert l3.remove(b.key)
+        assert l3.stats().objects == 0
+        assert not any((tmp_path / "l3" / "objects").rglob("*.obj"))
+
+
+@pytest.mark.parametrize("segment", [0, 1, 2, 3])
+def test_a_flipped_byte_in_any_segment_is_a_miss_and_a_quarantine_never_wrong_bytes(
+    l2: L2Tier, tmp_path: Path, segment: int
+) -> None:
+    entry = admit(l2, "abc", [MB, 2 * MB + 10])
+    other = admit(l2, "other", [KB], fill=77)
+    with L3Store(tmp_path / "l3", 1 << 30, segment_bytes=MB) as l3:
+        store(l2, l3, entry)
+        store(l2, l3, other)
+        obj = next((tmp_path / "l3" / "objects").rglob(f"{entry.digest}.obj"))
+        where = segment * MB + (5 if segment == 3 else 123)  # the last segment holds 10 bytes
+        with open(obj, "r+b") as f:
+            f.seek(where)
+            byte = f.read(1)
+            f.seek(where)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        buf = bytearray(entry.data_len)
+        with pytest.raises(CorruptEntry):
+            l3.load_into(entry.key, memoryview(buf))
+        assert l3.get(entry.key) is None
+        assert l3.stats().corrupt == 1
+        assert any((tmp_path / "l3" / "quarantine").iterdir())
+        with pytest.raises(NotFound):
+            l3.load_into(entry.key, memoryview(buf))
+        assert load(l3, other.key) == expected_bytes(l2, other), "other entries are untouched"
+
+
+def test_a_flipped_byte_in_a_manifest_is_quarantined_at_start(l2: L2Tier, tmp_path: Path) -> None:
+    entry = admit(l2, "abc", [64 * KB])
+    keep = admit(l2, "keep", [64 * KB], fill=5)
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        store(l2, l3, entry)
+        store(l2, l3, keep)
+    manifest = next((tmp_path / "l3" / "manifests").rglob(f"{entry.key}.man"))
+    raw = bytearray(manifest.read_bytes())
+    raw[len(raw) // 2] ^= 0x04
+    manifest.write_bytes(bytes(raw))
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        report = l3.last_reconciliation
+        assert report.manifests_quarantined == 1 and report.manifests == 1
+        assert l3.get(entry.key) is None and l3.get(keep.key) is not None
+        assert report.orphans_collected == 0 or l3.stats().objects == 1
+
+
+def test_startup_reconciliation_repairs_what_a_crash_leaves(l2: L2Tier, tmp_path: Path) -> None:
+    entries = [admit(l2, name, [32 * KB], fill=i) for i, name in enumerate(["a1", "b22", "c333"])]
+    root = tmp_path / "l3"
+    with L3Store(root, 1 << 30) as l3:
+        for e in entries:
+            store(l2, l3, e)
+    (root / "tmp" / "half.obj.123.tmp").write_bytes(b"x" * 1000)  # a write cut short
+    orphan = root / "objects" / "ff" / ("f" * 64 + ".obj")
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(b"y" * 10)  # an object no manifest names
+    dangling = root / "links" / IDENT.digest / f"7.{'e' * 64}"
+    dangling.write_bytes(b"")  # a link to a manifest that is gone
+    missing_link = next((root / "links").rglob(f"*.{entries[0].key}"))
+    missing_link.unlink()
+    missing_object = root / "objects" / entries[1].digest[:2] / f"{entries[1].digest}.obj"
+    missing_object.unlink()  # its manifest now points at nothing
+    with L3Store(root, 1 << 30) as l3:
+        report = l3.last_reconciliation
+        assert report.temporary_removed == 1
+        assert report.orphans_collected == 1
+        assert report.dangling_links_dropped == 2, "the stray link and the quarantined manifest's"
+        assert report.links_restored == 1
+        assert report.manifests_quarantined == 1
+        assert sorted(k for k in l3.iter_keys()) == sorted([entries[0].key, entries[2].key])
+    assert not any((root / "tmp").iterdir()) and not orphan.exists() and not dangling.exists()
+
+
+def test_the_budget_covers_everything_and_evicts_oldest_use_down_to_85_percent(
+    l2: L2Tier, tmp_path: Path
+) -> None:
+    entries = [admit(l2, f"e{i:02d}", [MB], fill=i) for i in range(10)]
+    with L3Store(tmp_path / "l3", 6 * MB) as l3:
+        for e in entries[:5]:
+            store(l2, l3, e)
+        assert l3.stats().evictions == 0
+        l3.touch(entries[0].key)  # used recently: kept over 1, 2, 3
+        store(l2, l3, entries[5])  # over the cap: evict until the store, new entry included, is <= 85%
+        assert l3.stats().evictions == 1
+        assert [l3.get(e.key) is not None for e in entries[:6]] == [True, False, True, True, True, True]
+        assert l3.stats().bytes <= 0.85 * 6 * MB
+        for e in entries[6:]:
+            store(l2, l3, e)
+            assert l3.stats().bytes <= 6 * MB
+        assert l3.get(entries[-1].key) is not None
+        with pytest.raises(TooLarge):
+            store(l2, l3, admit(l2, "huge", [6 * MB]))
+        assert l3.stats().refused_writes == 1
+
+
+def test_below_the_free_space_floor_l3_is_read_only(l2: L2Tier, tmp_path: Path) -> None:
+    entry = admit(l2, "abc", [KB])
+    with L3Store(tmp_path / "l3", 1 << 30, min_free_bytes=1 << 60) as l3:
+        with pytest.raises(NoSpace, match="read-only"):
+            store(l2, l3, entry)
+        stats = l3.stats()
+        assert stats.readonly and stats.refused_writes == 1 and stats.entries == 0
+
+
+@pytest.fixture
+def small_fs(tmp_short: Path) -> Iterator[Path]:
+    mount = tmp_short / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, check=False
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_nearly_full_filesystem_refuses_writes_cleanly(l2: L2Tier, small_fs: Path) -> None:
+    small = admit(l2, "fits", [256 * KB])
+    big = admit(l2, "nope", [3 * MB])
+    with L3Store(small_fs / "l3", 1 << 30) as l3:
+        store(l2, l3, small)
+        with pytest.raises(NoSpace):
+            store(l2, l3, big)
+        assert list(l3.iter_keys()) == [small.key]
+        assert not any((small_fs / "l3" / "tmp").iterdir())
+        assert load(l3, small.key) == expected_bytes(l2, small)
+    with L3Store(small_fs / "l3", 1 << 30) as l3:
+        assert l3.last_reconciliation.manifests == 1
+
+
+def test_one_owner_per_directory(tmp_path: Path) -> None:
+    with L3Store(tmp_path / "l3", 1 << 30), pytest.raises(StoreLocked):
+        L3Store(tmp_path / "l3", 1 << 30)
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, tempfile
+    from skippyd.l2 import L2Tier
+    from skippyd.l3 import L3Store
+    from skippyd.keys import Identity, cache_key, encode_tokens
+    from skippyd.payload import TensorDecl
+    ident = Identity("m", "s")
+    l2 = L2Tier(tempfile.mkdtemp(dir="/dev/shm"), 1 << 30)
+    l3 = L3Store(sys.argv[1], 1 << 40)
+    for i in range(10000):
+        key = cache_key(ident, encode_tokens([i]))
+        e = l2.admit(key=key, identity=ident, token_count=1, tensors=[TensorDecl("x", "uint8", (8 << 20,))],
+                     data=[bytes([i % 256]) * (8 << 20)])
+        with l2.borrow(key) as (entry, view):
+            l3.write(entry, view)
+        l2.remove(key)
+        print(i, flush=True)
+    """
+)
+
+
+def test_kill_9_during_a_write_leaves_no_torn_entry(tmp_path: Path) -> None:
+    root = tmp_path / "l3"
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    for _ in range(3):
+        proc.stdout.readline()  # a few complete writes first
+    time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    with L3Store(root, 1 << 40) as l3:
+        keys = list(l3.iter_keys())
+        assert len(keys) >= 3
+        for key in keys:  # every entry it kept is whole and verifies
+            entry = l3.get(key)
+            assert entry is not None
+            data = bytearray(entry.data_len)
+            l3.load_into(key, memoryview(data))
+            assert blake3(bytes(data)).hexdigest() == entry.digest
+    assert not any((root / "tmp").iterdir())
