@@ -292,7 +292,7 @@ def test_a_recycled_file_never_shows_the_previous_entrys_bytes(shm_dir: Path) ->
         assert tier.stats().reused_files == 1
         raw = (shm_dir / "entries" / f"{small.key}.skp").read_bytes()
     assert len(raw) == small.file_size
-    assert b"\xab" not in raw
+    assert b"\xab" not in raw[64:], "past the fixed header (whose checksum is random bytes) nothing is stale"
 
 
 def test_an_aborted_reservation_gives_its_budget_back(shm_dir: Path) -> None:
