@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
@@ -181,6 +182,7 @@ def stats(socket: str | None, config_file: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
+    latency = data.get("server", {}).pop("latency", {})
     for section in ("l2", "l3", "ops", "server", "redis"):
         values = data.get(section)
         if not isinstance(values, dict):
@@ -193,6 +195,13 @@ def stats(socket: str | None, config_file: str | None, as_json: bool) -> None:
             elif isinstance(value, int) and key.endswith("bytes"):
                 shown = f"{value} ({human_size(value)})"
             click.echo(f"  {key:22} {shown}")
+    if latency:
+        click.echo("[latency]")
+        for op, summary in sorted(latency.items()):
+            click.echo(
+                f"  {op:22} count={summary['count']} p50<={summary['p50_us']:.0f}us "
+                f"p99<={summary['p99_us']:.0f}us mean={summary['mean_us']:.0f}us"
+            )
 
 
 @main.command(name="ls")
@@ -449,3 +458,120 @@ def l3_fsck(
             click.echo(f"  problem: {problem}")
         click.echo("clean" if clean else "repaired")
     sys.exit(0 if clean else 1)
+
+
+# ----------------------------------------------------------------------------- configuration & health
+
+
+@main.group(name="config")
+def config_group() -> None:
+    """The effective configuration."""
+
+
+def _shown(name: str, value: Any) -> str:
+    if (
+        name in ("l2_budget", "l3_budget", "l3_min_free", "max_entry", "staging_budget", "max_frame")
+        and value
+    ):
+        return f"{value} ({human_size(value)})"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value) or "(none)"
+    if value == "":
+        return "(unset)"
+    return str(value)
+
+
+@config_group.command(name="show")
+@click.option("--config", "config_file", default=None, help="TOML config file [env SKIPPYD_CONFIG]")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+@_config_options(_SERVE_FLAGS)
+def config_show(config_file: str | None, as_json: bool, **flags: Any) -> None:
+    """Print every setting `skippyd serve` would use with these flags, and where each came from."""
+    try:
+        loaded = load_config(flags, config_file=config_file)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    config = loaded.config
+    derived = {
+        "node (effective)": config.node_name,
+        "shm_dir (effective)": str(config.shm_path),
+        "l3_dir (effective)": str(config.l3_path) if config.l3_path else "off",
+        "promotion scope (effective)": config.scope,
+    }
+    if as_json:
+        values = {name: getattr(config, name) for name in FIELDS}
+        click.echo(
+            json.dumps({"values": values, "sources": dict(loaded.sources), "derived": derived}, indent=2)
+        )
+        return
+    width = max(len(name) for name in FIELDS)
+    for name in FIELDS:
+        value = _shown(name, getattr(config, name))
+        click.echo(f"{name:<{width}}  {value:<28}  # {loaded.sources[name]}")
+    for name, value in derived.items():
+        click.echo(f"# {name}: {value}")
+
+
+@main.command()
+@click.option("--config", "config_file", default=None, help="TOML config file [env SKIPPYD_CONFIG]")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+@_config_options(_SERVE_FLAGS)
+def doctor(config_file: str | None, as_json: bool, **flags: Any) -> None:
+    """Check this host's setup; one line per finding, with the fix. Exit 1 if anything is wrong."""
+    from .doctor import FAIL, diagnose
+
+    try:
+        config = load_config(flags, config_file=config_file).config
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    from .client import Client
+
+    daemon = None
+    with Client(config.socket, timeout=5.0, connect_timeout=2.0) as client:
+        try:
+            daemon = client.stats()
+        except (ConnectionLost, Timeout):
+            daemon = None
+        except SkippydError as exc:
+            click.echo(f"skippyd: the daemon answered with an error: {exc}", err=True)
+    findings = diagnose(config, daemon)
+    if as_json:
+        click.echo(json.dumps([f.__dict__ for f in findings], indent=2))
+    else:
+        for finding in findings:
+            click.echo(finding.line())
+    sys.exit(1 if any(f.level == FAIL for f in findings) else 0)
+
+
+@main.command()
+@_socket_options
+@click.option("--interval", default=1.0, show_default=True, help="seconds between refreshes")
+@click.option("--once", is_flag=True, help="print one view and exit")
+def top(socket: str | None, config_file: str | None, interval: float, once: bool) -> None:
+    """A live view of hit rates, bytes and latencies, refreshed every second."""
+    from rich.console import Console
+    from rich.live import Live
+
+    from .top import render
+
+    client = _client(socket, config_file, timeout=5.0)
+    console = Console()
+    previous: dict[str, Any] | None = None
+    with client:
+        try:
+            current = client.stats()
+        except SkippydError as exc:
+            _fail(str(exc))
+        if once:
+            console.print(render(current, None, interval))
+            return
+        with Live(render(current, None, interval), console=console, refresh_per_second=4) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    previous, current = current, client.stats()
+                    live.update(render(current, previous, interval))
+            except KeyboardInterrupt:
+                pass
+            except SkippydError as exc:
+                _fail(str(exc))

@@ -42,6 +42,7 @@ __all__ = [
     "Promotions",
     "WarmTable",
     "connect",
+    "server_version",
 ]
 
 log = logging.getLogger("skippyd.coordination")
@@ -73,6 +74,17 @@ def connect(url: str, *, timeout: float = 1.0) -> RedisClient:
         return redis.Redis.from_url(url, **options)
     except redis.exceptions.RedisError as exc:
         raise CoordinationUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
+
+
+def server_version(url: str, timeout: float = 2.0) -> str:
+    """The version a Redis reports (``INFO server``); unreachable is :class:`CoordinationUnavailable`."""
+    client = connect(url, timeout=timeout)
+    try:
+        with _redis_errors(f"Redis at {url} did not answer"):
+            return str(client.info("server").get("redis_version", "0"))
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()
 
 
 class _Script:

@@ -89,6 +89,14 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
         )
         handlers = Handlers(config, tiers, coordinator)
         server = Server(config, handlers)
+        if config.metrics_addr:
+            from .metrics import DaemonCollector, MetricsServer
+
+            metrics = MetricsServer(
+                config.metrics_addr, DaemonCollector(handlers.snapshot, server.latency.snapshot)
+            )
+            metrics.start()
+            stack.callback(metrics.stop)
         asyncio.run(server.serve(install_signals=install_signals, on_ready=on_ready))
     return 0
 

@@ -297,6 +297,10 @@ class Handlers:
         return Reply({})
 
     def stats(self, session: Session, body: dict[str, Any]) -> Reply:
+        return Reply(self.snapshot())
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter the daemon keeps (what ``stats`` answers and the metrics endpoint exports)."""
         result = self.tiers.stats()
         result.update(
             node=self.config.node_name,
@@ -306,7 +310,7 @@ class Handlers:
             server=self.server_stats(),
         )
         result["redis"] = self.coordinator.status() if self.coordinator is not None else {"configured": False}
-        return Reply(result)
+        return result
 
     def ls(self, session: Session, body: dict[str, Any]) -> Reply:
         limit = body.get("limit", 0)

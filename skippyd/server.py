@@ -37,6 +37,7 @@ from typing import Any
 from .config import Config
 from .errors import PermissionDenied, ShuttingDown, SkippydError, StoreLocked, VersionMismatch
 from .handlers import Handlers, Operation, Reply, RunOnWorker, Session, run_on_worker
+from .latency import LatencyTracker
 from .protocol import Frame, FrameDecoder, FrameType, encode_frame, send_frame
 
 __all__ = ["Server", "notify", "publish_socket"]
@@ -258,13 +259,14 @@ class Connection:
                 self._reply_error(request_id, exc)
                 continue
             server.ops[op] = server.ops.get(op, 0) + 1
+            started = time.perf_counter()
             if pooled:
-                self._submit(request_id, handler, body)
+                self._submit(request_id, op, started, handler, body)
                 return
             try:
                 reply = handler(self.session, body)
             except RunOnWorker:  # it needs disk I/O after all: off the event loop with it
-                self._submit(request_id, handler, body)
+                self._submit(request_id, op, started, handler, body)
                 return
             except SkippydError as exc:
                 self._reply_error(request_id, exc)
@@ -273,17 +275,21 @@ class Connection:
                 self._reply_error(request_id, SkippydError(f"internal error: {type(exc).__name__}"))
             else:
                 self._reply(request_id, reply)
+            server.latency.observe(op, time.perf_counter() - started)
         if not self.running and not self.reading:
             self._resume_reading_if_room()
 
-    def _submit(self, request_id: int, handler: Operation, body: dict[str, Any]) -> None:
+    def _submit(
+        self, request_id: int, op: str, started: float, handler: Operation, body: dict[str, Any]
+    ) -> None:
         self.running = True
         self.server.inflight += 1
         future = self.server.pool.submit(run_on_worker, handler, self.session, body)
-        future.add_done_callback(self._done_callback(request_id))
+        future.add_done_callback(self._done_callback(request_id, op, started))
 
-    def _done_callback(self, request_id: int) -> Callable[[Future[Reply]], None]:
+    def _done_callback(self, request_id: int, op: str, started: float) -> Callable[[Future[Reply]], None]:
         def done(future: Future[Reply]) -> None:
+            self.server.latency.observe(op, time.perf_counter() - started)
             self.server.loop.call_soon_threadsafe(self._finished, request_id, future)
 
         return done
@@ -431,6 +437,7 @@ class Server:
         self.stopping = False
         self.stats: dict[str, int] = {"accepted": 0, "refused": 0, "errors": 0, "protocol_errors": 0}
         self.ops: dict[str, int] = {}
+        self.latency = LatencyTracker()
         self._next_session = 0
         self._stopped: asyncio.Event | None = None
         self._signals = 0
@@ -445,6 +452,7 @@ class Server:
             "connections": len(self.connections),
             "inflight": self.inflight,
             "ops": dict(self.ops),
+            "latency": self.latency.summaries(),
         }
 
     # ------------------------------------------------------------- lifecycle

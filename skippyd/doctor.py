@@ -1,0 +1,321 @@
+"""``skippyd doctor``: one line per finding, each problem with its fix; non-zero exit on a problem.
+
+Checks what an operator gets wrong on a GPU host: the embedded Redis binary, Redis reachability and
+version, the tmpfs under the L2 tier (space, type, huge pages), L3 permissions and free space, the
+socket's mode and owner, budget sanity, and — when the daemon answers — what it reports about itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .errors import SkippydError
+
+__all__ = ["Finding", "diagnose"]
+
+OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str
+    what: str
+    fix: str = ""
+
+    def line(self) -> str:
+        text = f"{self.level.upper():4}  {self.what}"
+        return f"{text}  →  {self.fix}" if self.fix else text
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _mount_of(path: Path) -> tuple[str, str, str]:
+    """(mount point, filesystem type, options) of the mount holding ``path``."""
+    best = ("/", "", "")
+    target = str(path.resolve())
+    try:
+        lines = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 4:
+            continue
+        point = parts[1].replace("\\040", " ")
+        if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best[0]):
+            best = (point, parts[2], parts[3])
+    return best
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _total_ram() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def check_redis(config: Config, daemon: dict[str, Any] | None) -> Iterator[Finding]:
+    if config.redis_url == "none":
+        yield Finding(INFO, "running without Redis: no warm table, promotions counted locally")
+        return
+    if not config.redis_url:
+        if shutil.which("redis-server") is None:
+            yield Finding(
+                FAIL,
+                "redis-server is not installed (the embedded default needs it)",
+                "apt-get install redis-server, or set redis_url / --redis-url",
+            )
+            return
+        url = f"unix://{config.state_dir}/redis/redis.sock"
+        if daemon is None and not Path(url.removeprefix("unix://")).exists():
+            yield Finding(INFO, "embedded Redis is not running (the daemon starts it with itself)")
+            return
+    else:
+        url = config.redis_url
+    from .coordination import server_version
+
+    try:
+        version = server_version(url)
+    except SkippydError as exc:
+        yield Finding(
+            FAIL,
+            f"Redis at {url} is not reachable: {exc}",
+            "start it, fix redis_url, or check the socket's permissions",
+        )
+        return
+    major = int(version.split(".", maxsplit=1)[0]) if version.split(".", maxsplit=1)[0].isdigit() else 0
+    if major < 6:
+        yield Finding(FAIL, f"Redis {version} at {url} is too old", "use Redis 6.2 or newer")
+    else:
+        yield Finding(OK, f"Redis {version} reachable at {url}")
+    redis_state = (daemon or {}).get("redis", {})
+    if redis_state.get("degraded"):
+        yield Finding(
+            FAIL,
+            f"the daemon's Redis link is degraded: {redis_state.get('cause')}",
+            "check Redis load and network; the daemon retries with backoff",
+        )
+
+
+def check_tmpfs(config: Config) -> Iterator[Finding]:
+    shm = config.shm_path
+    point, fstype, options = _mount_of(_existing(shm))
+    if fstype != "tmpfs":
+        yield Finding(
+            FAIL,
+            f"L2 dir {shm} is on {fstype or 'an unknown filesystem'}, not tmpfs",
+            "put --shm-dir on a tmpfs (default /dev/shm/skippyd-<node>)",
+        )
+        return
+    st = os.statvfs(_existing(shm))
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    held = sum(p.stat().st_size for p in shm.rglob("*") if p.is_file()) if shm.exists() else 0
+    if size < config.l2_budget:
+        yield Finding(
+            FAIL,
+            f"tmpfs {point} is {_human(size)} but l2_budget is {_human(config.l2_budget)}",
+            f"lower --l2-budget or grow it (mount -o remount,size=... {point}; Docker: --shm-size)",
+        )
+    elif free + held < config.l2_budget:
+        yield Finding(
+            WARN,
+            f"tmpfs {point} has {_human(free)} free, less than the L2 budget needs",
+            "other programs use this tmpfs: give skippyd its own mount or lower --l2-budget",
+        )
+    else:
+        yield Finding(
+            OK, f"tmpfs {point}: {_human(size)}, {_human(free)} free for a {_human(config.l2_budget)} budget"
+        )
+    if "huge=" not in options or "huge=never" in options:
+        yield Finding(
+            INFO,
+            f"tmpfs {point} uses 4 KiB pages",
+            "a dedicated tmpfs mounted huge=within_size makes fresh admits and copy restores faster",
+        )
+    ram = _total_ram()
+    if ram and config.l2_budget > ram * 0.8:
+        yield Finding(
+            FAIL,
+            f"l2_budget {_human(config.l2_budget)} is over 80% of RAM ({_human(ram)})",
+            "tmpfs pages are RAM: leave room for the engine and the page cache",
+        )
+    if shm.exists():
+        mode = stat.S_IMODE(shm.stat().st_mode)
+        if mode & 0o077:
+            yield Finding(FAIL, f"L2 dir {shm} has mode {mode:o}", f"chmod 700 {shm}")
+        if shm.stat().st_uid != os.geteuid():
+            yield Finding(
+                WARN,
+                f"L2 dir {shm} belongs to uid {shm.stat().st_uid}, not this user",
+                "run doctor as the daemon's user, or chown it",
+            )
+
+
+def check_l3(config: Config) -> Iterator[Finding]:
+    path = config.l3_path
+    if path is None:
+        yield Finding(INFO, "L3 is off: nothing survives a reboot")
+        return
+    where = _existing(path)
+    if not path.exists():
+        if not os.access(where, os.W_OK):
+            yield Finding(
+                FAIL,
+                f"L3 dir {path} does not exist and {where} is not writable",
+                f"create it: install -d -m 700 {path} (owned by the daemon's user)",
+            )
+        else:
+            yield Finding(INFO, f"L3 dir {path} will be created at start")
+    else:
+        st = path.stat()
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            yield Finding(FAIL, f"L3 dir {path} has mode {mode:o}", f"chmod 700 {path}")
+        if not os.access(path, os.W_OK | os.X_OK):
+            yield Finding(
+                FAIL, f"L3 dir {path} is not writable by this user", f"chown the daemon's user {path}"
+            )
+        quarantine = path / "quarantine"
+        if quarantine.exists() and any(quarantine.iterdir()):
+            count = sum(1 for _ in quarantine.iterdir())
+            yield Finding(
+                WARN,
+                f"L3 quarantine holds {count} file(s) that failed verification",
+                f"inspect {quarantine} (disk errors?), then remove them",
+            )
+    vfs = os.statvfs(where)
+    free, total = vfs.f_bavail * vfs.f_frsize, vfs.f_blocks * vfs.f_frsize
+    if free < config.l3_min_free:
+        yield Finding(
+            FAIL,
+            f"L3 disk has {_human(free)} free, below l3_min_free {_human(config.l3_min_free)}: "
+            "L3 is read-only",
+            "free disk space or lower --l3-budget/--l3-min-free",
+        )
+    else:
+        yield Finding(
+            OK, f"L3 disk: {_human(free)} free of {_human(total)} (floor {_human(config.l3_min_free)})"
+        )
+    if config.l3_budget > total:
+        yield Finding(
+            WARN,
+            f"l3_budget {_human(config.l3_budget)} is larger than the disk ({_human(total)})",
+            "lower --l3-budget: the free-space floor will stop writes first",
+        )
+
+
+def check_socket(config: Config, answering: bool) -> Iterator[Finding]:
+    path = Path(config.socket)
+    if not path.exists():
+        if not os.access(_existing(path.parent), os.W_OK):
+            yield Finding(
+                FAIL,
+                f"socket dir {path.parent} is not writable by this user",
+                "systemd: RuntimeDirectory=skippyd; by hand: create it for the daemon's user",
+            )
+        else:
+            yield Finding(WARN if not answering else OK, f"no socket at {path}: the daemon is not running")
+        return
+    st = path.lstat()
+    if not stat.S_ISSOCK(st.st_mode):
+        yield Finding(FAIL, f"{path} is not a socket", "remove it; the daemon publishes the socket itself")
+        return
+    mode = stat.S_IMODE(st.st_mode)
+    owner = f"uid {st.st_uid} gid {st.st_gid}"
+    if mode != 0o660:
+        yield Finding(
+            FAIL,
+            f"socket {path} has mode {mode:o} ({owner})",
+            "restart the daemon (it publishes 0660); do not loosen it by hand",
+        )
+    else:
+        yield Finding(OK, f"socket {path}: mode 660, {owner}")
+    if not answering:
+        yield Finding(
+            FAIL,
+            f"nothing answers on {path} (a stale socket)",
+            "start the daemon; it replaces a stale socket",
+        )
+
+
+def check_budgets(config: Config) -> Iterator[Finding]:
+    if config.max_entry and config.max_entry > config.l2_budget:
+        yield Finding(
+            WARN,
+            "max_entry is larger than the L2 budget; the budget caps it",
+            "set --max-entry at most --l2-budget",
+        )
+    if config.staging_budget < min(64 << 20, config.l2_budget):
+        yield Finding(
+            WARN,
+            f"staging_budget {_human(config.staging_budget)} is small: large captures get busy errors",
+            "raise --staging-budget to the largest capture times the engines capturing at once",
+        )
+    if config.l2_budget < 64 << 20:
+        yield Finding(
+            WARN,
+            f"l2_budget {_human(config.l2_budget)} holds little KV",
+            "size it from the engines' KV bytes",
+        )
+
+
+def check_daemon(daemon: dict[str, Any] | None) -> Iterator[Finding]:
+    if daemon is None:
+        return
+    yield Finding(
+        OK,
+        f"daemon {daemon.get('version')} answers: node {daemon.get('node')}, "
+        f"{daemon['l2']['entries']} L2 entries",
+    )
+    l3 = daemon.get("l3")
+    if l3 and l3.get("readonly"):
+        yield Finding(FAIL, "the daemon's L3 is read-only (disk below its floor)", "free disk space")
+    if l3 and l3.get("corrupt"):
+        yield Finding(
+            WARN,
+            f"{l3['corrupt']} L3 entries failed verification since start",
+            "check the disk (SMART, dmesg); skippyd l3 fsck after stopping the daemon",
+        )
+    ops = daemon.get("ops", {})
+    if ops.get("l3_dropped"):
+        yield Finding(
+            WARN,
+            f"{ops['l3_dropped']} durable writes were dropped (queue full)",
+            "raise --l3-queue or use a faster disk",
+        )
+
+
+def diagnose(config: Config, daemon: dict[str, Any] | None) -> list[Finding]:
+    findings: list[Finding] = []
+    for check in (
+        check_socket(config, daemon is not None),
+        check_redis(config, daemon),
+        check_tmpfs(config),
+        check_l3(config),
+        check_budgets(config),
+        check_daemon(daemon),
+    ):
+        findings.extend(check)
+    return findings

@@ -1,0 +1,175 @@
+"""Prometheus metrics, off by default (``--metrics-addr host:port``).
+
+Everything is read from the daemon's own counters at scrape time (one custom collector), so serving
+metrics adds nothing to the request path. Labels are operation names and tier names only: no model
+names, prompt tokens, keys or digests ever appear.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import start_http_server
+from prometheus_client.core import (
+    CollectorRegistry,
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from . import __version__
+from .errors import ConfigError
+from .latency import BUCKETS_US, OpLatency
+
+__all__ = ["DaemonCollector", "MetricsServer", "parse_addr"]
+
+log = logging.getLogger("skippyd.metrics")
+
+# (stat key, metric suffix, help, counter?) for each tier
+_L2 = [
+    ("entries", "entries", "entries held", False),
+    ("bytes", "bytes", "tmpfs bytes held by entries", False),
+    ("budget_bytes", "budget_bytes", "byte budget", False),
+    ("free_bytes", "recycled_bytes", "pre-faulted bytes kept for reuse", False),
+    ("reserved_bytes", "reserved_bytes", "bytes held by captures and fills in flight", False),
+    ("hits", "hits", "lookups that found an entry", True),
+    ("misses", "misses", "lookups that found nothing", True),
+    ("inserts", "inserts", "entries admitted", True),
+    ("evictions", "evictions", "entries evicted to make room", True),
+    ("admission_rejects", "admission_rejects", "admissions refused for a digest mismatch", True),
+    ("refused_bytes", "refused_bytes", "bytes refused as larger than the whole budget", True),
+    ("reader_held_drops", "reader_held_drops", "evicted entries still read by a client (not recycled)", True),
+]
+_L3 = [
+    ("entries", "entries", "entries held", False),
+    ("bytes", "bytes", "bytes on disk (objects, manifests, quarantine, writes in flight)", False),
+    ("budget_bytes", "budget_bytes", "byte cap", False),
+    ("free_disk_bytes", "free_disk_bytes", "free bytes on the L3 filesystem", False),
+    ("readonly", "readonly", "1 while the disk is below its free-space floor", False),
+    ("hits", "hits", "restores served from L3", True),
+    ("fills", "fills", "entries read and verified from disk", True),
+    ("writes", "writes", "entries written", True),
+    ("refused_writes", "refused_writes", "writes refused (budget, floor, full disk)", True),
+    ("evictions", "evictions", "entries evicted to stay under the cap", True),
+    ("corrupt", "corrupt", "entries quarantined after failing verification", True),
+    ("bytes_read", "read_bytes", "bytes read", True),
+    ("bytes_written", "written_bytes", "bytes written", True),
+]
+_OPS = [
+    ("l3_queue_depth", "l3_queue_depth", "durable writes waiting", False),
+    ("l3_dropped", "l3_dropped_writes", "durable writes dropped because the queue was full", True),
+    ("l3_write_failures", "l3_write_failures", "durable writes that failed", True),
+    ("promotions", "promotions", "L3 entries promoted into L2", True),
+    ("corrupt_fallbacks", "corrupt_fallbacks", "restores that fell back to a shorter prefix", True),
+    ("captures", "captures", "captures", True),
+    ("capture_bytes", "capture_bytes", "bytes captured", True),
+    ("restore_bytes", "restore_bytes", "bytes restored", True),
+]
+
+
+def _metric(name: str, help_text: str, counter: bool, value: float, **labels: str) -> Metric:
+    family: Metric
+    if counter:
+        family = CounterMetricFamily(name, help_text, labels=list(labels))
+    else:
+        family = GaugeMetricFamily(name, help_text, labels=list(labels))
+    family.add_metric(list(labels.values()), float(value))
+    return family
+
+
+class DaemonCollector(Collector):
+    """Turns the daemon's counters into Prometheus families on every scrape."""
+
+    def __init__(
+        self, snapshot: Callable[[], dict[str, Any]], latency: Callable[[], dict[str, OpLatency]]
+    ) -> None:
+        self._snapshot = snapshot
+        self._latency = latency
+
+    def collect(self) -> Iterator[Metric]:
+        data = self._snapshot()
+        info = GaugeMetricFamily("skippyd_info", "skippyd build", labels=["version"])
+        info.add_metric([__version__], 1.0)
+        yield info
+        yield _metric("skippyd_uptime_seconds", "seconds since start", False, data.get("uptime_s", 0))
+        for tier, table in (("l2", _L2), ("l3", _L3)):
+            stats = data.get(tier)
+            if not isinstance(stats, dict):
+                continue
+            for key, suffix, help_text, counter in table:
+                yield _metric(
+                    f"skippyd_{tier}_{suffix}", f"{tier.upper()}: {help_text}", counter, stats.get(key, 0)
+                )
+        ops = data.get("ops", {})
+        for key, suffix, help_text, counter in _OPS:
+            yield _metric(f"skippyd_{suffix}", help_text, counter, ops.get(key, 0))
+        server = data.get("server", {})
+        yield _metric("skippyd_connections", "clients connected", False, server.get("connections", 0))
+        yield _metric("skippyd_requests_in_flight", "requests running", False, server.get("inflight", 0))
+        yield _metric(
+            "skippyd_request_errors", "requests answered with an error", True, server.get("errors", 0)
+        )
+        protocol = server.get("protocol_errors", 0)
+        yield _metric("skippyd_protocol_errors", "connections closed for a bad frame", True, protocol)
+        requests = CounterMetricFamily("skippyd_requests", "requests by operation", labels=["op"])
+        for op, count in sorted(server.get("ops", {}).items()):
+            requests.add_metric([op], float(count))
+        yield requests
+        redis = data.get("redis", {})
+        if redis.get("configured", False):
+            degraded = 1 if redis.get("degraded") else 0
+            yield _metric("skippyd_redis_degraded", "1 while Redis is unreachable or slow", False, degraded)
+            yield _metric(
+                "skippyd_redis_ran_buffered", "warm-table updates waiting", False, redis.get("buffered", 0)
+            )
+            dropped = redis.get("ran_dropped", 0)
+            yield _metric(
+                "skippyd_redis_ran_dropped", "warm-table updates dropped (Redis away)", True, dropped
+            )
+        histogram = HistogramMetricFamily(
+            "skippyd_request_duration_seconds", "request latency in the daemon, by operation", labels=["op"]
+        )
+        for op, latency in sorted(self._latency().items()):
+            buckets = []
+            running = 0
+            for bound, count in zip(BUCKETS_US, latency.counts, strict=False):
+                running += count
+                buckets.append((f"{bound / 1e6:.6g}", float(running)))
+            buckets.append(("+Inf", float(latency.total)))
+            histogram.add_metric([op], buckets, latency.sum_us / 1e6)
+        yield histogram
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        raise ConfigError(f"invalid metrics_addr {addr!r}: use host:port") from None
+    if not 0 < number < 65536:
+        raise ConfigError(f"invalid metrics_addr {addr!r}: port out of range")
+    return (host.strip("[]") or "0.0.0.0"), number  # noqa: S104 - the operator chose to expose it
+
+
+class MetricsServer:
+    def __init__(self, addr: str, collector: DaemonCollector) -> None:
+        self.host, self.port = parse_addr(addr)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(collector)
+        self._server: Any = None
+
+    def start(self) -> None:
+        server, _thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        self._server = server
+        self.port = server.server_port
+        log.info("metrics on http://%s:%d/metrics", self.host, self.port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

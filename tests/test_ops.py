@@ -1,0 +1,220 @@
+"""Operations: systemd notification, Prometheus metrics, JSON logs, config show, doctor and top."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from daemonutil import DaemonProcess
+
+from skippyd.cli import main
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, list(args), env=env, catch_exceptions=False)
+    return result.exit_code, result.stdout, result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_tells_systemd_ready_watchdog_and_stopping(make_daemon: Any, tmp_short: Path) -> None:
+    path = tmp_short / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(path))
+    listener.settimeout(20)
+    proc = make_daemon(env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "400000"}).start()
+    messages: list[str] = []
+    deadline = time.monotonic() + 10
+    while sum("WATCHDOG=1" in m for m in messages) < 3 and time.monotonic() < deadline:
+        messages.append(listener.recv(4096).decode())
+    assert any("READY=1" in m for m in messages)
+    assert sum("WATCHDOG=1" in m for m in messages) >= 3, "pings every half of WatchdogSec"
+    proc.stop()
+    listener.settimeout(2)
+    tail = []
+    try:
+        while True:
+            tail.append(listener.recv(4096).decode())
+    except TimeoutError:
+        pass
+    assert any("STOPPING=1" in m for m in tail)
+    listener.close()
+
+
+def test_metrics_scraped_over_http_after_a_workload_show_the_right_counts(make_daemon: Any) -> None:
+    port = free_port()
+    proc = make_daemon("--metrics-addr", f"127.0.0.1:{port}").start()
+    with proc.client() as client:
+        for i in range(5):
+            client.capture(
+                model="secret-model-name", state="s", tokens=[i, 1, 2], tensors={"x": torch.ones(8)}
+            )
+        for i in range(3):
+            assert client.restore(model="secret-model-name", state="s", tokens=[i, 1, 2]) is not None
+        for _ in range(4):
+            assert client.lookup(model="secret-model-name", state="s", tokens=[99, 98]) is None
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+    def value(name: str) -> float:
+        match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+        assert match, f"{name} missing"
+        return float(match.group(1))
+
+    assert value("skippyd_l2_inserts_total") == 5
+    assert value("skippyd_l2_entries") == 5
+    assert value("skippyd_l2_hits_total") == 3
+    assert value('skippyd_requests_total{op="capture"}') == 5
+    assert value('skippyd_requests_total{op="lookup"}') == 4
+    assert value('skippyd_request_duration_seconds_count{op="restore"}') == 3
+    assert value('skippyd_request_duration_seconds_bucket{le="+Inf",op="capture"}') == 5
+    assert value("skippyd_l2_budget_bytes") == 256 << 20
+    assert "skippyd_l3_queue_depth" in text and "skippyd_redis_degraded" in text
+    assert "secret-model-name" not in text, "no model names in labels"
+    assert not re.search(r"[0-9a-f]{32}", text), "no keys or digests in labels"
+
+
+def test_json_logs_are_one_object_per_line(make_daemon: Any) -> None:
+    proc = make_daemon("--log-format", "json").start()
+    proc.stop()
+    lines = [line for line in proc.log_text().splitlines() if line.strip()]
+    docs = [json.loads(line) for line in lines]
+    assert any("serving on" in d["msg"] for d in docs)
+    assert all({"ts", "level", "logger", "msg"} <= set(d) for d in docs)
+
+
+def test_config_show_prints_every_value_and_where_it_came_from(tmp_path: Path) -> None:
+    config = tmp_path / "skippyd.toml"
+    config.write_text('l2_budget = "2GiB"\nnode = "from-file"\n')
+    env = {"SKIPPYD_L3_BUDGET": "10GiB", "SKIPPYD_NODE": ""}
+    code, out, _ = run("config", "show", "--config", str(config), "--redis-url", "none", env=env)
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines() if not line.startswith("#")}
+    assert "# flag" in lines["redis_url"]
+    assert "# env SKIPPYD_L3_BUDGET" in lines["l3_budget"] and "10.0 GiB" in lines["l3_budget"]
+    assert f"# file {config}" in lines["l2_budget"] and "2.0 GiB" in lines["l2_budget"]
+    assert "# default" in lines["heartbeat"]
+    code, out, _ = run("config", "show", "--config", str(config), "--json", env=env)
+    doc = json.loads(out)
+    assert (
+        doc["values"]["node"] == "from-file"
+        and doc["derived"]["shm_dir (effective)"] == "/dev/shm/skippyd-from-file"
+    )
+    code, _, err = run("config", "show", "--l2-budget", "plenty")
+    assert code == 2 and "l2_budget" in err
+
+
+def doctor(*args: str, env: dict[str, str] | None = None) -> tuple[int, list[str]]:
+    code, out, _ = run("doctor", *args, env=env)
+    return code, out.splitlines()
+
+
+def _fails(lines: list[str]) -> list[str]:
+    return [line for line in lines if line.startswith("FAIL")]
+
+
+def test_doctor_passes_a_healthy_host(daemon: DaemonProcess) -> None:
+    code, lines = doctor(*daemon.args)
+    assert code == 0, lines
+    assert any(line.startswith("OK") and "socket" in line for line in lines)
+    assert any("Redis 7" in line or "Redis 6" in line for line in lines)
+    assert any("daemon" in line and "answers" in line for line in lines)
+
+
+def test_doctor_finds_a_loosened_socket_mode(daemon: DaemonProcess) -> None:
+    os.chmod(daemon.socket, 0o666)
+    code, lines = doctor(*daemon.args)
+    assert code == 1 and any("mode 666" in line and "→" in line for line in _fails(lines))
+
+
+def test_doctor_finds_a_stale_socket(daemon: DaemonProcess) -> None:
+    daemon.kill9()
+    code, lines = doctor(*daemon.args)
+    assert code == 1 and any("nothing answers" in line for line in _fails(lines))
+
+
+def test_doctor_finds_an_open_l3_dir(daemon: DaemonProcess) -> None:
+    os.chmod(daemon.state_dir / "l3", 0o755)
+    code, lines = doctor(*daemon.args)
+    assert code == 1 and any("L3 dir" in line and "chmod 700" in line for line in _fails(lines))
+
+
+def test_doctor_finds_an_l2_budget_the_tmpfs_or_ram_cannot_hold(tmp_short: Path) -> None:
+    code, lines = doctor(
+        "--socket",
+        str(tmp_short / "s.sock"),
+        "--state-dir",
+        str(tmp_short / "st"),
+        "--shm-dir",
+        str(tmp_short / "shm-not-tmpfs"),
+        "--l2-budget",
+        "1TiB",
+    )
+    fails = _fails(lines)
+    assert code == 1
+    assert any("not tmpfs" in line for line in fails)
+    code, lines = doctor(
+        "--socket", str(tmp_short / "s.sock"), "--state-dir", str(tmp_short / "st"), "--l2-budget", "1TiB"
+    )
+    assert any("l2_budget" in line and ("tmpfs" in line or "RAM" in line) for line in _fails(lines))
+
+
+def test_doctor_finds_unreachable_redis_and_a_missing_redis_server(tmp_short: Path) -> None:
+    base = ["--socket", str(tmp_short / "s.sock"), "--state-dir", str(tmp_short / "st")]
+    code, lines = doctor(*base, "--redis-url", f"unix://{tmp_short}/nobody.sock")
+    assert code == 1 and any("not reachable" in line for line in _fails(lines))
+    empty = tmp_short / "empty-bin"
+    empty.mkdir()
+    code, lines = doctor(*base, env={"PATH": str(empty)})
+    assert code == 1 and any("redis-server is not installed" in line for line in _fails(lines))
+
+
+def test_doctor_finds_l3_below_its_free_space_floor(tmp_short: Path) -> None:
+    code, lines = doctor(
+        "--socket",
+        str(tmp_short / "s.sock"),
+        "--state-dir",
+        str(tmp_short / "st"),
+        "--redis-url",
+        "none",
+        "--l3-min-free",
+        "1000TiB",
+    )
+    assert code == 1 and any("read-only" in line for line in _fails(lines))
+
+
+def test_top_prints_a_view_of_the_daemon(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        client.capture(model="m", state="s", tokens=[1], tensors={"x": torch.ones(2)})
+        client.restore(model="m", state="s", tokens=[1])
+    code, out, _ = run("top", "--once", "--socket", str(daemon.socket))
+    assert code == 0
+    assert "L2" in out and "L3" in out and "capture" in out and "restore" in out
+
+
+def test_python_m_skippyd_and_the_console_script_are_the_same_command() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "skippyd", "--version"], capture_output=True, text=True, check=True
+    )
+    assert done.stdout.startswith("skippyd, version")
+    script = Path(sys.executable).with_name("skippyd")
+    if not script.exists():
+        pytest.skip("no console script next to this interpreter")
+    assert (
+        subprocess.run([str(script), "--version"], capture_output=True, text=True, check=True).stdout
+        == done.stdout
+    )
