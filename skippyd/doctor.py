@@ -298,6 +298,17 @@ def check_daemon(daemon: dict[str, Any] | None) -> Iterator[Finding]:
             f"{l3['corrupt']} L3 entries failed verification since start",
             "check the disk (SMART, dmesg); skippyd l3 fsck after stopping the daemon",
         )
+    report = daemon.get("l3_reconciliation") or {}
+    repaired = {
+        k: v for k, v in report.items() if k not in ("manifests", "objects", "verified", "problems") and v
+    }
+    if repaired:
+        details = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(repaired.items()))
+        yield Finding(
+            WARN,
+            f"L3 start-up reconciliation repaired: {details}",
+            "usually a crash mid-write; if it repeats, check the disk and run skippyd l3 fsck",
+        )
     ops = daemon.get("ops", {})
     if ops.get("l3_dropped"):
         yield Finding(

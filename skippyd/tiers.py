@@ -571,6 +571,9 @@ class Tiers:
         result: dict[str, Any] = {"l2": self.l2.stats().as_dict(), "ops": ops}
         if self.l3 is not None:
             result["l3"] = self.l3.stats().as_dict()
+            report = self.l3.last_reconciliation.as_dict()
+            report["problems"] = report["problems"][:20]
+            result["l3_reconciliation"] = report
         return result
 
     def housekeeping(self) -> None:

@@ -218,3 +218,14 @@ def test_python_m_skippyd_and_the_console_script_are_the_same_command() -> None:
         subprocess.run([str(script), "--version"], capture_output=True, text=True, check=True).stdout
         == done.stdout
     )
+
+
+def test_doctor_reports_what_l3_reconciliation_repaired_at_start(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        client.capture(model="m", state="s", tokens=[1, 2], tensors={"x": torch.ones(4)})
+    daemon.stop()
+    (daemon.state_dir / "l3" / "tmp" / "torn-write.tmp").write_bytes(b"x" * 100)
+    daemon.start()
+    code, lines = doctor(*daemon.args)
+    assert any(line.startswith("WARN") and "temporary removed 1" in line for line in lines), lines
+    assert code == 0

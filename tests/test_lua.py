@@ -1,0 +1,48 @@
+"""The Lua scripts ship inside the package, one per atomic operation, each documented in its header."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import pytest
+
+SCRIPTS = sorted(
+    p.name for p in resources.files("skippyd").joinpath("lua").iterdir() if p.name.endswith(".lua")
+)
+
+
+def test_the_scripts_are_package_resources() -> None:
+    assert set(SCRIPTS) == {
+        "warm_ran.lua", "warm_warmest.lua", "node_heartbeat.lua", "node_list.lua", "node_forget.lua",
+        "promo_consider.lua", "promo_settle.lua",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_opens_with_a_header_naming_its_keys_arguments_and_return(name: str) -> None:
+    text = resources.files("skippyd").joinpath("lua", name).read_text()
+    header = []
+    for line in text.splitlines():
+        if not line.startswith("--"):
+            break
+        header.append(line)
+    head = "\n".join(header)
+    assert header[0].startswith(f"-- {name}:"), "the first line names the script and says what it does"
+    used_keys = set(re.findall(r"KEYS\[(\d+)\]", text))
+    for index in used_keys:
+        assert f"KEYS[{index}]" in head, f"KEYS[{index}] is used but not documented"
+    used_args = set(re.findall(r"ARGV\[(\d+)\]", text.replace(head, "")))
+    for index in used_args:
+        assert f"ARGV[{index}]" in head or "ARGV[4…]" in head, f"ARGV[{index}] is used but not documented"
+    assert "Returns" in head
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_scripts_touch_only_the_keys_they_are_given(name: str) -> None:
+    text = resources.files("skippyd").joinpath("lua", name).read_text()
+    for call in re.findall(r"redis\.call\('(\w+)',\s*([^,)]+)", text):
+        command, first = call
+        if command in ("TIME",):
+            continue
+        assert not first.strip().startswith(("'", '"')), f"{command} on a literal key name"
