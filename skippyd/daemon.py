@@ -21,7 +21,7 @@ from .l2 import L2Entry, L2Tier
 from .l3 import L3Store
 from .logs import setup_logging
 from .redis_embedded import EmbeddedRedis
-from .server import Server
+from .server import Server, notify
 from .tiers import PromotionPolicy, Tiers
 
 __all__ = ["run"]
@@ -54,6 +54,7 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
             coordinator.start()
             stack.callback(coordinator.close)
             promotions = coordinator
+        _extend_start_timeout(config.shm_path)
         l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=2)
         l3 = None
         if config.l3_path is not None:
@@ -109,3 +110,14 @@ def _feed_warm_table(coordinator: Coordinator) -> Callable[[Identity, bytes, L2E
         coordinator.ran(identity.model, tokens)
 
     return hook
+
+
+def _extend_start_timeout(shm: Path) -> None:
+    """Adopting L2 hashes every byte still on tmpfs: tell systemd how long that may take."""
+    held = 0
+    entries = shm / "entries"
+    if entries.is_dir():
+        held = sum(p.stat().st_size for p in entries.iterdir() if p.is_file())
+    if held:
+        seconds = 30 + held / 300e6  # a conservative 300 MB/s of hashing, on top of the usual start
+        notify(f"STATUS=verifying {held >> 20} MiB of L2 entries\nEXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
