@@ -163,6 +163,7 @@ FIELDS: dict[str, ConfigField] = {
         ConfigField("ran_buffer", _parse_int, 10000, "warm-table updates kept while Redis is down"),
         ConfigField("promotion_scope", _parse_str, "", "scope promotions are counted in (default the node)"),
         ConfigField("max_frame", parse_size, "16MiB", "largest protocol frame accepted"),
+        ConfigField("max_buffered", parse_size, "512MiB", "unfinished request bytes buffered across clients"),
         ConfigField("workers", _parse_int, 0, "worker threads for copies and hashing (0: automatic)"),
         ConfigField("allowed_uids", _parse_ids, (), "peer uids allowed (default: owner, root, socket group)"),
         ConfigField("allowed_gids", _parse_ids, (), "peer gids allowed (default: owner, root, socket group)"),
@@ -198,6 +199,7 @@ class Config:
     ran_buffer: int = 10000
     promotion_scope: str = ""
     max_frame: int = 16 << 20
+    max_buffered: int = 512 << 20
     workers: int = 0
     allowed_uids: tuple[int, ...] = ()
     allowed_gids: tuple[int, ...] = ()

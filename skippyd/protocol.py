@@ -70,6 +70,7 @@ class Frame:
     request_id: int
     body: dict[str, Any]
     fds: list[int] = field(default_factory=list)
+    size: int = 0  # body bytes on the wire
 
 
 def encode_body(body: dict[str, Any]) -> bytes:
@@ -194,7 +195,7 @@ class FrameDecoder:
             for fd in fds:
                 _close_quietly(fd)
             raise error
-        return Frame(pending.type, pending.request_id, body, fds)
+        return Frame(pending.type, pending.request_id, body, fds, pending.length)
 
     def _claim_fds(self, count: int) -> list[int]:
         if not count:

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .errors import PermissionDenied, ShuttingDown, SkippydError, StoreLocked, VersionMismatch
+from .errors import Busy, PermissionDenied, ShuttingDown, SkippydError, StoreLocked, VersionMismatch
 from .handlers import Handlers, Operation, Reply, RunOnWorker, Session, run_on_worker
 from .latency import LatencyTracker
 from .protocol import Frame, FrameDecoder, FrameType, encode_frame, send_frame
@@ -47,8 +47,9 @@ log = logging.getLogger("skippyd.server")
 _RECV_SIZE = 256 * 1024
 _MAX_OUT_BYTES = 8 << 20
 _MAX_QUEUED_FRAMES = 64
+_MAX_QUEUED_BYTES = 32 << 20  # decoded requests waiting on one connection
 _PARTIAL_FRAME_TIMEOUT = 30.0
-_MAX_CONNECTIONS = 4096
+_MAX_CONNECTIONS = 2048
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
 
@@ -179,6 +180,8 @@ class Connection:
         self.session = session
         self.decoder = FrameDecoder(server.config.max_frame, expect=(FrameType.REQUEST,))
         self.queue: deque[Frame] = deque()
+        self.queued_bytes = 0
+        self.partial = 0  # bytes of an unfinished frame, counted in server.partial_bytes
         self.running = False
         self.out: deque[tuple[memoryview, list[int]]] = deque()
         self.out_bytes = 0
@@ -230,17 +233,35 @@ class Connection:
             if frame is None:
                 break
             queue.append(frame)
+            self.queued_bytes += frame.size
         if decoder.mid_frame:
             self.frame_started = now
-        if len(queue) >= _MAX_QUEUED_FRAMES or self.out_bytes > _MAX_OUT_BYTES:
+        self._account_partial(decoder.buffered)
+        if self.server.partial_bytes > self.server.config.max_buffered and self.partial:
+            # Many clients are each holding a large frame half-sent: shed this one rather than the host.
+            self._protocol_error(Busy("too many unfinished requests are buffered; retry shortly"))
+            return
+        if not self._has_room():
             self._pause_reading()
         self._run_next()
+
+    def _account_partial(self, buffered: int) -> None:
+        self.server.partial_bytes += buffered - self.partial
+        self.partial = buffered
+
+    def _has_room(self) -> bool:
+        return (
+            len(self.queue) < _MAX_QUEUED_FRAMES
+            and self.queued_bytes <= _MAX_QUEUED_BYTES
+            and self.out_bytes <= _MAX_OUT_BYTES
+        )
 
     def _protocol_error(self, exc: SkippydError) -> None:
         log.info("closing connection %d: %s", self.session.id, exc)
         self.server.stats["protocol_errors"] += 1
         self._pause_reading()
         self.queue.clear()
+        self.queued_bytes = 0
         self._send(encode_frame(FrameType.ERROR, 0, exc.to_wire()), [])
         self.close_after_flush = True
         self._maybe_close()
@@ -250,6 +271,7 @@ class Connection:
         server = self.server
         while not self.running and self.queue and not self.closed:
             frame = self.queue.popleft()
+            self.queued_bytes -= frame.size
             request_id, body = frame.request_id, frame.body
             try:
                 if server.stopping:
@@ -315,7 +337,7 @@ class Connection:
         self._run_next()
 
     def _resume_reading_if_room(self) -> None:
-        if len(self.queue) < _MAX_QUEUED_FRAMES and self.out_bytes <= _MAX_OUT_BYTES:
+        if self._has_room():
             self._resume_reading()
 
     def _reply(self, request_id: int, reply: Reply) -> None:
@@ -411,6 +433,8 @@ class Connection:
             _close_fds(fds)
         self.out.clear()
         self.queue.clear()
+        self.queued_bytes = 0
+        self._account_partial(0)
         self.decoder.close()
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -434,6 +458,7 @@ class Server:
         self.pool = ThreadPoolExecutor(max_workers=config.worker_threads, thread_name_prefix="skippyd-worker")
         self.connections: dict[int, Connection] = {}
         self.inflight = 0
+        self.partial_bytes = 0
         self.stopping = False
         self.stats: dict[str, int] = {"accepted": 0, "refused": 0, "errors": 0, "protocol_errors": 0}
         self.ops: dict[str, int] = {}

@@ -522,3 +522,26 @@ def test_peer_credentials_are_read_for_every_connection() -> None:
     left.close()
     right.close()
     assert struct.calcsize("3i") == 12
+
+
+def test_clients_holding_half_sent_frames_are_shed_before_they_exhaust_memory(make_daemon: Any) -> None:
+    proc = make_daemon("--max-buffered", "1MiB").start()
+    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, FrameType.REQUEST, 0, 0, 4 << 20, 0, 7)
+    hogs = []
+    for _ in range(3):
+        hog = _raw_connect(proc.socket)
+        hog.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]}))
+        hog.sendall(header + b"\x00" * (600 << 10))  # a 4 MiB frame, 600 KiB of it sent
+        hog.settimeout(1.5)
+        hogs.append(hog)
+        time.sleep(0.2)
+    shed = []
+    for hog in hogs:
+        frames = _read_frames(hog)
+        errors = [f.body["code"] for f in frames if f.type == FrameType.ERROR]
+        shed.append("busy" in errors)
+        hog.close()
+    assert shed.count(True) >= 1, "at least the one that went over the limit was dropped"
+    assert not shed[0], "the first one fit under the limit"
+    with proc.client() as client:
+        assert client.ping()
