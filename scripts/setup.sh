@@ -34,7 +34,7 @@ if [[ ! -x .venv/bin/python ]]; then
     "$python" -m venv .venv
 fi
 extras="torch"
-[[ $dev -eq 1 ]] && extras="torch,dev"
+[[ $dev -eq 1 ]] && extras="torch,dev,transformers"  # the test suite runs real transformers models
 # torch is pinned so pip takes the CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" -e ".[${extras}]" 2>&1 \
     | grep -v -E "is ignored: it is neither a file nor a directory" >&2 || true
