@@ -161,6 +161,10 @@ class Tiers:
         self._writes: queue.Queue[tuple[L2Entry, int, int] | None] = queue.Queue(maxsize=max(1, l3_queue))
         self._generation = 0  # evict --all cancels every durable write queued before it
         self._cancelled: set[str] = set()  # evict --digest cancels queued writes of that digest
+        # key -> digest of its newest capture, kept while a durable write of that key is queued: a
+        # write that a newer capture of the same key superseded must not reach L3 (the authority).
+        self._newest: dict[str, str] = {}
+        self._queued_keys: dict[str, int] = {}
         self._promote: queue.Queue[tuple[_Fill, str] | None] = queue.Queue(maxsize=max(1, promotion_queue))
         self._threads: list[threading.Thread] = []
         if l3 is not None:
@@ -213,6 +217,9 @@ class Tiers:
             stale = self.l3.get(key)
             if stale is not None and stale.digest != entry.digest:
                 self.l3.remove(key)  # the newest capture wins over an older durable copy
+            with self._lock:
+                if key in self._queued_keys:
+                    self._newest[key] = entry.digest
         l3 = self._queue_write(entry) if durable else False
         for hook in self.capture_hooks:
             hook(identity, tokens, entry)
@@ -226,13 +233,16 @@ class Tiers:
         if opened is None:
             return False
         fd, current = opened
-        try:
-            self._writes.put_nowait((current, fd, self._generation))
-        except queue.Full:
-            os.close(fd)
-            self._count(l3_dropped=1)
-            return False
-        self._count(l3_queued=1)
+        with self._lock:
+            try:
+                self._writes.put_nowait((current, fd, self._generation))
+            except queue.Full:
+                os.close(fd)
+                self.counters.l3_dropped += 1
+                return False
+            self.counters.l3_queued += 1
+            self._queued_keys[current.key] = self._queued_keys.get(current.key, 0) + 1
+            self._newest[current.key] = current.digest
         return True
 
     def _writer(self) -> None:
@@ -244,7 +254,11 @@ class Tiers:
             entry, fd, generation = job
             try:
                 with self._lock:
-                    cancelled = generation < self._generation or entry.digest in self._cancelled
+                    cancelled = (
+                        generation < self._generation
+                        or entry.digest in self._cancelled
+                        or self._newest.get(entry.key, entry.digest) != entry.digest
+                    )
                     if self._writes.unfinished_tasks <= 1:
                         self._cancelled.clear()
                 if cancelled:
@@ -266,7 +280,22 @@ class Tiers:
                 log.error("durable write failed: %s", exc)
             finally:
                 os.close(fd)
+                self._write_done(entry)
                 self._writes.task_done()
+
+    def _write_done(self, entry: L2Entry) -> None:
+        with self._lock:
+            newer = self._newest.get(entry.key, entry.digest) != entry.digest
+            left = self._queued_keys.get(entry.key, 1) - 1
+            if left > 0:
+                self._queued_keys[entry.key] = left
+            else:
+                self._queued_keys.pop(entry.key, None)
+                self._newest.pop(entry.key, None)
+        if newer and self.l3 is not None:
+            stale = self.l3.get(entry.key)
+            if stale is not None and stale.digest == entry.digest:
+                self.l3.remove(entry.key)  # captured again while this write ran: the newer one wins
 
     # ----------------------------------------------------------------- locating
     def _candidates(self, identity: Identity, tokens: bytes) -> list[_Candidate]:
