@@ -75,8 +75,13 @@ class PublishedSocket:
     path: Path
     inode: int
     lock_fd: int
+    closed: bool = False
 
     def close(self) -> None:
+        """Idempotent: closing a descriptor number twice could close another thread's file."""
+        if self.closed:
+            return
+        self.closed = True
         with contextlib.suppress(OSError):
             self.sock.close()
         with contextlib.suppress(OSError):
