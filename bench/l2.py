@@ -114,6 +114,15 @@ def bench_size(size_mib: int, workdir: Path, redis_url: str) -> list[list[str]]:
     ]
 
 
+def _describe_mount(path: str) -> str:
+    best, options = "", ""
+    for line in Path("/proc/mounts").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and path.startswith(parts[1]) and len(parts[1]) > len(best):
+            best, options = parts[1], f"{parts[2]} {parts[3]}"
+    return options or "unknown mount"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -123,6 +132,7 @@ def main() -> None:
     parser.add_argument(
         "--shm", default="/dev/shm", help="tmpfs to put the tier on (e.g. one mounted huge=always)"
     )
+    parser.add_argument("--section", default="l2", help="docs/benchmarks.md section to write")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="skippyd-bench-", dir=args.shm))
@@ -136,10 +146,11 @@ def main() -> None:
     text = table(["size", "operation", "median", "throughput", "vs memcpy"], rows)
     print(text)
     if args.write_docs:
+        where = _describe_mount(args.shm)
         write_section(
-            "l2",
-            f"Machine: {machine()}. `python -m bench.l2`, one run; medians; ratios are to the numpy "
-            f"copy measured in the same run.\n\n{text}",
+            args.section,
+            f"Machine: {machine()}. `python -m bench.l2 --shm {args.shm}` ({where}), one run; medians; "
+            f"ratios are to the numpy copy measured in the same run.\n\n{text}",
         )
 
 

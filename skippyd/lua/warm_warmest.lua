@@ -11,9 +11,9 @@
 --
 -- Remembered prefixes of a chain are contiguous from block 1 (see warm_ran.lua), so the longest one is
 -- the boundary of a monotone predicate, found as the seed's linear scan finds it but in O(log n)
--- lookups: first block min_blocks (absent: no answer, one lookup), then the whole prompt (present: the
--- common case of a conversation's next turn, two lookups), else a gallop down from the end (a new turn
--- is short) and a binary search inside the bracket it finds.
+-- lookups: first block min_blocks (absent: no answer, one lookup), then the whole prompt (present: two
+-- lookups), then up to four galloping steps down from the end (a conversation's next turn adds a few
+-- blocks to a prefix that is warm), then a binary search inside the bracket left.
 -- Ticks never increase along the chain, so the prefixes one ran() stamped form a contiguous run; when
 -- its node is gone (heartbeat expired, or forgotten) a binary search finds where that run starts and
 -- the answer steps below it. Nodes that never registered are taken as live (static setups that feed
@@ -53,7 +53,8 @@ local function longest_from_end()
   if not value(min_blocks) then return 0 end
   if value(n) then return n end
   local lo, hi, step = min_blocks, n, 1  -- value(lo) is remembered, value(hi) is not
-  while hi - step > lo do
+  for _ = 1, 4 do  -- a short gallop from the end: a conversation's next turn adds a few blocks
+    if hi - step <= lo then break end
     if value(hi - step) then lo = hi - step break end
     hi = hi - step
     step = step * 2
