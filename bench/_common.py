@@ -9,6 +9,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -132,3 +133,40 @@ def write_section(name: str, text: str) -> None:
         else current.rstrip() + "\n\n" + block + "\n"
     )
     DOCS.write_text(updated)
+
+
+class BenchDaemon:
+    """A private ``skippyd serve`` in ``workdir`` with its own tmpfs directory (no Redis unless given)."""
+
+    def __init__(self, workdir: Path, *args: str, budget: str = "2GiB", redis_url: str = "none") -> None:
+        self.socket = workdir / "d.sock"
+        self.shm = Path(tempfile.mkdtemp(prefix="skippyd-bench-", dir="/dev/shm"))
+        self.args = [
+            "--socket", str(self.socket), "--state-dir", str(workdir / "state"), "--shm-dir", str(self.shm),
+            "--l2-budget", budget, "--redis-url", redis_url, "--log-level", "warning", *args,
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> BenchDaemon:
+        import skippyd
+
+        self.proc = subprocess.Popen([sys.executable, "-m", "skippyd", "serve", *self.args])
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.socket.exists() and skippyd.Client(self.socket, timeout=2).ping():
+                return self
+            time.sleep(0.05)
+        raise RuntimeError("the daemon did not start")
+
+    def stop(self, *, wipe_tmpfs: bool = False) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+            self.proc = None
+        if wipe_tmpfs:
+            shutil.rmtree(self.shm)
+            self.shm.mkdir()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.shm, ignore_errors=True)

@@ -15,9 +15,7 @@ import argparse
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from functools import partial
 from pathlib import Path
 
@@ -25,6 +23,7 @@ import numpy as np
 import redis
 
 from bench._common import (
+    BenchDaemon,
     fmt_time,
     machine,
     median,
@@ -50,31 +49,7 @@ def label(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-class Daemon:
-    def __init__(self, workdir: Path, redis_url: str, budget: str) -> None:
-        self.socket = workdir / "d.sock"
-        self.shm = Path(tempfile.mkdtemp(prefix="skippyd-bench-d-", dir="/dev/shm"))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skippyd", "serve", "--socket", str(self.socket), "--state-dir",
-             str(workdir / "state"), "--shm-dir", str(self.shm), "--l2-budget", budget, "--redis-url",
-             redis_url, "--log-level", "warning"],
-        )  # fmt: skip
-        import skippyd
-
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.socket.exists() and skippyd.Client(self.socket, timeout=2).ping():
-                return
-            time.sleep(0.05)
-        raise RuntimeError("the daemon did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        shutil.rmtree(self.shm, ignore_errors=True)
-
-
-def restore_rows(daemon: Daemon, redis_url: str, sizes: list[int]) -> list[list[str]]:
+def restore_rows(daemon: BenchDaemon, redis_url: str, sizes: list[int]) -> list[list[str]]:
     import torch
 
     import skippyd
@@ -113,7 +88,7 @@ def restore_rows(daemon: Daemon, redis_url: str, sizes: list[int]) -> list[list[
     return rows
 
 
-def lookup_rows(daemon: Daemon) -> list[list[str]]:
+def lookup_rows(daemon: BenchDaemon) -> list[list[str]]:
     import torch
 
     import skippyd
@@ -189,7 +164,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="skb-", dir="/tmp"))
     try:
         with redis_server() as url:
-            daemon = Daemon(workdir, url, budget="2GiB")
+            daemon = BenchDaemon(workdir, redis_url=url).start()
             try:
                 restore = restore_rows(daemon, url, sizes)
                 lookups = lookup_rows(daemon)
@@ -200,7 +175,7 @@ def main() -> None:
                     theirs = redis_benchmark(url, n)
                     rates.append([str(n), f"{ours:,.0f}", f"{theirs:,.0f}", f"{ours / theirs:.2f}×"])
             finally:
-                daemon.stop()
+                daemon.cleanup()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     text = "\n\n".join([

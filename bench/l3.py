@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from functools import partial
@@ -24,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from bench._common import (
+    BenchDaemon,
     fmt_rate,
     fmt_time,
     machine,
@@ -90,55 +89,20 @@ def load_rows(sizes: list[int], workdir: Path) -> list[list[str]]:
     return rows
 
 
-class Daemon:
-    def __init__(self, root: Path, *args: str) -> None:
-        import skippyd
-
-        self.root = root
-        self.socket = root / "d.sock"
-        self.shm = Path(tempfile.mkdtemp(prefix="skippyd-bench-l3-", dir="/dev/shm"))
-        self.args = [
-            "--socket", str(self.socket), "--state-dir", str(root / "state"), "--shm-dir", str(self.shm),
-            "--l2-budget", "2GiB", "--redis-url", "none", "--log-level", "warning", *args,
-        ]  # fmt: skip
-        self.client_type = skippyd.Client
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "skippyd", "serve", *self.args])
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.socket.exists() and self.client_type(self.socket, timeout=2).ping():
-                return
-            time.sleep(0.05)
-        raise RuntimeError("daemon did not start")
-
-    def stop(self, *, wipe_tmpfs: bool = False) -> None:
-        assert self.proc is not None
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        if wipe_tmpfs:
-            shutil.rmtree(self.shm)
-            self.shm.mkdir()
-
-    def cleanup(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.stop()
-        shutil.rmtree(self.shm, ignore_errors=True)
-
-
 def latency_rows(size_mib: int, workdir: Path) -> list[list[str]]:
     import torch
 
+    import skippyd
+
     n = size_mib * MiB
     payload = {"kv": torch.from_numpy(np.random.default_rng(7).integers(0, 255, n, dtype=np.uint8))}
-    alone = Daemon(workdir / "alone", "--l3-dir", "off")
-    tiered = Daemon(workdir / "tiered")
+    alone = BenchDaemon(workdir / "alone", "--l3-dir", "off")
+    tiered = BenchDaemon(workdir / "tiered")
     rows = []
     try:
         for daemon in (alone, tiered):
             daemon.start()
-            client = daemon.client_type(daemon.socket, timeout=120)
+            client = skippyd.Client(daemon.socket, timeout=120)
             for i in range(20):
                 payload["kv"][0] = i  # distinct content per entry: each fill below is its own object
                 client.capture(model="bench", state="s", tokens=[i, 1, 2], tensors=payload)
@@ -157,7 +121,7 @@ def latency_rows(size_mib: int, workdir: Path) -> list[list[str]]:
             client.close()
         tiered.stop(wipe_tmpfs=True)
         tiered.start()
-        client = tiered.client_type(tiered.socket, timeout=120)
+        client = skippyd.Client(tiered.socket, timeout=120)
         fills = []
         for i in range(1, 20):  # each a first (cold) fill: never promoted on the first sight
             started = time.perf_counter()

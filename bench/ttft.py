@@ -21,8 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -33,7 +31,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import torch
 
-from bench._common import fmt_time, machine, median, table, write_section
+from bench._common import BenchDaemon, fmt_time, machine, median, table, write_section
 
 MiB = 1 << 20
 VOCAB = 32000
@@ -56,32 +54,6 @@ def build(name: str) -> Any:
         num_mem_blocks=1, max_position_embeddings=16384,
     )  # fmt: skip
     return tf.Zamba2ForCausalLM(hybrid).eval()
-
-
-class Daemon:
-    """A private ``skippyd serve`` (no Redis) in a temporary directory."""
-
-    def __init__(self, workdir: Path, budget: str) -> None:
-        self.socket = workdir / "d.sock"
-        self.shm = Path(tempfile.mkdtemp(prefix="skippyd-bench-ttft-", dir="/dev/shm"))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skippyd", "serve", "--socket", str(self.socket), "--state-dir",
-             str(workdir / "state"), "--shm-dir", str(self.shm), "--l2-budget", budget, "--redis-url", "none",
-             "--log-level", "warning"],
-        )  # fmt: skip
-        import skippyd
-
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.socket.exists() and skippyd.Client(self.socket, timeout=2).ping():
-                return
-            time.sleep(0.05)
-        raise RuntimeError("the daemon did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        shutil.rmtree(self.shm, ignore_errors=True)
 
 
 def _full(model: Any, prompt: torch.Tensor, runs: int) -> tuple[float, torch.Tensor]:
@@ -178,7 +150,7 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     skipped = [s for s in sizes if s > args.hybrid_max]
     try:
-        daemon = Daemon(workdir, budget="2GiB")
+        daemon = BenchDaemon(workdir).start()
         try:
             with skippyd.Client(daemon.socket, timeout=120) as client:
                 for name, todo in (
@@ -187,7 +159,7 @@ def main() -> None:
                 ):
                     results += measure(name, client, todo, news, args.reps)
         finally:
-            daemon.stop()
+            daemon.cleanup()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

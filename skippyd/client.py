@@ -114,7 +114,23 @@ def _device(device: str | torch.device | None) -> torch.device:
     return torch.device("cpu") if device is None else torch.device(device)
 
 
+def _staging_size(current: _Staging | None, needed: int, info: dict[str, Any]) -> int:
+    """Grow geometrically (fewer re-stagings), but never past what the daemon lends one connection."""
+    want = max(needed, 2 * current.size if current is not None else 0)
+    limit = int(info.get("staging_max", want))
+    return min(want, limit) if limit >= needed else needed
+
+
 class _Staging:
+    @classmethod
+    def from_reply(cls, reply: dict[str, Any], fds: list[int]) -> _Staging:
+        if len(fds) != 1:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            raise BadFrame("a stage reply must carry exactly one descriptor")
+        return cls(fds[0], int(reply["size"]))
+
     def __init__(self, fd: int, size: int) -> None:
         try:
             self.mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -243,16 +259,12 @@ class _Conn:
     def ensure_staging(self, size: int, timeout: float) -> _Staging:
         if self.staging is not None and self.staging.size >= size:
             return self.staging
-        want = max(size, 2 * self.staging.size if self.staging is not None else 0)
-        limit = int(self.info.get("staging_max", want))
-        want = min(want, limit) if limit >= size else size
+        want = _staging_size(self.staging, size, self.info)
         if self.staging is not None:
             self.staging.close()
             self.staging = None
         reply, fds = self.request({"op": "stage", "size": want}, timeout)
-        if len(fds) != 1:
-            raise BadFrame("a stage reply must carry exactly one descriptor")
-        self.staging = _Staging(fds[0], int(reply["size"]))
+        self.staging = _Staging.from_reply(reply, fds)
         return self.staging
 
     def close(self) -> None:
@@ -612,16 +624,12 @@ class AsyncClient:
                     conn = await self._connection()
                     staging = conn.staging
                     if staging is None or staging.size < data_len:
-                        want = max(data_len, 1, 2 * staging.size if staging is not None else 0)
-                        limit = int(conn.info.get("staging_max", want))
-                        want = min(want, limit) if limit >= data_len else data_len
+                        want = _staging_size(staging, max(data_len, 1), conn.info)
                         if staging is not None:
                             staging.close()
                             conn.staging = None
                         reply, fds = await conn.request({"op": "stage", "size": want}, self.timeout)
-                        if len(fds) != 1:
-                            raise BadFrame("a stage reply must carry exactly one descriptor")
-                        conn.staging = staging = _Staging(fds[0], int(reply["size"]))
+                        conn.staging = staging = _Staging.from_reply(reply, fds)
                     region = staging.region(data_len)
                     try:
                         await asyncio.to_thread(_skt().write_into, region, specs, tensors)

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import errno
-import fcntl
 import logging
 import mmap
 import os
@@ -46,9 +44,9 @@ from .errors import (
     NoSpace,
     NotFound,
     SkippydError,
-    StoreLocked,
     TooLarge,
 )
+from .files import private_dirs, remove, take_owner_lock
 from .keys import Identity, is_hex_digest, prefix_keys
 from .payload import (
     EntryHeader,
@@ -293,12 +291,8 @@ class L2Tier:
         self._entries_dir = self.directory / "entries"
         self._free_dir = self.directory / "free"
         self._tmp_dir = self.directory / "tmp"
-        for path in (self.directory, self._entries_dir, self._free_dir, self._tmp_dir):
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if path.is_symlink() or not path.is_dir():
-                raise InvalidArgument(f"{path} is not a directory")
-        os.chmod(self.directory, 0o700)
-        self._lock_fd = self._take_owner_lock()
+        private_dirs(self.directory, self._entries_dir, self._free_dir, self._tmp_dir)
+        self._lock_fd = take_owner_lock(self.directory)
         try:
             self._adopt(verify_on_adopt)
         except BaseException:
@@ -306,19 +300,6 @@ class L2Tier:
             raise
 
     # ----------------------------------------------------------------- lifecycle
-
-    def _take_owner_lock(self) -> int:
-        path = self.directory / ".lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise StoreLocked(f"{self.directory} is owned by another process (pid {holder or '?'})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
 
     def close(self) -> None:
         """Writes pending recency, drops mappings and releases the directory. Entries stay on tmpfs."""
@@ -344,7 +325,7 @@ class L2Tier:
 
     def _adopt(self, verify: bool) -> None:
         for child in self._tmp_dir.iterdir():
-            _remove(child)
+            remove(child)
         for child in self._free_dir.iterdir():
             try:
                 st = child.lstat()
@@ -355,7 +336,7 @@ class L2Tier:
                 or not _is_regular(st)
                 or size_class(st.st_size) != st.st_size
             ):
-                _remove(child)
+                remove(child)
                 continue
             self._add_free(_File(child, st.st_size, freed_at=time.monotonic()))
         found: list[tuple[int, str, _Slot]] = []
@@ -365,7 +346,7 @@ class L2Tier:
             except (CorruptEntry, OSError, SkippydError, ValueError) as exc:
                 log.warning("dropping an L2 entry that failed verification: %s", exc)
                 self._stats.adopt_dropped += 1
-                _remove(child)
+                remove(child)
                 continue
             found.append((mtime, slot.entry.key, slot))
         found.sort(key=lambda item: (item[0], item[1]))
@@ -633,7 +614,7 @@ class L2Tier:
             self._reserved -= file.size
             if self._closed:
                 file.unmap()
-                _remove(file.path)
+                remove(file.path)
                 return
             self._recycle(file)
 
@@ -897,7 +878,7 @@ class L2Tier:
 
     def _unlink_file(self, file: _File) -> None:
         file.unmap()
-        _remove(file.path)
+        remove(file.path)
 
     def _keep_or_unmap(self, file: _File) -> None:
         if file.size < self._map_threshold:
@@ -945,18 +926,3 @@ def _is_regular(st: os.stat_result) -> bool:
     import stat
 
     return stat.S_ISREG(st.st_mode)
-
-
-def _remove(path: Path) -> None:
-    try:
-        if path.is_dir() and not path.is_symlink():
-            for child in path.iterdir():
-                _remove(child)
-            path.rmdir()
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        if exc.errno != errno.ENOENT:
-            log.warning("could not remove %s: %s", path, exc)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -43,7 +42,8 @@ from typing import Any
 
 from blake3 import blake3
 
-from .errors import CorruptEntry, InvalidArgument, NoSpace, NotFound, StoreLocked, TooLarge
+from .errors import CorruptEntry, InvalidArgument, NoSpace, NotFound, TooLarge
+from .files import fsync_dir, private_dirs, remove, take_owner_lock
 from .keys import is_hex_digest
 from .l2 import L2Entry, _Lengths
 from .payload import TensorSpec, payload_digest
@@ -202,14 +202,6 @@ class _Record:
     last_use: int
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class L3Store:
     """The disk tier. Thread-safe; one owning process per directory."""
 
@@ -246,12 +238,8 @@ class L3Store:
         self._dirs = {
             name: self.directory / name for name in ("objects", "manifests", "links", "quarantine", "tmp")
         }
-        for path in (self.directory, *self._dirs.values()):
-            path.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if path.is_symlink() or not path.is_dir():
-                raise InvalidArgument(f"{path} is not a directory")
-        os.chmod(self.directory, 0o700)
-        self._lock_fd = self._take_owner_lock()
+        private_dirs(self.directory, *self._dirs.values())
+        self._lock_fd = take_owner_lock(self.directory)
         try:
             self.last_reconciliation = self.reconcile(verify_objects=verify_objects_at_start)
         except BaseException:
@@ -259,19 +247,6 @@ class L3Store:
             raise
 
     # ----------------------------------------------------------------- lifecycle
-    def _take_owner_lock(self) -> int:
-        path = self.directory / ".lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            os.close(fd)
-            raise StoreLocked(f"{self.directory} is owned by another process (pid {holder or '?'})") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
-
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -310,13 +285,13 @@ class L3Store:
             self._object_sizes.clear()
             self._object_bytes = self._manifest_bytes = 0
             for child in self._dirs["tmp"].iterdir():
-                _remove(child)
+                remove(child)
                 report.temporary_removed += 1
             for shard in self._dirs["objects"].iterdir():
                 for obj in shard.iterdir() if shard.is_dir() else ():
                     name = obj.name.removesuffix(".obj")
                     if not obj.name.endswith(".obj") or not _NAME.match(name) or obj.is_symlink():
-                        _remove(obj)
+                        remove(obj)
                         report.orphans_collected += 1
                         continue
                     self._add_object(name, obj.stat().st_size)
@@ -352,7 +327,7 @@ class L3Store:
             for ident_dir in self._dirs["links"].iterdir():
                 for link in ident_dir.iterdir() if ident_dir.is_dir() else ():
                     if link not in wanted:
-                        _remove(link)
+                        remove(link)
                         report.dangling_links_dropped += 1
                 if ident_dir.is_dir() and not any(ident_dir.iterdir()):
                     ident_dir.rmdir()
@@ -569,13 +544,13 @@ class L3Store:
             raise
         os.close(fd)
         os.rename(temp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
 
     def _write_link(self, path: Path) -> None:
         path.parent.mkdir(mode=0o700, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         os.close(fd)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def _make_room(self, need: int) -> None:
         """Evicts (quarantine first, then least recently used entries) when a write would pass the cap."""
@@ -756,15 +731,3 @@ def _hash(chunk: memoryview) -> str:
 def _check_segment(digest: str, entry: L3Entry, index: int) -> None:
     if digest != entry.segments[index]:
         raise CorruptEntry(f"L3 segment {index} does not match its digest")
-
-
-def _remove(path: Path) -> None:
-    try:
-        if path.is_dir() and not path.is_symlink():
-            for child in path.iterdir():
-                _remove(child)
-            path.rmdir()
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass

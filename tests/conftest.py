@@ -105,3 +105,30 @@ def any_redis_url(request):  # type: ignore[no-untyped-def]
     cluster = request.getfixturevalue("redis_cluster_session")
     cluster.flush()
     return cluster.url
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_short: Path):  # type: ignore[no-untyped-def]
+    """Mounts small tmpfs filesystems for tests about full disks; skips where mounting is not allowed."""
+    import subprocess
+
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        point = tmp_short / f"fs{len(mounted)}"
+        point.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+            capture_output=True,
+            check=False,
+        )
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+        mounted.append(point)
+        return point
+
+    try:
+        yield mount
+    finally:
+        for point in mounted:
+            subprocess.run(["umount", "-l", str(point)], check=False)

@@ -10,7 +10,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import skippyd
 
@@ -98,3 +100,13 @@ class DaemonProcess:
             with contextlib.suppress(ValueError, ProcessLookupError, OSError):
                 os.kill(int(pidfile.read_text().strip()), signal.SIGKILL)
         shutil.rmtree(self.shm_dir, ignore_errors=True)
+
+
+def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """Polls ``check`` until it returns something truthy (returned) or ``timeout`` passes (last result)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result or time.monotonic() > deadline:
+            return result
+        time.sleep(0.05)

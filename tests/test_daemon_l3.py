@@ -3,30 +3,20 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from daemonutil import DaemonProcess
+from daemonutil import DaemonProcess, eventually
 
 import skippyd
 
 MODEL, STATE = "m", "kv-v1"
-
-
-def eventually(check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(0.05)
 
 
 def durable(client: skippyd.Client, n: int) -> bool:
@@ -238,18 +228,8 @@ def test_a_small_l3_budget_drops_writes_it_cannot_hold_and_serving_goes_on(make_
 
 
 @pytest.fixture
-def small_disk(tmp_short: Path) -> Iterator[Path]:
-    mount = tmp_short / "disk"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, check=False
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_disk(mount_tmpfs: Any) -> Path:
+    return Path(mount_tmpfs("3m"))
 
 
 def test_a_nearly_full_disk_makes_l3_refuse_writes_cleanly(make_daemon: Any, small_disk: Path) -> None:

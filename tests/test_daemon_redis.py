@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from click.testing import CliRunner
-from daemonutil import DaemonProcess
+from daemonutil import DaemonProcess, eventually
 from redisutil import RedisServer
 
 from skippyd import WarmTable
@@ -23,15 +22,6 @@ MODEL, STATE = "m", "kv-v1"
 
 def embedded_url(daemon: DaemonProcess) -> str:
     return f"unix://{daemon.state_dir}/redis/redis.sock"
-
-
-def eventually(check: Callable[[], Any], timeout: float = 10.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result or time.monotonic() > deadline:
-            return result
-        time.sleep(0.05)
 
 
 def test_the_daemon_registers_its_node_and_keeps_heartbeating(daemon: DaemonProcess) -> None:

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from blake3 import blake3
@@ -308,18 +309,8 @@ def test_an_aborted_reservation_gives_its_budget_back(shm_dir: Path) -> None:
 
 
 @pytest.fixture
-def tiny_tmpfs(tmp_short: Path):  # type: ignore[no-untyped-def]
-    mount = tmp_short / "tiny"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True, check=False
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def tiny_tmpfs(mount_tmpfs: Any) -> Path:
+    return Path(mount_tmpfs("256k"))
 
 
 def test_a_full_tmpfs_is_a_typed_error_with_no_partial_entry_visible(tiny_tmpfs: Path) -> None:

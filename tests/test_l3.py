@@ -10,6 +10,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from blake3 import blake3
@@ -191,18 +192,8 @@ def test_below_the_free_space_floor_l3_is_read_only(l2: L2Tier, tmp_path: Path) 
 
 
 @pytest.fixture
-def small_fs(tmp_short: Path) -> Iterator[Path]:
-    mount = tmp_short / "small"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True, check=False
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small filesystem here: {done.stderr.decode().strip()}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_fs(mount_tmpfs: Any) -> Path:
+    return Path(mount_tmpfs("2m"))
 
 
 def test_a_nearly_full_filesystem_refuses_writes_cleanly(l2: L2Tier, small_fs: Path) -> None:
