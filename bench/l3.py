@@ -70,11 +70,13 @@ def load_rows(sizes: list[int], workdir: Path) -> list[list[str]]:
             key = cache_key(IDENT, encode_tokens([size]))
             data = np.random.default_rng(size).integers(0, 255, n, dtype=np.uint8)
             table_ = [TensorDecl("kv", "uint8", (n,))]
-            entry = l2.admit(key=key, identity=IDENT, token_count=1, tensors=table_, data=[data])
+            l2.admit(key=key, identity=IDENT, token_count=1, tensors=table_, data=[data])
             with l2.borrow(key) as (e, view):
                 l3.write(e, view)
             l2.remove(key)
-            obj = next((workdir / "l3" / "objects").rglob(f"{entry.digest}.obj"))
+            stored = l3.get(key)
+            assert stored is not None
+            obj = next((workdir / "l3" / "objects").rglob(f"{stored.object}.obj"))
             buffer = memoryview(bytearray(n))
             buffer[:] = b"\x01" * n  # pre-faulted, like a preallocated tensor
             reps = max(3, min(15, 1024 // size))

@@ -318,9 +318,9 @@ class Client:
             for attempt in range(2):
                 try:
                     return self._connection().request(body, self.timeout)
-                except (ConnectionLost, Timeout, BadFrame):
-                    self._drop()
-                    if attempt:
+                except (ConnectionLost, Timeout, BadFrame) as exc:
+                    self._drop()  # a blocking stream cut mid-reply cannot be resynchronised
+                    if attempt or isinstance(exc, Timeout):  # a timeout is final: no second wait
                         raise
                 except SkippydError:
                     raise
@@ -369,9 +369,9 @@ class Client:
                         region.release()
                     reply, _ = conn.request(body, self.timeout)
                     break
-                except (ConnectionLost, Timeout, BadFrame):
+                except (ConnectionLost, Timeout, BadFrame) as exc:
                     self._drop()
-                    if attempt:
+                    if attempt or isinstance(exc, Timeout):
                         raise
         return CaptureResult(
             digest=str(reply["digest"]),
@@ -461,6 +461,7 @@ class _AsyncConn:
         self.staging: _Staging | None = None
         self.info: dict[str, Any] = {}
         self.closed = False
+        self.sending = asyncio.Lock()  # one frame on the wire at a time: concurrent sends would interleave
         loop.add_reader(sock.fileno(), self._on_readable)
 
     def _on_readable(self) -> None:
@@ -506,13 +507,26 @@ class _AsyncConn:
         if self.closed:
             raise ConnectionLost("connection to skippyd is closed")
         request_id = next(self.ids)
+        wire = encode_frame(FrameType.REQUEST, request_id, body)
         future: asyncio.Future[Frame] = self.loop.create_future()
         self.waiting[request_id] = future
         try:
-            await self.loop.sock_sendall(self.sock, encode_frame(FrameType.REQUEST, request_id, body))
-            frame = await asyncio.wait_for(future, timeout)
+            async with asyncio.timeout(timeout):  # the whole request: waiting to send, sending, the reply
+                async with self.sending:
+                    if self.closed:
+                        raise ConnectionLost("connection to skippyd is closed")
+                    try:
+                        await self.loop.sock_sendall(self.sock, wire)
+                    except BaseException:
+                        # cancelled or timed out part-way: a partial frame is on the wire and every later
+                        # frame would be misread, so this connection is done (the next call reconnects)
+                        self._fail(ConnectionLost("a request was interrupted while it was being sent"))
+                        raise
+                frame = await future
+        except ConnectionLost:
+            raise
         except TimeoutError as exc:
-            self._fail(Timeout("timed out"))
+            # a late reply to this id is dropped when it comes; the connection stays usable
             raise Timeout(f"skippyd did not answer {body.get('op')} within {timeout:g}s") from exc
         except OSError as exc:
             self._fail(ConnectionLost(str(exc)))
@@ -591,8 +605,8 @@ class AsyncClient:
             try:
                 conn = await self._connection()
                 return await conn.request(body, self.timeout)
-            except (ConnectionLost, Timeout, BadFrame):
-                if attempt:
+            except (ConnectionLost, BadFrame):
+                if attempt:  # once more on a fresh connection (a restarted daemon); a timeout is final
                     raise
         raise AssertionError("unreachable")
 
@@ -637,7 +651,7 @@ class AsyncClient:
                         region.release()
                     reply, _ = await conn.request(body, self.timeout)
                     break
-                except (ConnectionLost, Timeout, BadFrame):
+                except (ConnectionLost, BadFrame):
                     if attempt:
                         raise
         return CaptureResult(

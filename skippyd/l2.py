@@ -31,7 +31,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -236,17 +236,48 @@ class Reservation:
                 return self.data[spec.offset : spec.offset + spec.nbytes]
         raise NotFound(f"no tensor named {name!r} in this reservation")
 
-    def commit(self, expected_digest: str | None = None) -> L2Entry:
-        """Hashes the bytes, writes the header and publishes the entry atomically under its key."""
+    def commit(
+        self, expected_digest: str | None = None, *, before_publish: Callable[[str], None] | None = None
+    ) -> L2Entry:
+        """Hashes the bytes, writes the header and publishes the entry atomically under its key.
+
+        ``before_publish`` is called with the payload digest after hashing and before the entry becomes
+        visible (the tier rules use it to retire a stale durable copy first).
+        """
+        entry = self._finish(expected_digest, before_publish, only_if_absent=False)
+        assert entry is not None
+        return entry
+
+    def commit_if_absent(self, expected_digest: str | None = None) -> L2Entry | None:
+        """:meth:`commit`, unless an entry appeared under the key meanwhile (then None: it is newer)."""
+        return self._finish(expected_digest, None, only_if_absent=True)
+
+    def _finish(
+        self,
+        expected_digest: str | None,
+        before_publish: Callable[[str], None] | None,
+        *,
+        only_if_absent: bool,
+    ) -> L2Entry | None:
         if self._done:
             raise InvalidArgument("reservation already committed or aborted")
         self._done = True
         self.data.release()
         try:
-            return self._tier._commit(self._file, self._header, self._data_offset, expected_digest)
+            entry = self._tier._commit(
+                self._file,
+                self._header,
+                self._data_offset,
+                expected_digest,
+                before_publish,
+                only_if_absent=only_if_absent,
+            )
         except BaseException:
             self._tier._abort(self._file)
             raise
+        if entry is None:
+            self._tier._abort(self._file)
+        return entry
 
     def abort(self) -> None:
         if self._done:
@@ -396,6 +427,8 @@ class L2Tier:
         kind: str = "kv",
         meta: Mapping[str, Any] | None = None,
         origin: str = "capture",
+        evict: bool = True,
+        replace: bool = True,
     ) -> Reservation:
         """Room for a new entry; evicts LRU entries as needed. Refuses what can never fit.
 
@@ -411,7 +444,7 @@ class L2Tier:
             meta=meta,
             origin=origin,
         )
-        file = self._obtain(size, replacing=key)
+        file = self._obtain(size, replacing=key if replace else None, evict=evict)
         try:
             return Reservation(self, file, header, data_offset)
         except BaseException:
@@ -497,23 +530,35 @@ class L2Tier:
                 copy_into(reservation.data, spec.offset, spec.nbytes, source, threads=self._hash_threads)
             return reservation.commit(expected_digest)
 
-    def _obtain(self, size: int, replacing: str) -> _File:
-        """A file of exactly ``size`` bytes for a reservation, accounted as reserved."""
+    def _obtain(self, size: int, replacing: str | None, *, evict: bool = True) -> _File:
+        """A file of exactly ``size`` bytes for a reservation, accounted as reserved.
+
+        Everything that picks a file and moves it out of ``entries/``/``free/`` happens under the lock, so
+        no commit of the same key can slip a new file under the old name in between. With ``evict=False``
+        no entry is evicted for room (only recycled free files are given back): :class:`NoSpace` instead.
+        """
         with self._lock:
             self._check_open()
             if size > self.budget_bytes:
                 self._stats.refused_bytes += size
                 raise TooLarge(f"an entry of {size} bytes is larger than the L2 budget ({self.budget_bytes})")
-            old = self._entries.get(replacing)
+            old = self._entries.get(replacing) if replacing is not None else None
             if old is not None:
                 self._detach(old)
                 self._recycle(old.file)
             reuse = self._take_free(size)
             if reuse is None:
+                if not evict:
+                    while self._room() < size and self._drop_one_free():
+                        pass
+                    if self._room() < size:
+                        raise NoSpace("no room in L2 without evicting an entry")
                 reuse = self._make_room(size)
             self._reserved += size
-        if reuse is not None:
-            return self._claim(reuse)
+            if reuse is not None:
+                claimed = self._claim(reuse)
+                if claimed is not None:
+                    return claimed
         try:
             return self._fresh(size)
         except BaseException:
@@ -521,15 +566,15 @@ class L2Tier:
                 self._reserved -= size
             raise
 
-    def _claim(self, file: _File) -> _File:
+    def _claim(self, file: _File) -> _File | None:
+        """Moves a recycled file into ``tmp/`` for a reservation (lock held); None if that failed."""
         target = self._tmp_dir / new_name(".part")
         try:
             os.rename(file.path, target)
-        except OSError:
-            file.unmap()
-            with self._lock:
-                self._reserved -= file.size
-            raise
+        except OSError as exc:
+            log.warning("could not reuse %s (%s); allocating a fresh file", file.path.name, exc)
+            self._unlink_file(file)
+            return None
         file.path = target
         file.fresh = False
         self._stats.reused_files += 1
@@ -547,6 +592,9 @@ class L2Tier:
             fd = allocate_file(path, size)
         try:
             mapping = map_rw(fd, size)
+        except BaseException:
+            remove(path)
+            raise
         finally:
             os.close(fd)
         with self._lock:
@@ -571,7 +619,16 @@ class L2Tier:
     def _room(self) -> int:
         return self.budget_bytes - self._bytes - self._free_bytes - self._reserved
 
-    def _commit(self, file: _File, header: EntryHeader, data_offset: int, expected: str | None) -> L2Entry:
+    def _commit(
+        self,
+        file: _File,
+        header: EntryHeader,
+        data_offset: int,
+        expected: str | None,
+        before_publish: Callable[[str], None] | None,
+        *,
+        only_if_absent: bool,
+    ) -> L2Entry | None:
         mapping = file.ensure_mapped()
         view = memoryview(mapping)
         try:
@@ -591,8 +648,12 @@ class L2Tier:
             zero(view, len(head), data_offset)
         finally:
             view.release()
+        if before_publish is not None:
+            before_publish(digest)
         with self._lock:
             self._check_open()
+            if only_if_absent and final.key in self._entries:
+                return None
             tick = self._next_tick()
             os.utime(file.path, ns=(tick, tick))
             old = self._entries.get(final.key)

@@ -3,9 +3,9 @@
 Layout under ``--l3-dir`` (directories 0700, files 0600)::
 
     .lock                          owner lock (flock), the owner's pid inside
-    objects/<d[:2]>/<digest>.obj   one payload per content digest: the data region exactly as an L2
+    objects/<o[:2]>/<object>.obj   one data region per (payload digest, layout): exactly as an L2
                                    entry lays it out (tensors at 4 KiB offsets), shared by every
-                                   manifest that names it
+                                   manifest with the same bytes in the same layout
     manifests/<k[:2]>/<key>.man    one per cached entry: checksummed JSON (format, key, identity,
                                    kind, token_count, tensor table, meta, digest, data_len,
                                    segment size and a BLAKE3 per segment); mtime = last use
@@ -79,6 +79,15 @@ class L3Entry:
     def nbytes(self) -> int:
         return sum(spec.nbytes for spec in self.tensors)
 
+    @property
+    def object(self) -> str:
+        """The stored data region's name: its content digest *and* its layout (offsets, sizes, length).
+
+        Two entries with the same tensor bytes laid out differently (other shapes, so other offsets)
+        have the same payload digest but not the same data region; they never share an object.
+        """
+        return object_id(self.digest, self.tensors, self.data_len)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": MANIFEST_FORMAT,
@@ -130,6 +139,11 @@ class L3Entry:
         if end > entry.data_len:
             raise CorruptEntry("manifest tensors run past the data")
         return entry
+
+
+def object_id(digest: str, tensors: tuple[TensorSpec, ...], data_len: int) -> str:
+    layout = json.dumps([[t.offset, t.nbytes] for t in tensors] + [data_len], separators=(",", ":"))
+    return str(blake3(b"skippyd/l3-object/v1\x00" + digest.encode() + layout.encode()).hexdigest())
 
 
 def encode_manifest(entry: L3Entry) -> bytes:
@@ -225,7 +239,8 @@ class L3Store:
         self._lock = threading.RLock()
         self._records: dict[str, _Record] = {}
         self._by_identity: dict[str, _Lengths] = {}
-        self._by_digest: dict[str, set[str]] = {}
+        self._by_digest: dict[str, set[str]] = {}  # payload digest -> keys (evict --digest)
+        self._by_object: dict[str, set[str]] = {}  # object -> keys of the manifests that name it
         self._object_sizes: dict[str, int] = {}
         self._object_bytes = 0
         self._manifest_bytes = 0
@@ -263,8 +278,8 @@ class L3Store:
         self.close()
 
     # ----------------------------------------------------------------- paths (never from client text)
-    def _object_path(self, digest: str) -> Path:
-        return self._dirs["objects"] / digest[:2] / f"{digest}.obj"
+    def _object_path(self, name: str) -> Path:
+        return self._dirs["objects"] / name[:2] / f"{name}.obj"
 
     def _manifest_path(self, key: str) -> Path:
         return self._dirs["manifests"] / key[:2] / f"{key}.man"
@@ -282,6 +297,7 @@ class L3Store:
             self._records.clear()
             self._by_identity.clear()
             self._by_digest.clear()
+            self._by_object.clear()
             self._object_sizes.clear()
             self._object_bytes = self._manifest_bytes = 0
             for child in self._dirs["tmp"].iterdir():
@@ -308,7 +324,7 @@ class L3Store:
                         entry = decode_manifest(raw)
                         if entry.key != key:
                             raise CorruptEntry("manifest holds another key")
-                        size = self._object_sizes.get(entry.digest)
+                        size = self._object_sizes.get(entry.object)
                         if size is None:
                             raise CorruptEntry("its object is missing")
                         if size != entry.data_len:
@@ -336,9 +352,9 @@ class L3Store:
                     self._write_link(path)
                     report.links_restored += 1
             # objects no manifest names
-            for digest in list(self._object_sizes):
-                if digest not in self._by_digest:
-                    self._drop_object_if_unused(digest)
+            for name in list(self._object_sizes):
+                if name not in self._by_object:
+                    self._drop_object_if_unused(name)
                     report.orphans_collected += 1
             self._quarantine_bytes = sum(
                 p.stat().st_size for p in self._dirs["quarantine"].iterdir() if p.is_file()
@@ -353,10 +369,10 @@ class L3Store:
 
     def _verify_all(self, report: Reconciliation, progress: Callable[[int, int], None] | None) -> None:
         with self._lock:
-            digests = sorted(self._by_digest)
-        for index, digest in enumerate(digests):
+            objects = sorted(self._by_object)
+        for index, name in enumerate(objects):
             with self._lock:
-                keys = sorted(self._by_digest.get(digest, ()))
+                keys = sorted(self._by_object.get(name, ()))
                 record = self._records.get(keys[0]) if keys else None
             if record is not None:
                 try:
@@ -364,14 +380,14 @@ class L3Store:
                     report.verified += 1
                 except CorruptEntry as exc:
                     report.objects_quarantined += 1
-                    report.problems.append(f"object {digest[:16]}: {exc}")
+                    report.problems.append(f"object {name[:16]}: {exc}")
             if progress is not None:
-                progress(index + 1, len(digests))
+                progress(index + 1, len(objects))
 
     # ----------------------------------------------------------------- index (lock held)
-    def _add_object(self, digest: str, size: int) -> None:
-        self._object_bytes += size - self._object_sizes.get(digest, 0)
-        self._object_sizes[digest] = size
+    def _add_object(self, name: str, size: int) -> None:
+        self._object_bytes += size - self._object_sizes.get(name, 0)
+        self._object_sizes[name] = size
 
     def _index(self, record: _Record) -> None:
         entry = record.entry
@@ -382,6 +398,7 @@ class L3Store:
         self._manifest_bytes += record.manifest_size
         self._by_identity.setdefault(entry.identity, _Lengths()).add(entry.token_count)
         self._by_digest.setdefault(entry.digest, set()).add(entry.key)
+        self._by_object.setdefault(entry.object, set()).add(entry.key)
 
     def _unindex(self, entry: L3Entry) -> None:
         record = self._records.pop(entry.key, None)
@@ -393,11 +410,12 @@ class L3Store:
             lengths.discard(entry.token_count)
             if not lengths.counts:
                 del self._by_identity[entry.identity]
-        keys = self._by_digest.get(entry.digest)
-        if keys is not None:
-            keys.discard(entry.key)
-            if not keys:
-                del self._by_digest[entry.digest]
+        for index, name in ((self._by_digest, entry.digest), (self._by_object, entry.object)):
+            keys = index.get(name)
+            if keys is not None:
+                keys.discard(entry.key)
+                if not keys:
+                    del index[name]
 
     def _used(self) -> int:
         return self._object_bytes + self._manifest_bytes + self._quarantine_bytes + self._inflight
@@ -449,44 +467,52 @@ class L3Store:
     def readonly(self) -> bool:
         return self.free_disk() < self.min_free_bytes
 
-    def write(self, entry: L2Entry, data: memoryview) -> bool:
+    def write(self, entry: L2Entry, data: memoryview, *, wanted: Callable[[], bool] | None = None) -> bool:
         """Stores an L2 entry's data region durably; True if written, False if it was already there.
+
+        ``wanted`` is asked (under the store's lock, right before the entry becomes visible) whether the
+        write still matters: False drops it without a trace (an eviction or a newer capture of the key
+        arrived while the bytes went to disk). It must not call back into this store.
 
         Raises :class:`NoSpace` (disk floor or a full filesystem) or :class:`TooLarge` (budget); a
         failed write leaves nothing behind but what was there before.
         """
         if len(data) != entry.data_len:
             raise InvalidArgument("the data region does not match the entry")
+        free = self.free_disk()  # a statvfs: kept outside the lock
         with self._lock:
             existing = self._records.get(entry.key)
-            if existing is not None and existing.entry.digest == entry.digest:
+            name = object_id(entry.digest, entry.tensors, entry.data_len)
+            if existing is not None and existing.entry.object == name:
                 self._stats.write_skips += 1
                 return False
-            have_object = entry.digest in self._object_sizes
+            have_object = name in self._object_sizes
             need = (0 if have_object else entry.data_len) + 4096
             if need > self.budget_bytes * _EVICT_TO:
                 self._stats.refused_writes += 1
                 raise TooLarge(f"an entry of {need} bytes does not fit the L3 budget ({self.budget_bytes})")
-            if self.free_disk() - need < self.min_free_bytes:
+            if free - need < self.min_free_bytes:
                 self._stats.refused_writes += 1
                 self._stats.readonly = True
                 raise NoSpace("L3 is read-only: the disk is below its minimum free space")
             self._make_room(need)
             self._inflight += need
+        added_object = False
         try:
             segments: tuple[str, ...] | None = None
             segment_bytes = self.segment_bytes
             if not have_object:
                 segments = tuple(self._segment_digests(data))
-                self._write_file(self._object_path(entry.digest), data)
+                self._write_file(self._object_path(name), data)
             with self._lock:
-                if have_object and entry.digest not in self._object_sizes:
+                if have_object and name not in self._object_sizes:
                     raise NoSpace("the shared object was evicted while this write waited")
                 if not have_object:
-                    self._add_object(entry.digest, entry.data_len)
+                    added_object = name not in self._object_sizes
+                    self._add_object(name, entry.data_len)
                     self._stats.bytes_written += entry.data_len
                 if segments is None:
-                    keys = self._by_digest.get(entry.digest)
+                    keys = self._by_object.get(name)
                     source = self._records[next(iter(keys))].entry if keys else None
                     if source is None:
                         raise NoSpace("the shared object lost its manifest while this write waited")
@@ -497,20 +523,38 @@ class L3Store:
                 segment_bytes=segment_bytes, segments=segments, created_ns=entry.created_ns,
             )  # fmt: skip
             raw = encode_manifest(manifest)
-            self._write_file(self._manifest_path(entry.key), memoryview(raw))
+            final = self._manifest_path(entry.key)
+            staged = self._stage_file(final, memoryview(raw))
             self._write_link(self._link_path(manifest))
             with self._lock:
+                # the decision and the rename under one lock: an eviction or a newer capture that
+                # happened while the bytes went to disk wins, and the disk never names what the index
+                # does not
+                if wanted is not None and not wanted():
+                    remove(staged)
+                    if entry.key not in self._records:  # a key's link path is the same for any object
+                        with contextlib.suppress(FileNotFoundError):
+                            self._link_path(manifest).unlink()
+                    self._stats.write_skips += 1
+                    if added_object:
+                        self._drop_object_if_unused(name)
+                        added_object = False
+                    return False
+                os.rename(staged, final)
                 old = self._records.get(entry.key)
                 self._index(_Record(manifest, len(raw), time.time_ns()))
-                if old is not None and old.entry.digest != manifest.digest:
-                    self._drop_object_if_unused(old.entry.digest)
-                    with contextlib.suppress(FileNotFoundError):
-                        self._link_path(old.entry).unlink()
+                if old is not None and old.entry.object != manifest.object:
+                    self._drop_object_if_unused(old.entry.object)  # (the key's link stays: same path)
                 self._stats.writes += 1
                 self._stats.bytes_written += len(raw)
+                added_object = False
+            fsync_dir(final.parent)
             return True
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        except BaseException as exc:
+            if added_object:  # the object went in but its manifest did not: no orphan is left behind
+                with self._lock:
+                    self._drop_object_if_unused(name)
+            if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 with self._lock:
                     self._stats.refused_writes += 1
                 raise NoSpace(f"L3 disk full: {exc.strerror}") from exc
@@ -528,6 +572,11 @@ class L3Store:
 
     def _write_file(self, final: Path, data: memoryview) -> None:
         """tmp + write + fsync + rename + directory fsync: the file appears whole or not at all."""
+        os.rename(self._stage_file(final, data), final)
+        fsync_dir(final.parent)
+
+    def _stage_file(self, final: Path, data: memoryview) -> Path:
+        """Writes and fsyncs ``data`` to a temporary file beside ``final``'s tier; returns its path."""
         final.parent.mkdir(mode=0o700, exist_ok=True)
         temp = self._dirs["tmp"] / f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
@@ -543,8 +592,7 @@ class L3Store:
                 temp.unlink()
             raise
         os.close(fd)
-        os.rename(temp, final)
-        fsync_dir(final.parent)
+        return temp
 
     def _write_link(self, path: Path) -> None:
         path.parent.mkdir(mode=0o700, exist_ok=True)
@@ -576,13 +624,13 @@ class L3Store:
         for path in (self._manifest_path(entry.key), self._link_path(entry)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
-        self._drop_object_if_unused(entry.digest)
+        self._drop_object_if_unused(entry.object)
 
-    def _drop_object_if_unused(self, digest: str) -> None:
-        if digest not in self._by_digest and digest in self._object_sizes:
-            self._object_bytes -= self._object_sizes.pop(digest)
+    def _drop_object_if_unused(self, name: str) -> None:
+        if name not in self._by_object and name in self._object_sizes:
+            self._object_bytes -= self._object_sizes.pop(name)
             with contextlib.suppress(FileNotFoundError):
-                self._object_path(digest).unlink()
+                self._object_path(name).unlink()
 
     def remove(self, key: str) -> bool:
         with self._lock:
@@ -611,13 +659,24 @@ class L3Store:
             return len(records)
 
     # ----------------------------------------------------------------- read path
-    def load_into(self, key: str, dest: memoryview) -> L3Entry:
-        """Reads and verifies an entry's data region into ``dest``; corruption quarantines it."""
+    def load_into(self, key: str, dest: memoryview, *, expected: L3Entry | None = None) -> L3Entry:
+        """Reads and verifies an entry's data region into ``dest``; corruption quarantines it.
+
+        With ``expected`` the entry must still be that one (same object, digest and token count):
+        if the key was rewritten since the caller looked it up, :class:`NotFound` is raised rather than
+        loading bytes the caller's description does not match.
+        """
         with self._lock:
             record = self._records.get(key)
             if record is None:
                 raise NotFound("no such L3 entry")
             entry = record.entry
+        if expected is not None and (
+            entry.object != expected.object
+            or entry.digest != expected.digest
+            or entry.token_count != expected.token_count
+        ):
+            raise NotFound("the L3 entry changed since it was looked up")
         if len(dest) < entry.data_len:
             raise InvalidArgument("the destination is smaller than the entry")
         self._read_verified(entry, dest)
@@ -629,12 +688,12 @@ class L3Store:
 
     def _read_verified(self, entry: L3Entry, dest: Any) -> None:
         view = memoryview(dest).cast("B")
-        path = self._object_path(entry.digest)
+        path = self._object_path(entry.object)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except FileNotFoundError:
             with self._lock:
-                still_indexed = entry.digest in self._object_sizes
+                still_indexed = entry.object in self._object_sizes
             if not still_indexed:  # evicted (or replaced) between the lookup and the open
                 raise NotFound("the L3 entry was evicted") from None
             self.quarantine(entry, "its object file is missing")
@@ -671,21 +730,23 @@ class L3Store:
         log.error("L3 entry quarantined: %s", reason)
         with self._lock:
             self._stats.corrupt += 1
-            if entry.key in self._records and self._records[entry.key].entry is entry:
-                self._unindex(entry)
-            self._quarantine_file(self._manifest_path(entry.key), reason)
-            with contextlib.suppress(FileNotFoundError):
-                self._link_path(entry).unlink()
+            record = self._records.get(entry.key)
+            if record is not None and record.entry.object == entry.object:
+                # only this entry's manifest: a newer write of the key (another object) stays in service
+                self._unindex(record.entry)
+                self._quarantine_file(self._manifest_path(entry.key), reason)
+                with contextlib.suppress(FileNotFoundError):
+                    self._link_path(entry).unlink()
             # the object is bad for every manifest that names it
-            for other in list(self._by_digest.get(entry.digest, ())):
+            for other in list(self._by_object.get(entry.object, ())):
                 record = self._records[other]
                 self._unindex(record.entry)
                 self._quarantine_file(self._manifest_path(other), f"shares corrupt object: {reason}")
                 with contextlib.suppress(FileNotFoundError):
                     self._link_path(record.entry).unlink()
-            if entry.digest in self._object_sizes:
-                self._object_bytes -= self._object_sizes.pop(entry.digest)
-                self._quarantine_file(self._object_path(entry.digest), reason)
+            if entry.object in self._object_sizes:
+                self._object_bytes -= self._object_sizes.pop(entry.object)
+                self._quarantine_file(self._object_path(entry.object), reason)
 
     def _quarantine_file(self, path: Path, reason: str) -> None:
         target = self._dirs["quarantine"] / f"{time.time_ns()}-{path.name}"

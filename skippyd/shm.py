@@ -20,11 +20,12 @@ import mmap
 import os
 import secrets
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from .errors import NoSpace
+from .errors import Busy, NoSpace
 
 __all__ = [
     "PAGE",
@@ -35,6 +36,8 @@ __all__ = [
     "memfd",
     "new_name",
     "open_reader",
+    "reopen_readonly",
+    "seal_readonly",
     "size_class",
     "zero",
 ]
@@ -91,11 +94,17 @@ def open_reader(path: Path) -> int:
     """A fresh read-only description of ``path`` holding a shared lease lock; the caller owns the fd."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
+        # The only exclusive holder is :func:`has_readers`' momentary probe: wait it out, briefly.
+        for attempt in range(200):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                time.sleep(0 if attempt < 20 else 0.0005)
+        raise Busy(f"could not take a read lease on {path.name}: the file is being recycled")
+    except BaseException:
         os.close(fd)
         raise
-    return fd
 
 
 def has_readers(path: Path) -> bool:
@@ -162,19 +171,36 @@ def copy_bytes(dst: Any, src: Any, threads: int = 1) -> None:
         future.result()
 
 
-def memfd(name: str, size: int) -> int:
+def memfd(name: str, size: int, *, seal: bool = True) -> int:
     """An anonymous shared-memory fd of ``size`` bytes that nobody can shrink or grow.
 
     Used for staging buffers: the peer may write into it, but a truncation under the daemon's mapping
-    (which would SIGBUS the daemon) is refused by the seals.
+    (which would SIGBUS the daemon) is refused by the seals. With ``seal=False`` the seals are left to
+    the caller (:func:`seal_readonly` once the daemon has filled it).
     """
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.posix_fallocate(fd, 0, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+        if seal:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
             raise NoSpace(f"no memory for a {size}-byte staging buffer") from exc
         raise
     return fd
+
+
+def seal_readonly(fd: int) -> None:
+    """Seals a filled memfd against every change: no writes (by anyone, through any fd), no resizing.
+
+    The daemon must have unmapped its own writable mappings first (the kernel refuses the write seal
+    while one exists).
+    """
+    seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+
+
+def reopen_readonly(fd: int) -> int:
+    """A new read-only open file description of the file behind ``fd`` (for handing to a client)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)

@@ -34,7 +34,7 @@ from .keys import Identity, cache_key, prefix_keys, token_count
 from .l2 import L2Entry, L2Tier, Reservation, copy_into
 from .l3 import L3Entry, L3Store
 from .payload import TensorDecl, plan_layout
-from .shm import memfd
+from .shm import memfd, reopen_readonly, seal_readonly
 
 __all__ = ["CaptureOutcome", "Located", "Opened", "PromotionPolicy", "RunOnWorker", "Tiers"]
 
@@ -120,9 +120,11 @@ class _Fill:
     """
 
     entry: L3Entry
+    key: str
+    seq: int  # the eviction sequence number when the fill began: a later eviction of its digest wins
     done: Future[None] = field(default_factory=Future)
     reservation: Reservation | None = None
-    fd: int = -1  # a memfd when L2 had no room
+    fd: int = -1  # a sealed memfd when L2 had no free room
     fill_ms: float = 0.0
     users: int = 0
     resolution: str | None = None  # "commit" | "abort"
@@ -157,10 +159,15 @@ class Tiers:
         self._lock = threading.Lock()
         self.counters = Counters()
         self.capture_hooks: list[Callable[[Identity, bytes, L2Entry], None]] = []
-        self._fills: dict[str, _Fill] = {}
+        self._fills: dict[str, _Fill] = {}  # by L3 object: concurrent misses of the same bytes load once
         self._writes: queue.Queue[tuple[L2Entry, int, int] | None] = queue.Queue(maxsize=max(1, l3_queue))
-        self._generation = 0  # evict --all cancels every durable write queued before it
-        self._cancelled: set[str] = set()  # evict --digest cancels queued writes of that digest
+        # Evictions cancel the work begun before them: every evict bumps ``_seq``; a durable write or a
+        # fill remembers the ``_seq`` it began under and is cancelled if its digest (or everything) was
+        # evicted at a later number. The marks are forgotten once no work that predates them is left.
+        self._seq = 0
+        self._evicted_all_at = 0
+        self._cancelled: dict[str, int] = {}
+        self._outstanding = 0  # queued or running durable writes + fills in flight
         # key -> digest of its newest capture, kept while a durable write of that key is queued: a
         # write that a newer capture of the same key superseded must not reach L3 (the authority).
         self._newest: dict[str, str] = {}
@@ -206,20 +213,26 @@ class Tiers:
         if self._max_entry is not None and data_len > self._max_entry:
             raise TooLarge(f"an entry of {data_len} bytes exceeds the entry limit of {self._max_entry}")
         key = cache_key(identity, tokens)
+
+        def retire_stale(digest: str) -> None:
+            """The newest capture wins over older durable copies, before it becomes visible: a restore
+            never sees the new L2 entry beside an older L3 authority (which would remove it)."""
+            if self.l3 is None:
+                return
+            with self._lock:
+                if key in self._queued_keys:  # a queued older write of this key must not land
+                    self._newest[key] = digest
+            stale = self.l3.get(key)
+            if stale is not None and stale.digest != digest:
+                self.l3.remove(key)
+
         with self.l2.reserve(
             key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
         ) as reservation:
             for spec in specs:
                 view = source[spec.offset : spec.offset + spec.nbytes]
                 copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads)
-            entry = reservation.commit()
-        if self.l3 is not None:
-            stale = self.l3.get(key)
-            if stale is not None and stale.digest != entry.digest:
-                self.l3.remove(key)  # the newest capture wins over an older durable copy
-            with self._lock:
-                if key in self._queued_keys:
-                    self._newest[key] = entry.digest
+            entry = reservation.commit(before_publish=retire_stale)
         l3 = self._queue_write(entry) if durable else False
         for hook in self.capture_hooks:
             hook(identity, tokens, entry)
@@ -235,11 +248,12 @@ class Tiers:
         fd, current = opened
         with self._lock:
             try:
-                self._writes.put_nowait((current, fd, self._generation))
+                self._writes.put_nowait((current, fd, self._seq))
             except queue.Full:
                 os.close(fd)
                 self.counters.l3_dropped += 1
                 return False
+            self._outstanding += 1
             self.counters.l3_queued += 1
             self._queued_keys[current.key] = self._queued_keys.get(current.key, 0) + 1
             self._newest[current.key] = current.digest
@@ -251,17 +265,16 @@ class Tiers:
             job = self._writes.get()
             if job is None:
                 return
-            entry, fd, generation = job
-            try:
+            entry, fd, seq = job
+
+            def wanted(entry: L2Entry = entry, seq: int = seq) -> bool:
                 with self._lock:
-                    cancelled = (
-                        generation < self._generation
-                        or entry.digest in self._cancelled
-                        or self._newest.get(entry.key, entry.digest) != entry.digest
+                    return not self._cancelled_locked(entry.digest, seq) and (
+                        self._newest.get(entry.key, entry.digest) == entry.digest
                     )
-                    if self._writes.unfinished_tasks <= 1:
-                        self._cancelled.clear()
-                if cancelled:
+
+            try:
+                if not wanted():
                     continue
                 length = entry.data_len or 1
                 with mmap.mmap(
@@ -269,7 +282,9 @@ class Tiers:
                 ) as mapping:
                     view = memoryview(mapping)[: entry.data_len]
                     try:
-                        self.l3.write(entry, view)
+                        # asked again right before the entry becomes visible in L3: an eviction or a
+                        # newer capture that arrived during the write wins
+                        self.l3.write(entry, view, wanted=wanted)
                     finally:
                         view.release()
             except SkippydError as exc:
@@ -283,8 +298,17 @@ class Tiers:
                 self._write_done(entry)
                 self._writes.task_done()
 
+    def _cancelled_locked(self, digest: str, seq: int) -> bool:
+        return self._evicted_all_at > seq or self._cancelled.get(digest, -1) > seq
+
+    def _work_done_locked(self) -> None:
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            self._cancelled.clear()  # no work that began before these evictions is left
+
     def _write_done(self, entry: L2Entry) -> None:
         with self._lock:
+            self._work_done_locked()
             newer = self._newest.get(entry.key, entry.digest) != entry.digest
             left = self._queued_keys.get(entry.key, 1) - 1
             if left > 0:
@@ -402,16 +426,17 @@ class Tiers:
         assert self.l3 is not None
         lookup_ms = (time.perf_counter() - started) * 1e3
         with self._lock:
-            fill = self._fills.get(entry.digest)
+            fill = self._fills.get(entry.object)
             leader = fill is None
             if fill is None:
-                fill = self._fills[entry.digest] = _Fill(entry)
+                fill = self._fills[entry.object] = _Fill(entry, key, self._seq)
+                self._outstanding += 1
             else:
                 self.counters.fill_waits += 1
             fill.users += 1
         try:
             if leader:
-                self._load(key, fill)
+                self._load(fill)
             fill.done.result()  # the leader's CorruptEntry/NotFound reaches every waiter
             fd, data_offset = self._fill_reader(fill)
         finally:
@@ -433,40 +458,40 @@ class Tiers:
             timings,
         )
 
-    def _load(self, key: str, fill: _Fill) -> None:
+    def _load(self, fill: _Fill) -> None:
+        """Reads and verifies the entry into free L2 memory (never evicting for it: the promoter decides
+        whether it stays), or into a sealed memfd when L2 has no free room."""
         assert self.l3 is not None
-        entry = fill.entry
+        entry, key = fill.entry, fill.key
         began = time.perf_counter()
         try:
             decls = [TensorDecl(s.name, s.dtype, s.shape) for s in entry.tensors]
             try:
                 fill.reservation = self.l2.reserve(
                     key=key, identity=entry.identity, token_count=entry.token_count, tensors=decls,
-                    kind=entry.kind, meta=entry.meta, origin="l3",
+                    kind=entry.kind, meta=entry.meta, origin="l3", evict=False, replace=False,
                 )  # fmt: skip
                 if fill.reservation.header.data_len != entry.data_len:  # pragma: no cover - same layout rule
                     raise CorruptEntry("L3 entry layout differs from L2's")
-                self.l3.load_into(key, fill.reservation.data)
+                self.l3.load_into(key, fill.reservation.data, expected=entry)
             except (TooLarge, NoSpace):
                 if fill.reservation is not None:
                     fill.reservation.abort()
                     fill.reservation = None
-                fill.fd = self._load_memfd(key, entry)  # no room in L2: serve from anonymous memory
+                fill.fd = self._load_memfd(key, entry)
             fill.fill_ms = (time.perf_counter() - began) * 1e3
             self._count(fills=1)
         except BaseException as exc:
             with self._lock:
-                self._fills.pop(entry.digest, None)
-                fill.released = True
+                self._retire_locked(fill)
             if fill.reservation is not None:
                 fill.reservation.abort()
                 fill.reservation = None
+            with self._lock:
+                self._work_done_locked()
             fill.done.set_exception(exc)
             return
         fill.done.set_result(None)
-        if fill.reservation is None:
-            self._resolve_fill(fill, promote=False)
-            return
         try:
             self._promote.put_nowait((fill, key))
         except queue.Full:
@@ -474,15 +499,18 @@ class Tiers:
             self._resolve_fill(fill, promote=False)
 
     def _load_memfd(self, key: str, entry: L3Entry) -> int:
+        """The entry in anonymous memory, sealed read-only once loaded (clients get O_RDONLY fds)."""
         assert self.l3 is not None
-        fd = memfd("skippyd-l3-fill", max(entry.data_len, 1))
+        size = max(entry.data_len, 1)
+        fd = memfd("skippyd-l3-fill", size, seal=False)
         try:
-            with mmap.mmap(fd, max(entry.data_len, 1), flags=mmap.MAP_SHARED) as mapping:
+            with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as mapping:
                 view = memoryview(mapping)
                 try:
-                    self.l3.load_into(key, view[: entry.data_len])
+                    self.l3.load_into(key, view[: entry.data_len], expected=entry)
                 finally:
                     view.release()
+            seal_readonly(fd)  # our writable mapping is gone: from now on nobody can change a byte
         except BaseException:
             os.close(fd)
             raise
@@ -493,16 +521,21 @@ class Tiers:
             if fill.reservation is not None:
                 return fill.reservation.open_reader(), fill.reservation.data_offset
             if fill.fd >= 0:
-                return os.dup(fill.fd), 0
+                return reopen_readonly(fill.fd), 0
         raise NotFound("the loaded L3 entry was already released")  # pragma: no cover - users guard it
+
+    def _retire_locked(self, fill: _Fill) -> None:
+        """No restore joins this fill any more (its work stays outstanding until :meth:`_release`)."""
+        fill.released = True
+        if self._fills.get(fill.entry.object) is fill:
+            del self._fills[fill.entry.object]
 
     def _leave(self, fill: _Fill) -> None:
         with self._lock:
             fill.users -= 1
             ready = fill.users == 0 and fill.resolution is not None and not fill.released
             if ready:
-                fill.released = True
-                self._fills.pop(fill.entry.digest, None)
+                self._retire_locked(fill)
         if ready:
             self._release(fill)
 
@@ -511,26 +544,61 @@ class Tiers:
             fill.resolution = "commit" if promote else "abort"
             ready = fill.users == 0 and not fill.released
             if ready:
-                fill.released = True
-                self._fills.pop(fill.entry.digest, None)
+                self._retire_locked(fill)
         if ready:
             self._release(fill)
 
     def _release(self, fill: _Fill) -> None:
         reservation, fill.reservation = fill.reservation, None
         fd, fill.fd = fill.fd, -1
-        if fd >= 0:
-            os.close(fd)
-        if reservation is None:
-            return
-        if fill.resolution == "commit":
-            try:
-                reservation.commit(expected_digest=fill.entry.digest)
+        with self._lock:
+            promote = fill.resolution == "commit" and not self._cancelled_locked(fill.entry.digest, fill.seq)
+        try:
+            committed: L2Entry | None = None
+            if promote and reservation is not None:
+                committed = reservation.commit_if_absent(expected_digest=fill.entry.digest)
+                reservation = None
+            elif promote and fd >= 0:
+                committed = self._promote_copy(fill, fd)
+            if committed is not None:
                 self._count(promotions=1)
-            except SkippydError as exc:
-                log.warning("promotion into L2 failed: %s", exc)
-        else:
-            reservation.abort()
+                with self._lock:
+                    # an eviction that marked this digest after the check above may have swept L2
+                    # before the commit: take the promoted entry back out
+                    withdraw = self._cancelled_locked(fill.entry.digest, fill.seq)
+                if withdraw:
+                    current = self.l2.peek(committed.key)
+                    if current is not None and current.digest == committed.digest:
+                        self.l2.remove(committed.key)
+        except SkippydError as exc:
+            reservation = None  # a failed commit gave its memory back
+            log.warning("promotion into L2 failed: %s", exc)
+        finally:
+            if reservation is not None:
+                reservation.abort()
+            if fd >= 0:
+                os.close(fd)
+            with self._lock:
+                self._work_done_locked()
+
+    def _promote_copy(self, fill: _Fill, fd: int) -> L2Entry | None:
+        """Promotes a fill that L2 had no free room for: now room is made (LRU) and the bytes copied."""
+        entry = fill.entry
+        decls = [TensorDecl(s.name, s.dtype, s.shape) for s in entry.tensors]
+        size = max(entry.data_len, 1)
+        with (
+            mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapping,
+            self.l2.reserve(
+                key=fill.key, identity=entry.identity, token_count=entry.token_count, tensors=decls,
+                kind=entry.kind, meta=entry.meta, origin="l3", replace=False,
+            ) as reservation,
+        ):  # fmt: skip
+            with memoryview(mapping) as view:
+                for spec in entry.tensors:
+                    with view[spec.offset : spec.offset + spec.nbytes] as part:
+                        threads = self._copy_threads
+                        copy_into(reservation.data, spec.offset, spec.nbytes, part, threads=threads)
+            return reservation.commit_if_absent(expected_digest=entry.digest)
 
     def _promoter(self) -> None:
         while True:
@@ -557,7 +625,8 @@ class Tiers:
         """Removes every entry with this payload digest from both tiers; returns how many cache keys."""
         with self._lock:
             self.counters.evictions_requested += 1
-            self._cancelled.add(digest)
+            self._seq += 1
+            self._cancelled[digest] = self._seq
         keys = set(self.l2.keys_by_digest(digest))
         self.l2.remove_by_digest(digest)
         if self.l3 is not None:
@@ -569,7 +638,8 @@ class Tiers:
         """Removes every entry from both tiers (and every durable write still queued)."""
         with self._lock:
             self.counters.evictions_requested += 1
-            self._generation += 1
+            self._seq += 1
+            self._evicted_all_at = self._seq
         keys = {e.key for e in self.l2.entries()}
         self.l2.clear()
         if self.l3 is not None:

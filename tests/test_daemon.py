@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -467,6 +468,37 @@ def test_a_daemon_that_does_not_answer_times_out(daemon: DaemonProcess) -> None:
         daemon.send(signal.SIGCONT)
     assert client.ping()
     client.close()
+
+
+def test_async_requests_too_big_for_one_write_never_interleave_on_the_wire(daemon: DaemonProcess) -> None:
+    """Each lookup frame (~1.2 MB of tokens) takes many socket writes; concurrent coroutines must not
+    interleave them, and a request cancelled part-way through its send must not poison later ones."""
+    n = 300_000
+    prompts = [[i] * n for i in range(6)]
+
+    async def scenario() -> None:
+        async with skippyd.AsyncClient(daemon.socket, timeout=60.0) as client:
+            for i, prompt in enumerate(prompts):
+                await client.capture(
+                    model=MODEL, state=STATE, tokens=prompt[:1000], tensors={"x": torch.full((8,), i)}
+                )
+            for _ in range(2):
+                hits = await asyncio.gather(
+                    *(client.lookup(model=MODEL, state=STATE, tokens=p) for p in prompts)
+                )
+                assert [h.token_count if h else None for h in hits] == [1000] * len(prompts)
+            # cancel a big request while it is on the wire, then keep going
+            task = asyncio.ensure_future(client.lookup(model=MODEL, state=STATE, tokens=prompts[0] * 6))
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, skippyd.SkippydError):
+                await task
+            hit = await client.lookup(model=MODEL, state=STATE, tokens=prompts[1])
+            assert hit is not None and hit.token_count == 1000
+            assert await client.ping()
+
+    asyncio.run(scenario())
 
 
 def test_async_client_pipelines_operations(daemon: DaemonProcess) -> None:

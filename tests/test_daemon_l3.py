@@ -60,7 +60,12 @@ def test_a_non_durable_capture_stays_out_of_l3(daemon: DaemonProcess) -> None:
 
 
 def _corrupt_object(daemon: DaemonProcess, digest: str) -> None:
-    obj = next((daemon.state_dir / "l3" / "objects").rglob(f"{digest}.obj"))
+    from skippyd.l3 import decode_manifest
+
+    found = (daemon.state_dir / "l3" / "manifests").rglob("*.man")
+    manifests = [decode_manifest(p.read_bytes()) for p in found]
+    name = next(m.object for m in manifests if m.digest == digest)
+    obj = next((daemon.state_dir / "l3" / "objects").rglob(f"{name}.obj"))
     with open(obj, "r+b") as f:
         f.seek(100)
         byte = f.read(1)

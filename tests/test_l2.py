@@ -12,7 +12,7 @@ import pytest
 from blake3 import blake3
 from l2util import IDENT, admit_bytes, key_of, size_of
 
-from skippyd.errors import DigestMismatch, NoSpace, StoreLocked, TooLarge
+from skippyd.errors import DigestMismatch, NoSpace, SkippydError, StoreLocked, TooLarge
 from skippyd.keys import Identity, cache_key, encode_tokens
 from skippyd.l2 import L2Tier
 from skippyd.payload import TensorDecl
@@ -342,3 +342,99 @@ def test_size_classes_are_stable_cover_the_request_and_waste_at_most_an_eighth()
 
     check()
     assert size_class((64 << 20) + 4096) == (64 << 20) + 4096, "a power-of-two payload plus its header page"
+
+
+def test_concurrent_admissions_recycling_files_never_cross_entries(shm_dir: Path) -> None:
+    """Evictions recycle files while other threads re-admit the same keys: every entry keeps its own bytes."""
+    import threading
+
+    from blake3 import blake3
+
+    one = size_of(20 * KB, "k0")
+    errors: list[str] = []
+    with L2Tier(shm_dir, 6 * one) as tier:
+
+        def worker(seed: int) -> None:
+            for i in range(150):
+                name = f"k{(seed + i) % 8}"
+                fill = (seed * 31 + i) % 256
+                try:
+                    entry = admit_bytes(tier, name, 20 * KB, fill)
+                except SkippydError as exc:
+                    errors.append(str(exc))
+                    continue
+                if entry.digest != blake3(bytes([fill]) * 20 * KB).hexdigest():
+                    errors.append("digest of another entry")
+
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for entry in tier.entries():
+            with tier.borrow(entry.key) as (_e, view):
+                assert blake3(bytes(view[: entry.nbytes])).hexdigest() == entry.digest
+        stats = tier.stats()
+        assert stats.bytes + stats.free_bytes + stats.reserved_bytes <= stats.budget_bytes
+        assert stats.reserved_bytes == 0
+    assert not errors, errors[:3]
+    with L2Tier(shm_dir, 6 * one) as again:
+        assert again.stats().adopt_dropped == 0, "every file on disk is the entry its name says"
+
+
+def test_a_commit_racing_the_reuse_of_an_evicted_file_cannot_take_its_name(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reusing an evicted file moves it out of entries/ under the tier's lock: a commit of the evicted key
+    in that instant waits, instead of having its new file moved away under the old name."""
+    import threading
+
+    from blake3 import blake3
+
+    one = size_of(20 * KB, "kk")
+    with L2Tier(shm_dir, 2 * one) as tier:
+        admit_bytes(tier, "kk", 20 * KB, fill=1)  # the victim-to-be
+        admit_bytes(tier, "zz", 20 * KB, fill=2)
+        racer: list[threading.Thread] = []
+        real_rename = os.rename
+
+        def rename(src: Any, dst: Any) -> None:
+            if "entries" in str(src) and "tmp" in str(dst) and not racer:
+                # the instant an evicted file is being reused: commit a new version of the evicted key
+                thread = threading.Thread(target=admit_bytes, args=(tier, "kk", 20 * KB, 3))
+                racer.append(thread)
+                thread.start()
+                thread.join(timeout=0.5)
+            real_rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", rename)
+        admit_bytes(tier, "yy", 20 * KB, fill=4)  # evicts kk (least recently used) and reuses its file
+        racer[0].join(timeout=10)
+        monkeypatch.setattr(os, "rename", real_rename)
+        for entry in tier.entries():
+            opened = tier.open_reader(entry.key)
+            assert opened is not None, "every indexed entry has its file"
+            os.close(opened[0])
+            with tier.borrow(entry.key) as (_e, view):
+                assert blake3(bytes(view[: entry.nbytes])).hexdigest() == entry.digest
+
+
+def test_a_read_lease_waits_out_a_momentary_exclusive_probe_and_is_busy_otherwise(shm_dir: Path) -> None:
+    import fcntl
+    import threading
+
+    from skippyd.errors import Busy
+    from skippyd.shm import open_reader
+
+    path = shm_dir / "probe.skp"
+    path.write_bytes(b"x" * 4096)
+    holder = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        with pytest.raises(Busy):
+            open_reader(path)
+        threading.Timer(0.002, fcntl.flock, args=(holder, fcntl.LOCK_UN)).start()
+        fd = open_reader(path)  # the probe lets go within the wait
+        os.close(fd)
+    finally:
+        os.close(holder)

@@ -98,7 +98,9 @@ def test_a_flipped_byte_in_any_segment_is_a_miss_and_a_quarantine_never_wrong_by
     with L3Store(tmp_path / "l3", 1 << 30, segment_bytes=MB) as l3:
         store(l2, l3, entry)
         store(l2, l3, other)
-        obj = next((tmp_path / "l3" / "objects").rglob(f"{entry.digest}.obj"))
+        found = l3.get(entry.key)
+        assert found is not None
+        obj = next((tmp_path / "l3" / "objects").rglob(f"{found.object}.obj"))
         where = segment * MB + (5 if segment == 3 else 123)  # the last segment holds 10 bytes
         with open(obj, "r+b") as f:
             f.seek(where)
@@ -139,6 +141,8 @@ def test_startup_reconciliation_repairs_what_a_crash_leaves(l2: L2Tier, tmp_path
     with L3Store(root, 1 << 30) as l3:
         for e in entries:
             store(l2, l3, e)
+        stored = l3.get(entries[1].key)
+        assert stored is not None
     (root / "tmp" / "half.obj.123.tmp").write_bytes(b"x" * 1000)  # a write cut short
     orphan = root / "objects" / "ff" / ("f" * 64 + ".obj")
     orphan.parent.mkdir(exist_ok=True)
@@ -147,7 +151,7 @@ def test_startup_reconciliation_repairs_what_a_crash_leaves(l2: L2Tier, tmp_path
     dangling.write_bytes(b"")  # a link to a manifest that is gone
     missing_link = next((root / "links").rglob(f"*.{entries[0].key}"))
     missing_link.unlink()
-    missing_object = root / "objects" / entries[1].digest[:2] / f"{entries[1].digest}.obj"
+    missing_object = root / "objects" / stored.object[:2] / f"{stored.object}.obj"
     missing_object.unlink()  # its manifest now points at nothing
     with L3Store(root, 1 << 30) as l3:
         report = l3.last_reconciliation
@@ -256,3 +260,85 @@ def test_kill_9_during_a_write_leaves_no_torn_entry(tmp_path: Path) -> None:
             l3.load_into(key, memoryview(data))
             assert blake3(bytes(data)).hexdigest() == entry.digest
     assert not any((root / "tmp").iterdir())
+
+
+def test_a_write_no_longer_wanted_leaves_no_trace(l2: L2Tier, tmp_path: Path) -> None:
+    entry = admit(l2, "abc", [64 * KB])
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        with l2.borrow(entry.key) as (_e, view):
+            assert l3.write(entry, view, wanted=lambda: False) is False
+        assert l3.get(entry.key) is None and l3.stats().objects == 0 and l3.stats().bytes == 0
+    for folder in ("objects", "manifests", "links", "tmp"):
+        assert not [p for p in (tmp_path / "l3" / folder).rglob("*") if p.is_file()], folder
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        assert l3.get(entry.key) is None, "nothing comes back at the next start either"
+
+
+def test_a_manifest_that_cannot_be_written_leaves_no_orphan_object(
+    l2: L2Tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    entry = admit(l2, "abc", [64 * KB])
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        real = L3Store._stage_file
+
+        def stage(self: L3Store, final: Path, data: memoryview) -> Path:
+            if final.suffix == ".man":
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(self, final, data)
+
+        monkeypatch.setattr(L3Store, "_stage_file", stage)
+        with pytest.raises(NoSpace):
+            store(l2, l3, entry)
+        assert l3.stats().objects == 0 and l3.stats().bytes == 0
+        assert not list((tmp_path / "l3" / "objects").rglob("*.obj"))
+        monkeypatch.setattr(L3Store, "_stage_file", real)
+        assert store(l2, l3, entry) is True, "a later write succeeds normally"
+        assert load(l3, entry.key) == expected_bytes(l2, entry)
+
+
+def test_a_load_of_an_entry_rewritten_since_its_lookup_is_not_found(l2: L2Tier, tmp_path: Path) -> None:
+    first = admit(l2, "abc", [64 * KB], fill=1)
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        store(l2, l3, first)
+        looked_up = l3.get(first.key)
+        assert looked_up is not None
+        second = admit(l2, "abc", [64 * KB], fill=2)  # the same key, other bytes
+        store(l2, l3, second)
+        buf = bytearray(first.data_len)
+        with pytest.raises(NotFound):
+            l3.load_into(first.key, memoryview(buf), expected=looked_up)
+        current = l3.get(first.key)
+        assert current is not None
+        l3.load_into(first.key, memoryview(buf), expected=current)
+        assert bytes(buf) == expected_bytes(l2, second)
+
+
+def test_quarantining_an_old_version_keeps_the_keys_newer_manifest_in_service(
+    l2: L2Tier, tmp_path: Path
+) -> None:
+    first = admit(l2, "abc", [64 * KB], fill=1)
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        store(l2, l3, first)
+        old = l3.get(first.key)
+        assert old is not None
+        second = admit(l2, "abc", [64 * KB], fill=2)
+        store(l2, l3, second)
+        l3.quarantine(old, "a reader found the old object bad")
+        assert load(l3, first.key) == expected_bytes(l2, second)
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        report = l3.last_reconciliation
+        assert report.manifests_quarantined == 0 and report.links_restored == 0
+        assert load(l3, first.key) == expected_bytes(l2, second), "and after a restart"
+
+
+def test_rewriting_a_key_with_other_bytes_keeps_its_link(l2: L2Tier, tmp_path: Path) -> None:
+    first = admit(l2, "abc", [64 * KB], fill=1)
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        store(l2, l3, first)
+        store(l2, l3, admit(l2, "abc", [64 * KB], fill=2))
+        assert l3.stats().objects == 1, "the first object had no other manifest: dropped"
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        assert l3.last_reconciliation.links_restored == 0
+        assert l3.prefix_lengths(IDENT.digest, 10) == [3]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemonutil import eventually
 
 from skippyd.keys import Identity, cache_key, encode_tokens
 from skippyd.l2 import L2Tier
@@ -34,9 +37,9 @@ def tiers(
     gate = threading.Event()
     real = L3Store.write
 
-    def gated(self: L3Store, entry: Any, data: memoryview) -> bool:
+    def gated(self: L3Store, entry: Any, data: memoryview, **options: Any) -> bool:
         gate.wait(timeout=30)
-        return real(self, entry, data)
+        return real(self, entry, data, **options)
 
     monkeypatch.setattr(L3Store, "write", gated)
     t = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30))
@@ -56,8 +59,6 @@ def capture(t: Tiers, tokens: list[int], fill: int, durable: bool) -> str:
 
 
 def served_digest(t: Tiers, tokens: list[int]) -> str | None:
-    import os
-
     opened = t.open_restore(IDENT, encode_tokens(tokens))
     if opened is None:
         return None
@@ -105,3 +106,157 @@ def test_l3_is_the_authority_over_a_disagreeing_l2_entry(tiers: tuple[Tiers, thr
         r.commit()
     assert served_digest(t, [5, 6]) == durable
     assert t.counters.l2_mismatches_removed == 1
+
+
+def test_an_eviction_during_a_durable_write_wins_over_the_write(
+    tiers: tuple[Tiers, threading.Event],
+) -> None:
+    t, gate = tiers
+    digest = capture(t, [4, 4], fill=5, durable=True)  # the writer passes its first check, waits
+    time.sleep(0.2)
+    assert t.evict_digest(digest) == 1
+    gate.set()
+    t.drain()
+    assert t.l3 is not None
+    assert t.l3.get(cache_key(IDENT, encode_tokens([4, 4]))) is None, "evicted means gone from both tiers"
+    assert served_digest(t, [4, 4]) is None
+
+
+def test_evict_all_during_a_durable_write_leaves_l3_empty(tiers: tuple[Tiers, threading.Event]) -> None:
+    t, gate = tiers
+    capture(t, [4, 4], fill=5, durable=True)
+    time.sleep(0.2)
+    t.evict_all()
+    gate.set()
+    t.drain()
+    assert t.l3 is not None
+    assert t.l3.stats().entries == 0 and t.l3.stats().objects == 0
+    assert not list(t.l3.directory.joinpath("objects").rglob("*.obj")), "no object written for nothing"
+
+
+def test_work_after_an_eviction_is_not_cancelled_by_it(tiers: tuple[Tiers, threading.Event]) -> None:
+    t, gate = tiers
+    gate.set()
+    digest = capture(t, [4, 4], fill=5, durable=True)
+    t.drain()
+    t.evict_digest(digest)
+    again = capture(t, [4, 4], fill=5, durable=True)  # the same bytes captured after the eviction
+    t.drain()
+    assert t.l3 is not None
+    stored = t.l3.get(cache_key(IDENT, encode_tokens([4, 4])))
+    assert stored is not None and stored.digest == again == digest
+
+
+def test_a_capture_retires_the_stale_durable_copy_before_its_entry_is_visible(
+    tiers: tuple[Tiers, threading.Event], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restore in between would otherwise find the new L2 entry disagreeing with the old L3 authority
+    and remove the new one."""
+    t, gate = tiers
+    gate.set()
+    old = capture(t, [7, 7], fill=1, durable=True)
+    t.drain()
+    assert t.l3 is not None
+    key = cache_key(IDENT, encode_tokens([7, 7]))
+    seen_in_l2: list[str | None] = []
+    real_remove = L3Store.remove
+
+    def remove(self: L3Store, k: str) -> bool:
+        entry = t.l2.peek(k)
+        seen_in_l2.append(entry.digest if entry is not None else None)
+        return real_remove(self, k)
+
+    monkeypatch.setattr(L3Store, "remove", remove)
+    new = capture(t, [7, 7], fill=2, durable=False)
+    assert seen_in_l2 == [None], "the old L2 entry left at reserve; the new one was not yet published"
+    assert t.l3.get(key) is None
+    assert served_digest(t, [7, 7]) == new != old
+
+
+class Policy:
+    """A promotion policy that answers ``answer``, optionally holding the promoter at ``hold``."""
+
+    def __init__(self, answer: bool, hold: threading.Event | None = None) -> None:
+        self.answer = answer
+        self.hold = hold
+        self.asked = threading.Event()
+
+    def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool:
+        self.asked.set()
+        if self.hold is not None:
+            self.hold.wait(timeout=30)
+        return self.answer
+
+    def settle(self, manifest_key: str) -> None:
+        pass
+
+
+def make_tiers(shm_dir: Path, tmp_path: Path, l2_bytes: int, policy: Policy) -> Tiers:
+    return Tiers(L2Tier(shm_dir, l2_bytes), l3=L3Store(tmp_path / "l3", 1 << 30), promotions=policy)
+
+
+def wait_for_decision(t: Tiers) -> None:
+    """Until the promoter has asked and carried out its answer (no fill or write is outstanding)."""
+    policy = t.promotions
+    assert isinstance(policy, Policy)
+    assert eventually(lambda: policy.asked.is_set() and t._outstanding == 0 and not t._fills, timeout=10)
+
+
+def test_an_l3_fill_evicted_while_its_promotion_is_decided_is_not_promoted(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    hold = threading.Event()
+    policy = Policy(True, hold)
+    t = make_tiers(shm_dir, tmp_path, 64 << 20, policy)
+    try:
+        digest = capture(t, [3, 3], fill=9, durable=True)
+        t.drain()
+        key = cache_key(IDENT, encode_tokens([3, 3]))
+        t.l2.remove(key)
+        opened = t.open_restore(IDENT, encode_tokens([3, 3]))
+        assert opened is not None and opened.source == "l3"
+        os.close(opened.fd)
+        assert policy.asked.wait(10)
+        t.evict_digest(digest)
+        hold.set()
+        wait_for_decision(t)
+        assert t.l2.peek(key) is None, "the eviction came after the fill began: it wins"
+        assert served_digest(t, [3, 3]) is None
+    finally:
+        hold.set()
+        t.close()
+
+
+@pytest.mark.parametrize("promote", [False, True])
+def test_an_l3_fill_never_evicts_l2_entries_until_promotion_says_so(
+    shm_dir: Path, tmp_path: Path, promote: bool
+) -> None:
+    """With L2 full, the fill is served from a sealed read-only memfd; only a promotion makes room."""
+    size = L2Tier.file_size_for(token_count=2, tensors=staged(0)[0])
+    t = make_tiers(shm_dir, tmp_path, size, Policy(promote))
+    try:
+        durable = capture(t, [3, 3], fill=9, durable=True)
+        t.drain()
+        other = capture(t, [8, 8], fill=8, durable=False)  # evicts [3, 3] from L2: L2 is full now
+        key, other_key = (cache_key(IDENT, encode_tokens(x)) for x in ([3, 3], [8, 8]))
+        assert t.l2.peek(key) is None
+        opened = t.open_restore(IDENT, encode_tokens([3, 3]))
+        assert opened is not None and opened.source == "l3" and opened.digest == durable
+        try:
+            assert fcntl.fcntl(opened.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+            assert fcntl.fcntl(opened.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE, "no one can change it"
+            with pytest.raises(OSError):
+                os.pwrite(opened.fd, b"x", 0)
+        finally:
+            os.close(opened.fd)
+        wait_for_decision(t)
+        promoted = t.l2.peek(key)
+        if promote:
+            assert promoted is not None and promoted.digest == durable
+            assert t.l2.peek(other_key) is None, "room was made for the promoted entry"
+        else:
+            assert promoted is None
+            kept = t.l2.peek(other_key)
+            assert kept is not None and kept.digest == other, "a declined fill evicted nothing"
+    finally:
+        t.close()
