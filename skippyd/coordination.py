@@ -31,7 +31,7 @@ import redis
 import redis.cluster
 import redis.exceptions
 
-from .errors import CoordinationUnavailable, InvalidArgument, SkippydError
+from .errors import CoordinationTimeout, CoordinationUnavailable, InvalidArgument, SkippydError
 from .keys import WARM_HASH_BYTES, encode_tokens, warm_chain
 from .rediskeys import RedisKeys
 
@@ -47,6 +47,8 @@ __all__ = [
 
 log = logging.getLogger("skippyd.coordination")
 
+BATCH_BYTES = 64 << 10  # chain bytes per warm-table batch: ~0.1 ms of Redis time per 64 KB of argument
+BATCH_TIMEOUT_S = 2.0  # a batch's own timeout (single calls keep --redis-timeout)
 _NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 RedisClient = Any  # redis.Redis | redis.cluster.RedisCluster
 
@@ -153,6 +155,8 @@ def run_pipeline(
 def _redis_errors(what: str) -> Any:
     try:
         yield
+    except redis.exceptions.TimeoutError as exc:
+        raise CoordinationTimeout(f"{what}: Redis did not answer in time ({exc})") from exc
     except redis.exceptions.RedisError as exc:
         raise CoordinationUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
@@ -435,6 +439,9 @@ class Coordinator:
         self.ttl_s = ttl_s
         self.client = connect(url, timeout=timeout)
         self.table = WarmTable(self.client, block=block, prefix=prefix)
+        # batches of ``ran`` updates run longer than a single call: their own connection and timeout
+        self._batch_client = connect(url, timeout=max(timeout, BATCH_TIMEOUT_S))
+        self._batch_table = WarmTable(self._batch_client, block=block, prefix=prefix)
         self.promotions = Promotions(self.client, scope=scope, prefix=prefix)
         self.local = LocalPromotions()
         self._buffer: collections.deque[bytes] = collections.deque()
@@ -445,8 +452,9 @@ class Coordinator:
         self.degraded = False
         self.cause = ""
         self.degraded_since = 0.0
-        self.counters = {"ran_sent": 0, "ran_dropped": 0, "batches": 0, "failures": 0, "heartbeats": 0,
-                         "promotions_local": 0, "promotions_redis": 0, "superseded": 0}  # fmt: skip
+        self.counters = {"ran_sent": 0, "ran_dropped": 0, "ran_unconfirmed": 0, "batches": 0, "failures": 0,
+                         "heartbeats": 0, "promotions_local": 0, "promotions_redis": 0,
+                         "superseded": 0}  # fmt: skip
         self._last_heartbeat = 0.0
 
     # ------------------------------------------------------------- request side (never blocks on Redis)
@@ -509,6 +517,7 @@ class Coordinator:
         if self._thread is not None:
             self._thread.join(timeout=flush_timeout + 5)
         self.table.close()
+        self._batch_table.close()
 
     def _degrade(self, cause: str) -> None:
         if not self.degraded:
@@ -524,11 +533,18 @@ class Coordinator:
         self.degraded = False
         self.cause = ""
 
-    def _take_batch(self, limit: int = 256) -> list[bytes]:
+    def _take_batch(self, limit: int = 256, max_bytes: int = BATCH_BYTES) -> list[bytes]:
+        """Up to ``limit`` chains and about ``max_bytes`` of them (Redis hashes every argument byte of a
+        script call, so a batch's run time follows its bytes); always at least one chain."""
         with self._cond:
             batch: list[bytes] = []
+            size = 0
             while self._buffer and len(batch) < limit:
-                batch.append(self._buffer.popleft())
+                if batch and size + len(self._buffer[0]) > max_bytes:
+                    break
+                chain = self._buffer.popleft()
+                batch.append(chain)
+                size += len(chain)
             return batch
 
     def _put_back(self, batch: list[bytes]) -> None:
@@ -577,9 +593,13 @@ class Coordinator:
             if not batch:
                 return
             try:
-                self.table.ran_chains(batch, self.node)
+                self._batch_table.ran_chains(batch, self.node)
+            except CoordinationTimeout:
+                # the script may have run: sending it again would tick the table twice
+                self.counters["ran_unconfirmed"] += len(batch)
+                raise
             except SkippydError:
-                self._put_back(batch)
+                self._put_back(batch)  # refused or never reached Redis: safe to send again
                 raise
             self.counters["ran_sent"] += len(batch)
             self.counters["batches"] += 1

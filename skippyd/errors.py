@@ -14,6 +14,7 @@ __all__ = [
     "Busy",
     "ConfigError",
     "ConnectionLost",
+    "CoordinationTimeout",
     "CoordinationUnavailable",
     "CorruptEntry",
     "DigestMismatch",
@@ -130,6 +131,10 @@ class CoordinationUnavailable(SkippydError):
     """Redis did not answer in time or refused; the daemon keeps serving from its tiers."""
 
     code = "coordination_unavailable"
+
+
+class CoordinationTimeout(CoordinationUnavailable):
+    """Redis did not answer in time: the command may or may not have run (so it is never re-sent)."""
 
 
 class PermissionDenied(SkippydError, PermissionError):

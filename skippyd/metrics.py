@@ -130,6 +130,13 @@ class DaemonCollector(Collector):
             yield _metric(
                 "skippyd_redis_ran_dropped", "warm-table updates dropped (Redis away)", True, dropped
             )
+            unconfirmed = redis.get("ran_unconfirmed", 0)
+            yield _metric(
+                "skippyd_redis_ran_unconfirmed",
+                "warm-table updates sent but not confirmed (Redis timed out; never re-sent)",
+                True,
+                unconfirmed,
+            )
         histogram = HistogramMetricFamily(
             "skippyd_request_duration_seconds", "request latency in the daemon, by operation", labels=["op"]
         )

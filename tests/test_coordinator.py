@@ -1,0 +1,97 @@
+"""The daemon's Redis link (Coordinator) against real redis-server processes: batching, timeouts,
+outages. Its thread is not started here: each test drives ``_tick`` itself, so every outcome is exact."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from redisutil import RedisServer
+
+from skippyd import coordination
+from skippyd.coordination import Coordinator
+from skippyd.errors import CoordinationTimeout, CoordinationUnavailable
+from skippyd.keys import encode_tokens
+from skippyd.rediskeys import RedisKeys
+
+# about a second of Lua work on the server (it handles nothing else meanwhile)
+BUSY_LUA = "local x = 0 for i = 1, 150000000 do x = x + i end return 1"
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    s = RedisServer().start()
+    try:
+        yield s
+    finally:
+        s.cleanup()
+
+
+def make(server: RedisServer, **kwargs: float) -> Coordinator:
+    c = Coordinator(server.url, node="n1", scope="s", timeout=0.25, **kwargs)  # type: ignore[arg-type]
+    c._last_heartbeat = time.monotonic() + 3600  # no heartbeat in these ticks: only batches
+    return c
+
+
+def clock(server: RedisServer) -> int:
+    return int(server.client().get(RedisKeys().warm_clock) or 0)
+
+
+def test_warm_updates_go_in_batches_bounded_by_bytes(server: RedisServer) -> None:
+    c = make(server)
+    try:
+        long_prompt = encode_tokens(list(range(64 * 4096)))  # 4096 blocks: a 32 KiB chain
+        for _ in range(5):
+            c.ran("m", long_prompt)
+        batch = c._take_batch()
+        assert len(batch) == 2, "two 32 KiB chains fill a 64 KiB batch"
+        c._put_back(batch)
+        c._tick()
+        assert c.counters["batches"] == 3 and c.counters["ran_sent"] == 5
+        assert clock(server) == 5, "one tick of the table per prompt"
+    finally:
+        c.close()
+
+
+def test_a_warm_batch_that_timed_out_is_never_sent_again(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The script may have run after all (here it does, once Redis unpauses): a re-send would run it
+    twice."""
+    monkeypatch.setattr(coordination, "BATCH_TIMEOUT_S", 0.3)
+    c = make(server)
+    try:
+        c.ran("m", encode_tokens(list(range(256))))
+        c._tick()  # (loads the script into Redis)
+        assert clock(server) == 1
+        c.ran("m", encode_tokens(list(range(256))))
+        busy = threading.Thread(target=server.client().eval, args=(BUSY_LUA, 0))
+        busy.start()  # Redis is busy for about a second; our batch waits in its socket buffer
+        time.sleep(0.1)
+        with pytest.raises(CoordinationTimeout):
+            c._tick()
+        assert c.status()["buffered"] == 0 and c.counters["ran_unconfirmed"] == 1
+        busy.join(timeout=30)
+        time.sleep(0.2)
+        c._tick()
+        assert clock(server) == 2, "it ran exactly once: when Redis came back to it"
+    finally:
+        c.close()
+
+
+def test_a_warm_batch_that_never_reached_redis_is_kept_and_sent_later(server: RedisServer) -> None:
+    c = make(server)
+    try:
+        c.ran("m", encode_tokens(list(range(256))))
+        server.kill()
+        with pytest.raises(CoordinationUnavailable) as caught:
+            c._tick()
+        assert not isinstance(caught.value, CoordinationTimeout)
+        assert c.status()["buffered"] == 1 and c.counters["ran_unconfirmed"] == 0
+        server.start()
+        c._tick()
+        assert c.status()["buffered"] == 0 and clock(server) == 1
+    finally:
+        c.close()
