@@ -85,7 +85,18 @@ def human_age(seconds: float) -> str:
     return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _Main(click.Group):
+    """Any skippyd error a command did not handle itself is one line on stderr and exit 1, never a
+    traceback (a refused peer, a daemon that went away mid-command, ...)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except SkippydError as exc:
+            _fail(f"{exc} [{exc.code}]")
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="skippyd")
 def main() -> None:
     """skippyd: a KV-cache daemon for LLM serving hosts."""
@@ -117,15 +128,21 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
     client = _client(socket, config_file, timeout=5.0)
     with client:
         if check:
-            sys.exit(0 if client.ping() else 1)
+            try:
+                sys.exit(0 if client.ping() else 1)
+            except SkippydError:
+                sys.exit(1)
         try:
             info = client.server_info
             stats = client.stats()
-        except (ConnectionLost, Timeout) as exc:
+        except SkippydError as exc:
             if as_json:
-                click.echo(json.dumps({"up": False, "socket": client.socket_path, "error": str(exc)}))
-            else:
+                doc = {"up": False, "socket": client.socket_path, "error": str(exc), "code": exc.code}
+                click.echo(json.dumps(doc))
+            elif isinstance(exc, (ConnectionLost, Timeout)):
                 click.echo(f"skippyd is not answering on {client.socket_path}: {exc}", err=True)
+            else:
+                click.echo(f"skippyd on {client.socket_path} refused: {exc} [{exc.code}]", err=True)
             sys.exit(1)
     doc = {
         "up": True,
@@ -575,3 +592,26 @@ def top(socket: str | None, config_file: str | None, interval: float, once: bool
                 pass
             except SkippydError as exc:
                 _fail(str(exc))
+
+
+# Options that select what a destructive command destroys are never taken from the environment.
+_NO_ENV = {("evict", "everything"), ("evict", "digest")}
+
+
+def _environment_everywhere(group: click.Group, path: tuple[str, ...] = ()) -> None:
+    """Every option not already resolved through the configuration reads ``SKIPPYD_<OPTION>``."""
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            _environment_everywhere(command, (*path, name))
+            continue
+        for param in command.params:
+            if not isinstance(param, click.Option) or param.envvar or param.name is None:
+                continue
+            if param.name in FIELDS or param.name == "config_file" or (name, param.name) in _NO_ENV:
+                continue
+            flag = max(param.opts, key=len).lstrip("-")
+            param.envvar = "SKIPPYD_" + flag.replace("-", "_").upper()
+            param.help = f"{param.help} [env {param.envvar}]" if param.help else f"[env {param.envvar}]"
+
+
+_environment_everywhere(main)

@@ -163,13 +163,19 @@ FIELDS: dict[str, ConfigField] = {
         ConfigField("ran_buffer", _parse_int, 10000, "warm-table updates kept while Redis is down"),
         ConfigField("promotion_scope", _parse_str, "", "scope promotions are counted in (default the node)"),
         ConfigField("max_frame", parse_size, "16MiB", "largest protocol frame accepted"),
-        ConfigField("max_buffered", parse_size, "512MiB", "unfinished request bytes buffered across clients"),
+        ConfigField(
+            "max_buffered",
+            parse_size,
+            "512MiB",
+            "request bytes buffered (half-sent or queued), all clients",
+        ),
         ConfigField("workers", _parse_int, 0, "worker threads for copies and hashing (0: automatic)"),
         ConfigField("allowed_uids", _parse_ids, (), "peer uids allowed (default: owner, root, socket group)"),
         ConfigField("allowed_gids", _parse_ids, (), "peer gids allowed (default: owner, root, socket group)"),
         ConfigField("socket_group", _parse_str, "", "group the socket is handed to (mode 0660)"),
         ConfigField("shutdown_timeout", parse_duration, "10s", "time in-flight requests get at shutdown"),
         ConfigField("idle_timeout", parse_duration, 0, "close connections idle this long (0: never)"),
+        ConfigField("frame_timeout", parse_duration, "30s", "a request must arrive whole within this long"),
         ConfigField("log_level", _parse_choice("debug", "info", "warning", "error"), "info", "log level"),
         ConfigField("log_format", _parse_choice("human", "json"), "human", "log line format"),
         ConfigField("metrics_addr", _parse_str, "", "host:port for Prometheus metrics (off by default)"),
@@ -206,6 +212,7 @@ class Config:
     socket_group: str = ""
     shutdown_timeout: float = 10.0
     idle_timeout: float = 0.0
+    frame_timeout: float = 30.0
     log_level: str = "info"
     log_format: str = "human"
     metrics_addr: str = ""
@@ -309,6 +316,8 @@ def _check(config: Config) -> None:
         raise ConfigError("invalid max_frame: must be at least 64KiB")
     if len(os.fsencode(config.socket)) >= 108:
         raise ConfigError(f"invalid socket: {config.socket!r} is longer than a unix socket path may be")
+    if config.frame_timeout <= 0:
+        raise ConfigError("invalid frame_timeout: must be positive")
     if config.heartbeat <= 0 or config.node_ttl <= config.heartbeat:
         raise ConfigError("invalid node_ttl: must be longer than heartbeat")
     if config.redis_url not in ("", "none") and not re.match(

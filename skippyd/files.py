@@ -7,7 +7,7 @@ import logging
 import os
 from pathlib import Path
 
-from .errors import InvalidArgument, StoreLocked
+from .errors import ConfigError, InvalidArgument, StoreLocked
 
 __all__ = ["fsync_dir", "private_dirs", "remove", "take_owner_lock"]
 
@@ -15,12 +15,21 @@ log = logging.getLogger("skippyd.files")
 
 
 def private_dirs(*paths: Path) -> None:
-    """Creates each directory 0700 (parents as needed); refuses symlinks and non-directories."""
+    """Creates each directory 0700 (parents as needed); refuses symlinks, non-directories and
+    directories another user owns (whoever owns a directory can swap the files inside it)."""
+    euid = os.geteuid()
     for path in paths:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         if path.is_symlink() or not path.is_dir():
             raise InvalidArgument(f"{path} is not a directory")
-    os.chmod(paths[0], 0o700)
+        owner = os.lstat(path).st_uid
+        if owner != euid:
+            raise ConfigError(
+                f"{path} belongs to uid {owner}, not to this process's uid {euid}: "
+                "give it to the daemon's user or choose another directory"
+            )
+        if os.lstat(path).st_mode & 0o077:
+            os.chmod(path, 0o700)
 
 
 def take_owner_lock(directory: Path) -> int:

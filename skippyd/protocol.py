@@ -35,6 +35,7 @@ __all__ = [
     "HEADER",
     "MAGIC",
     "MAX_FDS",
+    "MAX_REQUEST_ITEMS",
     "PROTOCOL_VERSION",
     "Frame",
     "FrameDecoder",
@@ -78,8 +79,37 @@ def encode_body(body: dict[str, Any]) -> bytes:
     return packed
 
 
-def decode_body(raw: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> dict[str, Any]:
-    """Unpacks a msgpack map with every container and string bounded by the frame size."""
+MAX_REQUEST_ITEMS = 1 << 18  # elements of all arrays and maps of one request body, together
+
+
+class _ItemBudget:
+    """Counts the elements of every container as msgpack builds it: a small frame of nested empty
+    arrays would otherwise become millions of Python objects (tens of bytes each per wire byte)."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, items: int) -> None:
+        self.left = items
+
+    def spend(self, container: Any) -> Any:
+        self.left -= len(container) + 1
+        if self.left < 0:
+            raise ValueError("too many array/map elements in one body")
+        return container
+
+
+def decode_body(
+    raw: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME, *, max_items: int | None = None
+) -> dict[str, Any]:
+    """Unpacks a msgpack map with every container and string bounded by the frame size.
+
+    ``max_items`` (the daemon's side: :data:`MAX_REQUEST_ITEMS`) also bounds the elements of all
+    containers together, so the decoded body's memory stays proportional to what a request needs.
+    """
+    options: dict[str, Any] = {}
+    if max_items is not None:
+        budget = _ItemBudget(max_items)
+        options.update(list_hook=budget.spend, object_hook=budget.spend)
     try:
         body = msgpack.unpackb(
             raw,
@@ -88,9 +118,10 @@ def decode_body(raw: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> 
             strict_map_key=True,
             max_bin_len=max_frame,
             max_str_len=min(max_frame, 1 << 20),
-            max_array_len=1 << 16,
+            max_array_len=1 << 16 if max_items is None else min(1 << 16, max_items),
             max_map_len=1 << 12,
             max_ext_len=0,
+            **options,
         )
     except Exception as exc:  # msgpack raises ValueError/TypeError subclasses and a few of its own
         raise BadFrame(f"body is not valid msgpack: {exc}") from exc
@@ -119,8 +150,15 @@ class FrameDecoder:
     of the body is buffered, so a peer can never make this side hold more than one maximal frame.
     """
 
-    def __init__(self, max_frame: int = DEFAULT_MAX_FRAME, *, expect: tuple[int, ...] = _TYPES) -> None:
+    def __init__(
+        self,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        *,
+        expect: tuple[int, ...] = _TYPES,
+        max_items: int | None = None,
+    ) -> None:
         self.max_frame = max_frame
+        self.max_items = max_items
         self._expect = expect
         self._buffer = bytearray()
         self._pos = 0  # bytes of the buffer already consumed (compacted lazily)
@@ -175,7 +213,7 @@ class FrameDecoder:
         raw = view[pos:end]
         error: BadFrame | None = None
         try:
-            body = decode_body(raw, self.max_frame)
+            body = decode_body(raw, self.max_frame, max_items=self.max_items)
         except BadFrame as exc:
             error = exc
         finally:

@@ -38,7 +38,7 @@ from .config import Config
 from .errors import Busy, PermissionDenied, ShuttingDown, SkippydError, StoreLocked, VersionMismatch
 from .handlers import Handlers, Operation, Reply, RunOnWorker, Session, run_on_worker
 from .latency import LatencyTracker
-from .protocol import Frame, FrameDecoder, FrameType, encode_frame, send_frame
+from .protocol import MAX_REQUEST_ITEMS, Frame, FrameDecoder, FrameType, encode_frame, send_frame
 
 __all__ = ["Server", "notify", "publish_socket"]
 
@@ -48,8 +48,8 @@ _RECV_SIZE = 256 * 1024
 _MAX_OUT_BYTES = 8 << 20
 _MAX_QUEUED_FRAMES = 64
 _MAX_QUEUED_BYTES = 32 << 20  # decoded requests waiting on one connection
-_PARTIAL_FRAME_TIMEOUT = 30.0
 _MAX_CONNECTIONS = 2048
+_MAX_CONNECTIONS_PER_UID = 1024  # one local user cannot take every slot from the others
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
 
@@ -183,10 +183,12 @@ class Connection:
         self.sock = sock
         self.fd = sock.fileno()
         self.session = session
-        self.decoder = FrameDecoder(server.config.max_frame, expect=(FrameType.REQUEST,))
+        self.decoder = FrameDecoder(
+            server.config.max_frame, expect=(FrameType.REQUEST,), max_items=MAX_REQUEST_ITEMS
+        )
         self.queue: deque[Frame] = deque()
         self.queued_bytes = 0
-        self.partial = 0  # bytes of an unfinished frame, counted in server.partial_bytes
+        self.partial = 0  # bytes of unfinished and not yet run frames, counted in server.partial_bytes
         self.running = False
         self.out: deque[tuple[memoryview, list[int]]] = deque()
         self.out_bytes = 0
@@ -196,6 +198,7 @@ class Connection:
         self.close_after_flush = False
         self.last_activity = time.monotonic()
         self.frame_started = 0.0
+        self.counted = False  # in the server's per-uid connection count
 
     # ------------------------------------------------------------- reading
     def start(self) -> None:
@@ -225,10 +228,10 @@ class Connection:
         decoder = self.decoder
         now = time.monotonic()
         self.last_activity = now
-        if not decoder.mid_frame:
-            self.frame_started = now
+        continuing = decoder.mid_frame
         decoder.feed(data)
         queue = self.queue
+        completed = 0
         while True:
             try:
                 frame = decoder.next_frame()
@@ -239,11 +242,14 @@ class Connection:
                 break
             queue.append(frame)
             self.queued_bytes += frame.size
-        if decoder.mid_frame:
+            completed += 1
+        if decoder.mid_frame and (completed or not continuing):
+            # the clock runs from the first byte of a frame: trickling bytes does not reset it
             self.frame_started = now
-        self._account_partial(decoder.buffered)
-        if self.server.partial_bytes > self.server.config.max_buffered and self.partial:
-            # Many clients are each holding a large frame half-sent: shed this one rather than the host.
+        self._account_partial(decoder.buffered + self.queued_bytes)
+        if self.server.partial_bytes > self.server.config.max_buffered and (decoder.mid_frame or queue):
+            # Many clients are each holding large requests unanswered or half-sent: shed this one rather
+            # than the host.
             self._protocol_error(Busy("too many unfinished requests are buffered; retry shortly"))
             return
         if not self._has_room():
@@ -267,6 +273,7 @@ class Connection:
         self._pause_reading()
         self.queue.clear()
         self.queued_bytes = 0
+        self._account_partial(self.decoder.buffered)
         self._send(encode_frame(FrameType.ERROR, 0, exc.to_wire()), [])
         self.close_after_flush = True
         self._maybe_close()
@@ -277,6 +284,7 @@ class Connection:
         while not self.running and self.queue and not self.closed:
             frame = self.queue.popleft()
             self.queued_bytes -= frame.size
+            self._account_partial(self.decoder.buffered + self.queued_bytes)
             request_id, body = frame.request_id, frame.body
             try:
                 if server.stopping:
@@ -462,6 +470,7 @@ class Server:
         self.handlers = handlers
         self.pool = ThreadPoolExecutor(max_workers=config.worker_threads, thread_name_prefix="skippyd-worker")
         self.connections: dict[int, Connection] = {}
+        self._per_uid: dict[int, int] = {}
         self.inflight = 0
         self.partial_bytes = 0
         self.stopping = False
@@ -589,11 +598,13 @@ class Server:
                 sock.close()
                 continue
             conn = Connection(self, sock, session)
-            if len(self.connections) >= _MAX_CONNECTIONS:
+            crowded = len(self.connections) >= _MAX_CONNECTIONS
+            if crowded or self._per_uid.get(session.uid, 0) >= _MAX_CONNECTIONS_PER_UID:
                 self.stats["refused"] += 1
-                conn._send(
-                    encode_frame(FrameType.ERROR, 0, {"code": "busy", "message": "too many connections"}), []
+                message = (
+                    "too many connections" if crowded else f"too many connections from uid {session.uid}"
                 )
+                conn._send(encode_frame(FrameType.ERROR, 0, {"code": "busy", "message": message}), [])
                 conn.close()
                 continue
             if not self.policy.allows(session.uid, session.gid, groups):
@@ -608,12 +619,21 @@ class Server:
                 continue
             self.stats["accepted"] += 1
             self.connections[conn.fd] = conn
+            conn.counted = True
+            self._per_uid[session.uid] = self._per_uid.get(session.uid, 0) + 1
             log.debug("connection %d from pid %d uid %d", session.id, session.pid, session.uid)
             conn.start()
 
     def forget(self, conn: Connection) -> None:
         if self.connections.get(conn.fd) is conn:
             del self.connections[conn.fd]
+        if conn.counted:
+            conn.counted = False
+            left = self._per_uid.get(conn.session.uid, 1) - 1
+            if left > 0:
+                self._per_uid[conn.session.uid] = left
+            else:
+                self._per_uid.pop(conn.session.uid, None)
 
     # ------------------------------------------------------------- periodic work
     async def _housekeeping(self) -> None:
@@ -622,8 +642,8 @@ class Server:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for conn in list(self.connections.values()):
-                if conn.decoder.mid_frame and now - conn.frame_started > _PARTIAL_FRAME_TIMEOUT:
-                    log.info("closing connection %d: a frame stalled mid-way", conn.session.id)
+                if conn.decoder.mid_frame and now - conn.frame_started > self.config.frame_timeout:
+                    log.info("closing connection %d: a frame did not arrive in time", conn.session.id)
                     conn.close()
                 elif (
                     self.config.idle_timeout

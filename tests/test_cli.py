@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -72,6 +73,41 @@ def test_commands_fail_with_one_line_on_stderr_when_the_daemon_is_down(tmp_short
     assert code == 1 and out == ""
     assert err.startswith("skippyd: error:") and "cannot reach skippyd" in err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a command as another user")
+def test_a_refused_user_gets_one_line_and_exit_1_from_every_client_command(make_daemon: Any) -> None:
+    proc = make_daemon("--allowed-uids", "4242").start()
+    os.chmod(proc.socket, 0o666)
+    for parent in (proc.socket.parent, proc.socket.parent.parent):
+        os.chmod(parent, 0o711)
+    commands = [["status"], ["status", "--check"], ["stats"], ["ls"], ["evict", "--all"]]
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: as nobody, run each command in-process
+        try:
+            os.close(read_end)
+            os.setgid(65534)
+            os.setuid(65534)
+            outcomes = []
+            for args in commands:
+                try:
+                    result = CliRunner().invoke(main, [*args, "--socket", str(proc.socket)])
+                    outcomes.append([result.exit_code, result.stdout, result.stderr, repr(result.exception)])
+                except BaseException as exc:
+                    outcomes.append([-1, "", repr(exc), ""])
+            os.write(write_end, json.dumps(outcomes).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    with os.fdopen(read_end, "rb") as pipe:
+        outcomes = json.loads(pipe.read())
+    for args, (code, out, err, error) in zip(commands, outcomes, strict=True):
+        assert code == 1, (args, code, out, err, error)
+        assert "Traceback" not in err and "Traceback" not in out, args
+        if args != ["status", "--check"]:
+            assert "not allowed" in err and len(err.strip().splitlines()) == 1, (args, err)
 
 
 def _serve(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

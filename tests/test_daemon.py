@@ -556,6 +556,27 @@ def test_peer_credentials_are_read_for_every_connection() -> None:
     assert struct.calcsize("3i") == 12
 
 
+def test_a_frame_trickled_a_byte_at_a_time_is_cut_off_at_the_frame_timeout(make_daemon: Any) -> None:
+    """Each byte is activity, but the clock runs from the frame's first byte (no slowloris)."""
+    proc = make_daemon("--frame-timeout", "1s").start()
+    slow = _raw_connect(proc.socket)
+    slow.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]}))
+    frame = encode_frame(FrameType.REQUEST, 2, {"op": "ping", "pad": "x" * 200})
+    started = time.monotonic()
+    closed_after = None
+    for i in range(len(frame)):
+        try:
+            slow.sendall(frame[i : i + 1])
+        except (BrokenPipeError, ConnectionResetError):
+            closed_after = time.monotonic() - started
+            break
+        time.sleep(0.1)
+    slow.close()
+    assert closed_after is not None and closed_after < 6, "closed within the timeout plus a sweep"
+    with proc.client() as client:
+        assert client.ping()
+
+
 def test_clients_holding_half_sent_frames_are_shed_before_they_exhaust_memory(make_daemon: Any) -> None:
     proc = make_daemon("--max-buffered", "1MiB").start()
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, FrameType.REQUEST, 0, 0, 4 << 20, 0, 7)

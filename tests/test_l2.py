@@ -438,3 +438,17 @@ def test_a_read_lease_waits_out_a_momentary_exclusive_probe_and_is_busy_otherwis
         os.close(fd)
     finally:
         os.close(holder)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a directory to another user")
+def test_a_tier_directory_owned_by_another_user_is_refused(shm_dir: Path, tmp_path: Path) -> None:
+    from skippyd.errors import ConfigError
+    from skippyd.l3 import L3Store
+
+    for target in (shm_dir / "theirs", tmp_path / "theirs-l3"):
+        target.mkdir()
+        os.chown(target, 65534, 65534)
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        L2Tier(shm_dir / "theirs", 1 << 20)
+    with pytest.raises(ConfigError, match="belongs to uid 65534"):
+        L3Store(tmp_path / "theirs-l3", 1 << 30)

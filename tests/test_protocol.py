@@ -157,3 +157,19 @@ def test_header_layout_is_the_documented_24_bytes() -> None:
         0x0102030405060708,
     )
     assert length == len(frame) - 24
+
+
+def test_a_small_request_cannot_expand_into_millions_of_objects() -> None:
+    """~300 KB of nested empty arrays would be 300k Python lists: the daemon's decoder refuses it."""
+    from skippyd.errors import BadFrame
+    from skippyd.protocol import MAX_REQUEST_ITEMS, decode_body, encode_body
+
+    body = encode_body({"op": "lookup", "x": [[[] for _ in range(60000)] for _ in range(5)]})
+    assert len(body) < 400_000
+    with pytest.raises(BadFrame, match="too many"):
+        decode_body(body, max_items=MAX_REQUEST_ITEMS)
+    assert len(decode_body(body)["x"]) == 5, "replies (the client's side) are not bounded this way"
+    fine = encode_body(
+        {"op": "capture", "tensors": [{"name": f"t{i}", "shape": [2, 3]} for i in range(4096)]}
+    )
+    assert len(decode_body(fine, max_items=MAX_REQUEST_ITEMS)["tensors"]) == 4096
