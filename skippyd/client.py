@@ -121,6 +121,11 @@ def _staging_size(current: _Staging | None, needed: int, info: dict[str, Any]) -
     return min(want, limit) if limit >= needed else needed
 
 
+def _answered(exc: BaseException) -> bool:
+    """True when ``exc`` is the daemon's own error reply: the request is over on its side too."""
+    return isinstance(exc, SkippydError) and not isinstance(exc, (Timeout, ConnectionLost, BadFrame))
+
+
 class _Staging:
     @classmethod
     def from_reply(cls, reply: dict[str, Any], fds: list[int]) -> _Staging:
@@ -373,6 +378,10 @@ class Client:
                     self._drop()
                     if attempt or isinstance(exc, Timeout):
                         raise
+                except BaseException as exc:
+                    if not _answered(exc):  # e.g. KeyboardInterrupt: see AsyncClient.capture
+                        self._drop()
+                    raise
         return CaptureResult(
             digest=str(reply["digest"]),
             token_count=int(reply["token_count"]),
@@ -645,15 +654,28 @@ class AsyncClient:
                         reply, fds = await conn.request({"op": "stage", "size": want}, self.timeout)
                         conn.staging = staging = _Staging.from_reply(reply, fds)
                     region = staging.region(data_len)
+                    write = asyncio.ensure_future(
+                        asyncio.to_thread(_skt().write_into, region, specs, tensors)
+                    )
                     try:
-                        await asyncio.to_thread(_skt().write_into, region, specs, tensors)
+                        await asyncio.shield(write)
                     finally:
+                        while not write.done():  # cancelled mid-copy: the copy ends before the buffer goes
+                            with contextlib.suppress(asyncio.CancelledError):
+                                await asyncio.wait([write])
                         region.release()
                     reply, _ = await conn.request(body, self.timeout)
                     break
                 except (ConnectionLost, BadFrame):
                     if attempt:
                         raise
+                except BaseException as exc:
+                    # A capture abandoned before the daemon answered (timeout, cancellation) may still
+                    # be queued there, reading this connection's staging buffer when it runs: the next
+                    # capture must not write into that buffer, so the connection and its buffer go.
+                    if not _answered(exc):
+                        conn._fail(ConnectionLost("a capture was abandoned before skippyd answered it"))
+                    raise
         return CaptureResult(
             str(reply["digest"]),
             int(reply["token_count"]),
