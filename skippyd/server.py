@@ -208,6 +208,8 @@ class Connection:
         if not self.reading and not self.closed and not self.close_after_flush and not self.server.stopping:
             self.server.loop.add_reader(self.fd, self.on_readable)
             self.reading = True
+            if self.decoder.mid_frame:  # the frame clock was stopped while we were not reading
+                self.frame_started = time.monotonic()
 
     def _pause_reading(self) -> None:
         if self.reading:
@@ -642,7 +644,11 @@ class Server:
             await asyncio.sleep(1.0)
             now = time.monotonic()
             for conn in list(self.connections.values()):
-                if conn.decoder.mid_frame and now - conn.frame_started > self.config.frame_timeout:
+                if (
+                    conn.reading  # paused by us (its earlier requests still running): not its fault
+                    and conn.decoder.mid_frame
+                    and now - conn.frame_started > self.config.frame_timeout
+                ):
                     log.info("closing connection %d: a frame did not arrive in time", conn.session.id)
                     conn.close()
                 elif (
