@@ -35,7 +35,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -202,6 +202,7 @@ class Reconciliation:
     dangling_links_dropped: int = 0
     links_restored: int = 0
     orphans_collected: int = 0
+    objects_renamed: int = 0  # stores written before objects were named by layout (0.x): moved, kept
     verified: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -325,6 +326,9 @@ class L3Store:
                         if entry.key != key:
                             raise CorruptEntry("manifest holds another key")
                         size = self._object_sizes.get(entry.object)
+                        if size is None and self._object_sizes.get(entry.digest) == entry.data_len:
+                            size = self._adopt_legacy_object(entry)
+                            report.objects_renamed += 1
                         if size is None:
                             raise CorruptEntry("its object is missing")
                         if size != entry.data_len:
@@ -383,6 +387,20 @@ class L3Store:
                     report.problems.append(f"object {name[:16]}: {exc}")
             if progress is not None:
                 progress(index + 1, len(objects))
+
+    def _adopt_legacy_object(self, entry: L3Entry) -> int:
+        """Stores from before objects were named by digest *and* layout kept an entry's data region
+        as ``<digest>.obj``: it moves to its current name (loads still verify every segment and the
+        digest against the manifest, so a region written for another layout is caught there)."""
+        old, new = self._object_path(entry.digest), self._object_path(entry.object)
+        new.parent.mkdir(mode=0o700, exist_ok=True)
+        os.rename(old, new)
+        fsync_dir(new.parent)
+        fsync_dir(old.parent)
+        size = self._object_sizes.pop(entry.digest)
+        self._object_bytes -= size
+        self._add_object(entry.object, size)
+        return size
 
     # ----------------------------------------------------------------- index (lock held)
     def _add_object(self, name: str, size: int) -> None:
@@ -687,7 +705,6 @@ class L3Store:
         return entry
 
     def _read_verified(self, entry: L3Entry, dest: Any) -> None:
-        view = memoryview(dest).cast("B")
         path = self._object_path(entry.object)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
@@ -698,11 +715,13 @@ class L3Store:
                 raise NotFound("the L3 entry was evicted") from None
             self.quarantine(entry, "its object file is missing")
             raise CorruptEntry("L3 object file is missing") from None
+        view = memoryview(dest).cast("B")
+        chunk: memoryview | None = None
+        pending: Future[str] | None = None
         try:
             if os.fstat(fd).st_size != entry.data_len:
                 raise CorruptEntry("L3 object has the wrong size")
             step = entry.segment_bytes
-            pending = None
             for index, start in enumerate(range(0, entry.data_len, step)):
                 stop = min(start + step, entry.data_len)
                 chunk = view[start:stop]
@@ -724,6 +743,13 @@ class L3Store:
             raise
         finally:
             os.close(fd)
+            # No view of the caller's memory may outlive this call (a traceback would keep it, and the
+            # caller could then not unmap that memory): wait for the hash in flight, release the views.
+            if pending is not None:
+                wait([pending])
+            if chunk is not None:
+                chunk.release()
+            view.release()
 
     def quarantine(self, entry: L3Entry, reason: str) -> None:
         """Moves an entry (manifest and, if no other manifest shares it, its object) out of service."""

@@ -342,3 +342,24 @@ def test_rewriting_a_key_with_other_bytes_keeps_its_link(l2: L2Tier, tmp_path: P
     with L3Store(tmp_path / "l3", 1 << 30) as l3:
         assert l3.last_reconciliation.links_restored == 0
         assert l3.prefix_lengths(IDENT.digest, 10) == [3]
+
+
+def test_a_store_from_before_objects_were_named_by_layout_is_adopted_not_wiped(
+    l2: L2Tier, tmp_path: Path
+) -> None:
+    """Earlier versions kept a data region as ``<digest>.obj``; an upgrade moves it, and serves it."""
+    entry = admit(l2, "abc", [100 * KB, 5])
+    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+        assert store(l2, l3, entry) is True
+        stored = l3.get(entry.key)
+        assert stored is not None
+        current = l3._object_path(stored.object)
+        legacy = l3._object_path(stored.digest)
+    legacy.parent.mkdir(mode=0o700, exist_ok=True)
+    os.rename(current, legacy)
+    with L3Store(tmp_path / "l3", 1 << 30) as upgraded:
+        report = upgraded.last_reconciliation
+        assert report.objects_renamed == 1 and report.manifests == 1
+        assert report.manifests_quarantined == 0 and report.orphans_collected == 0
+        assert load(upgraded, entry.key) == expected_bytes(l2, entry)
+    assert current.exists() and not legacy.exists()
