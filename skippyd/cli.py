@@ -407,6 +407,7 @@ _REPAIRS = (
     "dangling_links_dropped",
     "links_restored",
     "orphans_collected",
+    "objects_renamed",
 )
 
 
@@ -485,11 +486,11 @@ def config_group() -> None:
     """The effective configuration."""
 
 
+_SIZES = ("l2_budget", "l3_budget", "l3_min_free", "max_entry", "staging_budget", "fill_budget", "max_frame")
+
+
 def _shown(name: str, value: Any) -> str:
-    if (
-        name in ("l2_budget", "l3_budget", "l3_min_free", "max_entry", "staging_budget", "max_frame")
-        and value
-    ):
+    if name in _SIZES and value:
         return f"{value} ({human_size(value)})"
     if isinstance(value, tuple):
         return ",".join(str(v) for v in value) or "(none)"

@@ -147,6 +147,9 @@ FIELDS: dict[str, ConfigField] = {
         ConfigField("l2_budget", parse_size, "4GiB", "bytes the L2 tier may hold in tmpfs"),
         ConfigField("max_entry", parse_size, 0, "largest entry accepted (0: the L2 budget)"),
         ConfigField("staging_budget", parse_size, "2GiB", "shared memory lent to clients for captures"),
+        ConfigField(
+            "fill_budget", parse_size, "2GiB", "memory for L3 restores while L2 has no free room (memfd)"
+        ),
         ConfigField("l3_dir", _parse_path, "", "L3 disk directory (default <state_dir>/l3; 'off' disables)"),
         ConfigField("l3_budget", parse_size, "64GiB", "hard cap on bytes L3 keeps on disk"),
         ConfigField("l3_min_free", parse_size, "2GiB", "L3 goes read-only below this much free disk"),
@@ -191,6 +194,7 @@ class Config:
     l2_budget: int = 4 << 30
     max_entry: int = 0
     staging_budget: int = 2 << 30
+    fill_budget: int = 2 << 30
     l3_dir: str = ""
     l3_budget: int = 64 << 30
     l3_min_free: int = 2 << 30

@@ -76,6 +76,7 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
             copy_threads=2,
             max_entry=config.entry_limit,
             l3_queue=config.l3_queue,
+            fill_budget=config.fill_budget,
         )
         stack.callback(tiers.close)
         if coordinator is not None and config.warm_on_capture:

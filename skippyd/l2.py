@@ -549,6 +549,8 @@ class L2Tier:
             reuse = self._take_free(size)
             if reuse is None:
                 if not evict:
+                    if self._room() + self._free_bytes < size:  # free files alone would not do it
+                        raise NoSpace("no room in L2 without evicting an entry")
                     while self._room() < size and self._drop_one_free():
                         pass
                     if self._room() < size:

@@ -65,6 +65,8 @@ _OPS = [
     ("l3_write_failures", "l3_write_failures", "durable writes that failed", True),
     ("promotions", "promotions", "L3 entries promoted into L2", True),
     ("corrupt_fallbacks", "corrupt_fallbacks", "restores that fell back to a shorter prefix", True),
+    ("fills_refused", "l3_fills_refused", "L3 restores over the fill budget (a shorter prefix served)", True),
+    ("fill_bytes", "l3_fill_bytes", "memory held by L3 restores outside L2 (memfd)", False),
     ("captures", "captures", "captures", True),
     ("capture_bytes", "capture_bytes", "bytes captured", True),
     ("restore_bytes", "restore_bytes", "bytes restored", True),
@@ -130,12 +132,12 @@ class DaemonCollector(Collector):
             yield _metric(
                 "skippyd_redis_ran_dropped", "warm-table updates dropped (Redis away)", True, dropped
             )
-            unconfirmed = redis.get("ran_unconfirmed", 0)
+            resent = redis.get("batches_resent", 0)
             yield _metric(
-                "skippyd_redis_ran_unconfirmed",
-                "warm-table updates sent but not confirmed (Redis timed out; never re-sent)",
+                "skippyd_redis_ran_batches_resent",
+                "warm-table batches sent again after a failed call (Redis applies each batch once)",
                 True,
-                unconfirmed,
+                resent,
             )
         histogram = HistogramMetricFamily(
             "skippyd_request_duration_seconds", "request latency in the daemon, by operation", labels=["op"]

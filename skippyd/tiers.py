@@ -29,7 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from .errors import CorruptEntry, InvalidArgument, NoSpace, NotFound, SkippydError, TooLarge
+from .errors import Busy, CorruptEntry, InvalidArgument, NoSpace, NotFound, SkippydError, TooLarge
 from .keys import Identity, cache_key, prefix_keys, token_count
 from .l2 import L2Entry, L2Tier, Reservation, copy_into
 from .l3 import L3Entry, L3Store
@@ -103,6 +103,7 @@ class Counters:
     l3_write_failures: int = 0
     fills: int = 0
     fill_waits: int = 0
+    fills_refused: int = 0  # over the fill budget: a shorter prefix was served instead
     corrupt_fallbacks: int = 0
     promotions: int = 0
     promotions_declined: int = 0
@@ -125,6 +126,7 @@ class _Fill:
     done: Future[None] = field(default_factory=Future)
     reservation: Reservation | None = None
     fd: int = -1  # a sealed memfd when L2 had no free room
+    memfd_bytes: int = 0  # charged to the fill budget while the memfd is held
     fill_ms: float = 0.0
     users: int = 0
     resolution: str | None = None  # "commit" | "abort"
@@ -150,6 +152,7 @@ class Tiers:
         max_entry: int | None = None,
         l3_queue: int = 64,
         promotion_queue: int = 16,
+        fill_budget: int = 2 << 30,
     ) -> None:
         self.l2 = l2
         self.l3 = l3
@@ -168,6 +171,10 @@ class Tiers:
         self._evicted_all_at = 0
         self._cancelled: dict[str, int] = {}
         self._outstanding = 0  # queued or running durable writes + fills in flight
+        # L3 fills held in memfds (L2 had no free room) are RAM outside the L2 budget: capped here. One
+        # fill may always run, however large; past the cap a restore falls back to a shorter prefix.
+        self._fill_budget = fill_budget
+        self._fill_bytes = 0
         # key -> digest of its newest capture, kept while a durable write of that key is queued: a
         # write that a newer capture of the same key superseded must not reach L3 (the authority).
         self._newest: dict[str, str] = {}
@@ -213,6 +220,7 @@ class Tiers:
         if self._max_entry is not None and data_len > self._max_entry:
             raise TooLarge(f"an entry of {data_len} bytes exceeds the entry limit of {self._max_entry}")
         key = cache_key(identity, tokens)
+        seq = self._current_seq()  # an eviction from here on cancels this capture's durable write
 
         def retire_stale(digest: str) -> None:
             """The newest capture wins over older durable copies, before it becomes visible: a restore
@@ -233,13 +241,17 @@ class Tiers:
                 view = source[spec.offset : spec.offset + spec.nbytes]
                 copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads)
             entry = reservation.commit(before_publish=retire_stale)
-        l3 = self._queue_write(entry) if durable else False
+        l3 = self._queue_write(entry, seq) if durable else False
         for hook in self.capture_hooks:
             hook(identity, tokens, entry)
         self._count(captures=1, capture_bytes=entry.nbytes)
         return CaptureOutcome(entry.digest, entry.token_count, entry.nbytes, True, l3)
 
-    def _queue_write(self, entry: L2Entry) -> bool:
+    def _current_seq(self) -> int:
+        with self._lock:
+            return self._seq
+
+    def _queue_write(self, entry: L2Entry, seq: int) -> bool:
         if self.l3 is None:
             return False
         opened = self.l2.open_reader(entry.key)  # the lease keeps the bytes even if L2 evicts the entry
@@ -248,7 +260,7 @@ class Tiers:
         fd, current = opened
         with self._lock:
             try:
-                self._writes.put_nowait((current, fd, self._seq))
+                self._writes.put_nowait((current, fd, seq))
             except queue.Full:
                 os.close(fd)
                 self.counters.l3_dropped += 1
@@ -369,6 +381,7 @@ class Tiers:
         :class:`RunOnWorker` instead of reading the disk.
         """
         started = time.perf_counter()
+        seq = self._current_seq()  # an eviction from here on cancels the promotion of a fill
         for candidate in self._candidates(identity, tokens):
             found = self._resolve(candidate)
             if found is None:
@@ -378,13 +391,13 @@ class Tiers:
                 if not may_fill:
                     raise RunOnWorker
                 try:
-                    opened = self._open_l3(found.key, found.l3, started)
+                    opened = self._open_l3(found.key, found.l3, started, seq)
                 except CorruptEntry:
                     self.l2.remove_by_digest(found.l3.digest)
                     self._count(corrupt_fallbacks=1)
                     continue  # never served: fall back to a shorter prefix
-                except NotFound:
-                    continue
+                except (NotFound, Busy):
+                    continue  # a shorter prefix, if any, is served instead
             if opened is None:
                 continue
             self._count(restores=1, restore_hits=1, restore_bytes=sum(s.nbytes for s in opened.tensors))
@@ -422,14 +435,14 @@ class Tiers:
         )
 
     # ----------------------------------------------------------------- L3 fills
-    def _open_l3(self, key: str, entry: L3Entry, started: float) -> Opened:
+    def _open_l3(self, key: str, entry: L3Entry, started: float, seq: int) -> Opened:
         assert self.l3 is not None
         lookup_ms = (time.perf_counter() - started) * 1e3
         with self._lock:
             fill = self._fills.get(entry.object)
             leader = fill is None
             if fill is None:
-                fill = self._fills[entry.object] = _Fill(entry, key, self._seq)
+                fill = self._fills[entry.object] = _Fill(entry, key, seq)
                 self._outstanding += 1
             else:
                 self.counters.fill_waits += 1
@@ -478,12 +491,21 @@ class Tiers:
                 if fill.reservation is not None:
                     fill.reservation.abort()
                     fill.reservation = None
+                size = max(entry.data_len, 1)
+                with self._lock:
+                    if self._fill_bytes and self._fill_bytes + size > self._fill_budget:
+                        self.counters.fills_refused += 1
+                        raise Busy("L3 restores in flight hold the whole fill budget") from None
+                    self._fill_bytes += size
+                    fill.memfd_bytes = size
                 fill.fd = self._load_memfd(key, entry)
             fill.fill_ms = (time.perf_counter() - began) * 1e3
             self._count(fills=1)
         except BaseException as exc:
             with self._lock:
                 self._retire_locked(fill)
+                self._fill_bytes -= fill.memfd_bytes
+                fill.memfd_bytes = 0
             if fill.reservation is not None:
                 fill.reservation.abort()
                 fill.reservation = None
@@ -504,12 +526,12 @@ class Tiers:
         size = max(entry.data_len, 1)
         fd = memfd("skippyd-l3-fill", size, seal=False)
         try:
-            with mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as mapping:
-                view = memoryview(mapping)
-                try:
-                    self.l3.load_into(key, view[: entry.data_len], expected=entry)
-                finally:
-                    view.release()
+            with (
+                mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as mapping,
+                memoryview(mapping) as view,
+                view[: entry.data_len] as dest,  # released here even when an exception keeps the frames
+            ):
+                self.l3.load_into(key, dest, expected=entry)
             seal_readonly(fd)  # our writable mapping is gone: from now on nobody can change a byte
         except BaseException:
             os.close(fd)
@@ -553,6 +575,9 @@ class Tiers:
         fd, fill.fd = fill.fd, -1
         with self._lock:
             promote = fill.resolution == "commit" and not self._cancelled_locked(fill.entry.digest, fill.seq)
+        if promote and self.l3 is not None:  # a newer capture of the key may have retired these bytes
+            durable = self.l3.get(fill.key)
+            promote = durable is not None and durable.digest == fill.entry.digest
         try:
             committed: L2Entry | None = None
             if promote and reservation is not None:
@@ -573,12 +598,16 @@ class Tiers:
         except SkippydError as exc:
             reservation = None  # a failed commit gave its memory back
             log.warning("promotion into L2 failed: %s", exc)
+        except Exception:  # never escapes into the restore (or the promoter) that released the fill
+            log.exception("promotion into L2 failed")
         finally:
             if reservation is not None:
                 reservation.abort()
             if fd >= 0:
                 os.close(fd)
             with self._lock:
+                self._fill_bytes -= fill.memfd_bytes
+                fill.memfd_bytes = 0
                 self._work_done_locked()
 
     def _promote_copy(self, fill: _Fill, fd: int) -> L2Entry | None:
@@ -613,38 +642,58 @@ class Tiers:
                     promote = self.promotions.consider(entry.digest, entry.token_count, entry.nbytes)
             except SkippydError as exc:
                 log.warning("promotion check failed: %s", exc)
+            except Exception:  # the promoter outlives any one decision
+                log.exception("promotion check failed")
             if not promote:
                 self._count(promotions_declined=1)
             self._resolve_fill(fill, promote=promote)
             if promote and self.promotions is not None:
-                with contextlib.suppress(SkippydError):
+                try:
                     self.promotions.settle(entry.digest)
+                except SkippydError:
+                    pass
+                except Exception:
+                    log.exception("settling a promotion failed")
 
     # ----------------------------------------------------------------- admin
     def evict_digest(self, digest: str) -> int:
         """Removes every entry with this payload digest from both tiers; returns how many cache keys."""
         with self._lock:
             self.counters.evictions_requested += 1
-            self._seq += 1
-            self._cancelled[digest] = self._seq
-        keys = set(self.l2.keys_by_digest(digest))
-        self.l2.remove_by_digest(digest)
-        if self.l3 is not None:
-            keys.update(self.l3.keys_by_digest(digest))
-            self.l3.remove_by_digest(digest)
+        keys: set[str] = set()
+        # Twice: the first mark cancels the work begun before this call; work that began while the tiers
+        # were being swept (a fill of the L3 copy, a capture's durable write) is cancelled by the second
+        # mark, and whatever of it became visible before that mark is swept the second time.
+        for _ in range(2):
+            self._mark_evicted(digest)
+            keys.update(self.l2.keys_by_digest(digest))
+            self.l2.remove_by_digest(digest)
+            if self.l3 is not None:
+                keys.update(self.l3.keys_by_digest(digest))
+                self.l3.remove_by_digest(digest)
         return len(keys)
+
+    def _mark_evicted(self, digest: str | None) -> None:
+        """Cancels the work begun before now: of this digest, or of every digest with None."""
+        with self._lock:
+            self._seq += 1
+            if digest is None:
+                self._evicted_all_at = self._seq
+            else:
+                self._cancelled[digest] = self._seq
 
     def evict_all(self) -> int:
         """Removes every entry from both tiers (and every durable write still queued)."""
         with self._lock:
             self.counters.evictions_requested += 1
-            self._seq += 1
-            self._evicted_all_at = self._seq
-        keys = {e.key for e in self.l2.entries()}
-        self.l2.clear()
-        if self.l3 is not None:
-            keys.update(e.key for e, _ in self.l3.entries())
-            self.l3.clear()
+        keys: set[str] = set()
+        for _ in range(2):  # as in evict_digest
+            self._mark_evicted(None)
+            keys.update(e.key for e in self.l2.entries())
+            self.l2.clear()
+            if self.l3 is not None:
+                keys.update(e.key for e, _ in self.l3.entries())
+                self.l3.clear()
         return len(keys)
 
     def entries(self) -> list[dict[str, Any]]:
@@ -667,6 +716,8 @@ class Tiers:
             ops = {name: getattr(self.counters, name) for name in self.counters.__slots__}
             ops["l3_queue_depth"] = self._writes.qsize()
             ops["fills_in_flight"] = len(self._fills)
+            ops["fill_bytes"] = self._fill_bytes
+            ops["fill_budget"] = self._fill_budget
         result: dict[str, Any] = {"l2": self.l2.stats().as_dict(), "ops": ops}
         if self.l3 is not None:
             result["l3"] = self.l3.stats().as_dict()

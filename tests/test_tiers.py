@@ -260,3 +260,116 @@ def test_an_l3_fill_never_evicts_l2_entries_until_promotion_says_so(
             assert kept is not None and kept.digest == other, "a declined fill evicted nothing"
     finally:
         t.close()
+
+
+@pytest.mark.parametrize("l2_full", [False, True])
+def test_a_corrupt_l3_entry_is_a_clean_miss_whether_filled_into_l2_or_a_memfd(
+    shm_dir: Path, tmp_path: Path, l2_full: bool
+) -> None:
+    """The corruption error, not a leftover-buffer error, decides: the entry is quarantined and a shorter
+    prefix (here none) is served, on the L2-reservation path and on the memfd path alike."""
+    size = L2Tier.file_size_for(token_count=2, tensors=staged(0)[0])
+    t = make_tiers(shm_dir, tmp_path, size if l2_full else 64 << 20, Policy(False))
+    try:
+        capture(t, [3, 3], fill=9, durable=True)
+        t.drain()
+        key = cache_key(IDENT, encode_tokens([3, 3]))
+        t.l2.remove(key)
+        if l2_full:
+            capture(t, [8, 8], fill=8, durable=False)
+        assert t.l3 is not None
+        entry = t.l3.get(key)
+        assert entry is not None
+        with open(t.l3._object_path(entry.object), "r+b") as f:
+            f.seek(entry.data_len // 2)
+            byte = f.read(1)
+            f.seek(entry.data_len // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        for _ in range(2):
+            assert t.open_restore(IDENT, encode_tokens([3, 3, 4])) is None
+        assert t.l3.get(key) is None and t.l3.stats().corrupt == 1
+        assert eventually(lambda: t._outstanding == 0 and not t._fills, timeout=10)
+    finally:
+        t.close()
+
+
+def test_an_eviction_just_after_a_capture_commits_cancels_its_durable_write(
+    tiers: tuple[Tiers, threading.Event], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The eviction arrives between the L2 commit and the queueing of the durable write: it still wins."""
+    t, gate = tiers
+    gate.set()
+    real = t.l2.open_reader
+
+    def open_then_evicted(key: str) -> Any:
+        opened = real(key)
+        if opened is not None:
+            t.evict_digest(opened[1].digest)
+        return opened
+
+    monkeypatch.setattr(t.l2, "open_reader", open_then_evicted)
+    capture(t, [5, 5], fill=5, durable=True)
+    t.drain()
+    assert t.l3 is not None and t.l3.get(cache_key(IDENT, encode_tokens([5, 5]))) is None
+    assert served_digest(t, [5, 5]) is None
+
+
+def test_a_restore_that_begins_while_an_eviction_sweeps_the_tiers_does_not_promote_the_evicted_entry(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t = make_tiers(shm_dir, tmp_path, 64 << 20, Policy(True))
+    try:
+        digest = capture(t, [3, 3], fill=9, durable=True)
+        t.drain()
+        key = cache_key(IDENT, encode_tokens([3, 3]))
+        t.l2.remove(key)
+        assert t.l3 is not None
+        real = t.l3.remove_by_digest
+        served: list[str] = []
+
+        def restore_first(d: str) -> int:
+            if served:
+                return real(d)
+            opened = t.open_restore(IDENT, encode_tokens([3, 3]))  # L3 still holds it: a fill begins
+            if opened is not None:
+                served.append(opened.source)
+                os.close(opened.fd)
+            return real(d)
+
+        monkeypatch.setattr(t.l3, "remove_by_digest", restore_first)
+        t.evict_digest(digest)
+        assert served == ["l3"]
+        wait_for_decision(t)
+        assert t.l2.peek(key) is None, "the fill began during the eviction: it is not promoted"
+        assert served_digest(t, [3, 3]) is None
+    finally:
+        t.close()
+
+
+def test_l3_restores_held_outside_l2_are_capped_by_the_fill_budget(shm_dir: Path, tmp_path: Path) -> None:
+    """With L2 full, fills live in memfds (RAM beyond the L2 budget); past the fill budget a restore
+    falls back to a shorter prefix (here none) instead of taking more memory."""
+    size = L2Tier.file_size_for(token_count=2, tensors=staged(0)[0])
+    hold = threading.Event()
+    policy = Policy(False, hold)
+    t = Tiers(
+        L2Tier(shm_dir, size), l3=L3Store(tmp_path / "l3", 1 << 30), promotions=policy, fill_budget=size
+    )
+    try:
+        first = capture(t, [3, 3], fill=3, durable=True)
+        second = capture(t, [4, 4], fill=4, durable=True)
+        t.drain()
+        capture(t, [8, 8], fill=8, durable=False)  # L2 is full of an entry L3 does not hold
+        opened = t.open_restore(IDENT, encode_tokens([3, 3]))
+        assert opened is not None and opened.source == "l3" and opened.digest == first
+        os.close(opened.fd)
+        assert policy.asked.wait(10)  # the first fill's memfd is held while its promotion is decided
+        assert t.open_restore(IDENT, encode_tokens([4, 4])) is None
+        assert t.counters.fills_refused == 1
+        hold.set()
+        wait_for_decision(t)
+        assert t._fill_bytes == 0
+        assert served_digest(t, [4, 4]) == second, "with the budget free again it is served"
+    finally:
+        hold.set()
+        t.close()
