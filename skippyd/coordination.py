@@ -20,6 +20,7 @@ import collections
 import contextlib
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ from typing import Any
 import redis
 import redis.cluster
 import redis.exceptions
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from .errors import CoordinationTimeout, CoordinationUnavailable, InvalidArgument, SkippydError
 from .keys import WARM_HASH_BYTES, encode_tokens, warm_chain
@@ -49,8 +52,14 @@ log = logging.getLogger("skippyd.coordination")
 
 BATCH_BYTES = 64 << 10  # chain bytes per warm-table batch: ~0.1 ms of Redis time per 64 KB of argument
 BATCH_TIMEOUT_S = 2.0  # a batch's own timeout (single calls keep --redis-timeout)
+BATCH_MARKER_S = 600.0  # how long Redis remembers an applied batch id (a re-send within it is a no-op)
 _NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 RedisClient = Any  # redis.Redis | redis.cluster.RedisCluster
+
+
+def new_batch_id() -> str:
+    """A fresh id for one ``ran`` batch (the marker that makes sending it again harmless)."""
+    return os.urandom(16).hex()
 
 
 def _check_node(node: str) -> str:
@@ -68,8 +77,11 @@ def connect(url: str, *, timeout: float = 1.0) -> RedisClient:
     }
     try:
         if url.startswith("redis+cluster://"):
+            # No retries inside redis-py (it would re-send a call after a timeout, and take several
+            # timeouts to give up): the coordinator retries with backoff, its batches carry ids, and a
+            # redirection (MOVED/ASK) is followed regardless of this setting.
             return redis.cluster.RedisCluster.from_url(
-                "redis://" + url.removeprefix("redis+cluster://"), **options
+                "redis://" + url.removeprefix("redis+cluster://"), retry=Retry(NoBackoff(), 0), **options
             )
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise InvalidArgument(f"unsupported Redis URL {url!r}")
@@ -224,15 +236,20 @@ class WarmTable:
         """``node`` ran this prompt: every whole-block prefix of it now points at ``node``."""
         self.ran_chains([self.chain(model, tokens)], node)
 
-    def ran_chains(self, chains: Sequence[bytes], node: str) -> int:
-        """Several prompts' chains in one round trip (each prompt gets its own tick, as in the seed)."""
+    def ran_chains(self, chains: Sequence[bytes], node: str, batch_id: str | None = None) -> int:
+        """Several prompts' chains in one round trip (each prompt gets its own tick, as in the seed).
+
+        A call sent again with the same ``batch_id`` (say its answer timed out) within
+        :data:`BATCH_MARKER_S` changes nothing and returns -1: re-sending a batch is always safe.
+        """
         _check_node(node)
         k = self.keys
+        marker = k.warm_batch(batch_id or new_batch_id())
         with _redis_errors("warm table update failed"):
             written = script("warm_ran.lua")(
                 self.client,
-                [k.warm_prefixes, k.warm_ages, k.warm_clock],
-                [node, self.max_prefixes, WARM_HASH_BYTES, *chains],
+                [k.warm_prefixes, k.warm_ages, k.warm_clock, marker],
+                [node, self.max_prefixes, WARM_HASH_BYTES, int(BATCH_MARKER_S * 1000), *chains],
             )
         return int(written)
 
@@ -445,6 +462,9 @@ class Coordinator:
         self.promotions = Promotions(self.client, scope=scope, prefix=prefix)
         self.local = LocalPromotions()
         self._buffer: collections.deque[bytes] = collections.deque()
+        # a batch whose call failed, kept with its id and sent again first: Redis applies an id once, so
+        # this is safe whether or not the failed call ran (a timeout cannot tell)
+        self._retry: tuple[str, list[bytes]] | None = None
         self._buffer_limit = buffer
         self._cond = threading.Condition()
         self._stop = False
@@ -452,9 +472,9 @@ class Coordinator:
         self.degraded = False
         self.cause = ""
         self.degraded_since = 0.0
-        self.counters = {"ran_sent": 0, "ran_dropped": 0, "ran_unconfirmed": 0, "batches": 0, "failures": 0,
-                         "heartbeats": 0, "promotions_local": 0, "promotions_redis": 0,
-                         "superseded": 0}  # fmt: skip
+        self.counters = {"ran_sent": 0, "ran_dropped": 0, "batches": 0, "batches_resent": 0,
+                         "batches_applied_before": 0, "failures": 0, "heartbeats": 0,
+                         "promotions_local": 0, "promotions_redis": 0, "superseded": 0}  # fmt: skip
         self._last_heartbeat = 0.0
 
     # ------------------------------------------------------------- request side (never blocks on Redis)
@@ -492,7 +512,8 @@ class Coordinator:
 
     def status(self) -> dict[str, Any]:
         with self._cond:
-            buffered = len(self._buffer)
+            retry = self._retry
+            buffered = len(self._buffer) + (len(retry[1]) if retry is not None else 0)
         return {
             "configured": True,
             "degraded": self.degraded,
@@ -547,19 +568,12 @@ class Coordinator:
                 size += len(chain)
             return batch
 
-    def _put_back(self, batch: list[bytes]) -> None:
-        with self._cond:
-            room = self._buffer_limit - len(self._buffer)
-            keep = batch[: max(0, room)]
-            self.counters["ran_dropped"] += len(batch) - len(keep)
-            self._buffer.extendleft(reversed(keep))
-
     def _run(self) -> None:
         backoff = 0.1
         while True:
             with self._cond:
                 final = self._stop
-                if not final and not self._buffer:
+                if not final and not self._buffer and self._retry is None:
                     due = self._last_heartbeat + self.heartbeat_s - time.monotonic()
                     if due > 0:
                         self._cond.wait(timeout=due)
@@ -589,17 +603,22 @@ class Coordinator:
             self._last_heartbeat = time.monotonic()
             self.counters["heartbeats"] += 1
         for _ in range(16):
-            batch = self._take_batch()
-            if not batch:
-                return
+            with self._cond:
+                retry, self._retry = self._retry, None
+            if retry is not None:
+                batch_id, batch = retry
+                self.counters["batches_resent"] += 1
+            else:
+                batch, batch_id = self._take_batch(), new_batch_id()
+                if not batch:
+                    return
             try:
-                self._batch_table.ran_chains(batch, self.node)
-            except CoordinationTimeout:
-                # the script may have run: sending it again would tick the table twice
-                self.counters["ran_unconfirmed"] += len(batch)
-                raise
+                written = self._batch_table.ran_chains(batch, self.node, batch_id)
             except SkippydError:
-                self._put_back(batch)  # refused or never reached Redis: safe to send again
+                with self._cond:
+                    self._retry = (batch_id, batch)
                 raise
+            if written < 0:  # an earlier try ran it; only its answer was lost
+                self.counters["batches_applied_before"] += 1
             self.counters["ran_sent"] += len(batch)
             self.counters["batches"] += 1

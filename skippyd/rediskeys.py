@@ -6,6 +6,7 @@ Layout (schema version 1; the prefix is configurable, default ``skippyd``)::
     {<prefix>:v1:warm}:ages            ZSET  chain hash scored by tick (oldest-first eviction)
     {<prefix>:v1:warm}:clock           STRING one tick per ran() prompt
     {<prefix>:v1:warm}:nodes           HASH  node -> "<incarnation> <heartbeat ms> <ttl ms> <up|forgotten>"
+    {<prefix>:v1:warm}:batch:<id>      STRING a ran() batch was applied (expires; makes re-sending safe)
     {<prefix>:v1:promo:<scope>}:obs    HASH  manifest key -> "<first seen ms> <hits> <terminal>"
     {<prefix>:v1:promo:<scope>}:ages   ZSET  manifest key scored by first seen ms
 
@@ -27,6 +28,7 @@ __all__ = ["SCHEMA_VERSION", "RedisKeys"]
 
 SCHEMA_VERSION = 1
 _PREFIX = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_BATCH_ID = re.compile(r"^[0-9a-f]{32}$")
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,12 @@ class RedisKeys:
     @property
     def nodes(self) -> str:
         return self._warm + ":nodes"
+
+    def warm_batch(self, batch_id: str) -> str:
+        """The marker of one ``ran`` batch; ``batch_id`` is 32 lowercase hex digits made by skippyd."""
+        if not _BATCH_ID.match(batch_id):
+            raise ValueError("a batch id is 32 lowercase hex digits")
+        return self._warm + ":batch:" + batch_id
 
     def _promo(self, scope: str) -> str:
         return "{" + f"{self.base}:promo:{blake3(scope.encode()).hexdigest()[:32]}" + "}"

@@ -47,7 +47,7 @@ def test_warm_updates_go_in_batches_bounded_by_bytes(server: RedisServer) -> Non
             c.ran("m", long_prompt)
         batch = c._take_batch()
         assert len(batch) == 2, "two 32 KiB chains fill a 64 KiB batch"
-        c._put_back(batch)
+        c._retry = (coordination.new_batch_id(), batch)  # as a failed call leaves it
         c._tick()
         assert c.counters["batches"] == 3 and c.counters["ran_sent"] == 5
         assert clock(server) == 5, "one tick of the table per prompt"
@@ -55,11 +55,11 @@ def test_warm_updates_go_in_batches_bounded_by_bytes(server: RedisServer) -> Non
         c.close()
 
 
-def test_a_warm_batch_that_timed_out_is_never_sent_again(
+def test_a_warm_batch_whose_answer_timed_out_is_sent_again_and_applied_once(
     server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The script may have run after all (here it does, once Redis unpauses): a re-send would run it
-    twice."""
+    """The script runs after all (once Redis is free again) but its answer came too late; the re-send
+    carries the same batch id, so Redis applies it once."""
     monkeypatch.setattr(coordination, "BATCH_TIMEOUT_S", 0.3)
     c = make(server)
     try:
@@ -72,11 +72,14 @@ def test_a_warm_batch_that_timed_out_is_never_sent_again(
         time.sleep(0.1)
         with pytest.raises(CoordinationTimeout):
             c._tick()
-        assert c.status()["buffered"] == 0 and c.counters["ran_unconfirmed"] == 1
+        assert c.status()["buffered"] == 1, "kept to be sent again"
         busy.join(timeout=30)
         time.sleep(0.2)
+        assert clock(server) == 2, "the timed-out call did run, once Redis came back to it"
         c._tick()
-        assert clock(server) == 2, "it ran exactly once: when Redis came back to it"
+        assert c.counters["batches_resent"] == 1 and c.counters["batches_applied_before"] == 1
+        assert clock(server) == 2, "the re-send changed nothing"
+        assert c.status()["buffered"] == 0
     finally:
         c.close()
 
@@ -89,9 +92,10 @@ def test_a_warm_batch_that_never_reached_redis_is_kept_and_sent_later(server: Re
         with pytest.raises(CoordinationUnavailable) as caught:
             c._tick()
         assert not isinstance(caught.value, CoordinationTimeout)
-        assert c.status()["buffered"] == 1 and c.counters["ran_unconfirmed"] == 0
+        assert c.status()["buffered"] == 1
         server.start()
         c._tick()
         assert c.status()["buffered"] == 0 and clock(server) == 1
+        assert c.counters["batches_resent"] == 1 and c.counters["batches_applied_before"] == 0
     finally:
         c.close()

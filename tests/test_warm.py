@@ -203,8 +203,8 @@ def test_scripts_are_reloaded_inside_pipelines(redis_url: str) -> None:
         (script("node_heartbeat.lua"), [keys.nodes], ["a", 1, 60000]),
         (
             script("warm_ran.lua"),
-            [keys.warm_prefixes, keys.warm_ages, keys.warm_clock],
-            ["a", 65536, WARM_HASH_BYTES, chain],
+            [keys.warm_prefixes, keys.warm_ages, keys.warm_clock, keys.warm_batch("0" * 32)],
+            ["a", 65536, WARM_HASH_BYTES, 60000, chain],
         ),
     ]
     results = run_pipeline(warm.client, calls)
@@ -219,7 +219,7 @@ def test_every_key_of_a_script_shares_one_cluster_slot() -> None:
     from skippyd.rediskeys import RedisKeys
 
     keys = RedisKeys("prod")
-    warm = [keys.warm_prefixes, keys.warm_ages, keys.warm_clock, keys.nodes]
+    warm = [keys.warm_prefixes, keys.warm_ages, keys.warm_clock, keys.nodes, keys.warm_batch("ab" * 16)]
     assert len({key_slot(k.encode()) for k in warm}) == 1
     promo = [keys.promo_obs("node:a"), keys.promo_ages("node:a")]
     assert len({key_slot(k.encode()) for k in promo}) == 1
@@ -232,3 +232,17 @@ def test_bad_node_names_and_unreachable_redis_are_typed_errors(tmp_short: Any) -
     table = WarmTable.from_url(f"unix://{tmp_short}/none.sock", timeout=0.2)
     with pytest.raises(CoordinationUnavailable):
         table.warmest("m", list(range(256)))
+
+
+def test_a_ran_batch_sent_twice_with_one_id_is_applied_once(redis_url: str) -> None:
+    warm = WarmTable.from_url(redis_url)
+    chain = warm.chain("m", list(range(256)))
+    batch_id = "5" * 32
+    assert warm.ran_chains([chain], "a", batch_id) == 4
+    assert warm.ran_chains([chain], "b", batch_id) == -1, "the same batch again changes nothing"
+    assert int(warm.client.get(warm.keys.warm_clock)) == 1
+    assert warm.warmest("m", list(range(256))) == ("a", 256)
+    assert warm.ran_chains([chain], "b") == 4, "a new batch applies"
+    assert warm.warmest("m", list(range(256))) == ("b", 256)
+    ttl = warm.client.pttl(warm.keys.warm_batch(batch_id))
+    assert 0 < ttl <= 600_000, "the marker expires"

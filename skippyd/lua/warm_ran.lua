@@ -3,19 +3,23 @@
 -- KEYS[1]  {<prefix>:warm}:prefixes  HASH  8-byte chain hash -> "<at> <node>"
 -- KEYS[2]  {<prefix>:warm}:ages      ZSET  chain hash, scored by <at>
 -- KEYS[3]  {<prefix>:warm}:clock     STRING counter, one tick per prompt
+-- KEYS[4]  {<prefix>:warm}:batch:<id> STRING this call's marker, set for ARGV[4] ms: a call sent again
+--          with the same id (its first answer was lost to a timeout) changes nothing
 -- ARGV[1]  node name (letters, digits, '.', '_', '-')
 -- ARGV[2]  max_prefixes: past this many, the oldest eighth is dropped (seed: MAX / 8)
 -- ARGV[3]  hash length in bytes (8)
--- ARGV[4…] one chain per prompt: the concatenated block hashes of that prompt
--- Returns  the number of prefixes written.
+-- ARGV[4]  how long the marker lives, in ms
+-- ARGV[5…] one chain per prompt: the concatenated block hashes of that prompt
+-- Returns  the number of prefixes written, or -1 when this batch id was applied already.
 --
 -- Every prefix of a prompt is (re)stamped with a fresh tick, so along any chain the ticks never increase
 -- with length; dropping the oldest ticks therefore keeps each chain's remembered prefixes contiguous
 -- from its first block (what warm_warmest.lua's binary search relies on).
-local prefixes, ages, clock = KEYS[1], KEYS[2], KEYS[3]
+local prefixes, ages, clock, marker = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local node = ARGV[1]
 local max_prefixes = tonumber(ARGV[2])
 local hl = tonumber(ARGV[3])
+if not redis.call('SET', marker, '1', 'NX', 'PX', tonumber(ARGV[4])) then return -1 end
 local BATCH = 1000
 local written = 0
 
@@ -31,7 +35,7 @@ local function evict_oldest_eighth()
   end
 end
 
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   local chain = ARGV[i]
   local n = math.floor(#chain / hl)
   if n > 0 then
