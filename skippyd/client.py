@@ -643,6 +643,7 @@ class AsyncClient:
         body.update(op="capture", tensors=table, kind=kind, meta=dict(meta or {}), durable=durable)
         async with self._capture_lock:  # the staging buffer is one per connection
             for attempt in range(2):
+                conn: _AsyncConn | None = None
                 try:
                     conn = await self._connection()
                     staging = conn.staging
@@ -672,9 +673,12 @@ class AsyncClient:
                 except BaseException as exc:
                     # A capture abandoned before the daemon answered (timeout, cancellation) may still
                     # be queued there, reading this connection's staging buffer when it runs: the next
-                    # capture must not write into that buffer, so the connection and its buffer go.
-                    if not _answered(exc):
-                        conn._fail(ConnectionLost("a capture was abandoned before skippyd answered it"))
+                    # capture must not write into that buffer. It asks for a new one instead, and the
+                    # daemon runs a connection's requests in order, so the abandoned capture has read
+                    # the old buffer before the new one is lent (other requests in flight are kept).
+                    if conn is not None and conn.staging is not None and not _answered(exc):
+                        conn.staging.close()
+                        conn.staging = None
                     raise
         return CaptureResult(
             str(reply["digest"]),

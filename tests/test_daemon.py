@@ -516,7 +516,7 @@ def test_async_capture_abandoned_before_its_answer_never_lends_its_staging_to_th
             client.timeout = 1e-9
             with pytest.raises(skippyd.Timeout):
                 await client.capture(model=MODEL, state=STATE, tokens=[1, 1], tensors={"x": first})
-            assert conn is not None and conn.closed, "the abandoned capture's connection is retired"
+            assert conn is not None and conn.staging is None, "the abandoned capture's buffer is retired"
             client.timeout = 60.0
             await client.capture(model=MODEL, state=STATE, tokens=[2, 2], tensors={"x": second})
             for _ in range(100):  # the abandoned capture may land late, or not at all
@@ -527,6 +527,24 @@ def test_async_capture_abandoned_before_its_answer_never_lends_its_staging_to_th
                 await asyncio.sleep(0.02)
             other = await client.restore(model=MODEL, state=STATE, tokens=[2, 2])
             assert other is not None and torch.equal(other.tensors["x"], second)
+
+    asyncio.run(scenario())
+
+
+def test_an_async_capture_that_cannot_connect_raises_that_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A timeout (or a cancellation) while connecting reaches the caller as itself."""
+
+    async def scenario() -> None:
+        client = skippyd.AsyncClient(tmp_path / "none.sock")
+
+        async def slow_hello() -> Any:
+            raise skippyd.Timeout("skippyd did not answer hello")
+
+        monkeypatch.setattr(client, "_connection", slow_hello)
+        with pytest.raises(skippyd.Timeout):
+            await client.capture(model=MODEL, state=STATE, tokens=[1], tensors={"x": torch.zeros(4)})
 
     asyncio.run(scenario())
 
