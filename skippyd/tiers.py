@@ -170,7 +170,7 @@ class Tiers:
         self._seq = 0
         self._evicted_all_at = 0
         self._cancelled: dict[str, int] = {}
-        self._outstanding = 0  # queued or running durable writes + fills in flight
+        self._outstanding = 0  # captures and restores running, durable writes queued or running, fills
         # L3 fills held in memfds (L2 had no free room) are RAM outside the L2 budget: capped here. One
         # fill may always run, however large; past the cap a restore falls back to a shorter prefix.
         self._fill_budget = fill_budget
@@ -220,36 +220,46 @@ class Tiers:
         if self._max_entry is not None and data_len > self._max_entry:
             raise TooLarge(f"an entry of {data_len} bytes exceeds the entry limit of {self._max_entry}")
         key = cache_key(identity, tokens)
-        seq = self._current_seq()  # an eviction from here on cancels this capture's durable write
+        seq = self._begin()  # an eviction from here on cancels this capture's durable write
+        try:
 
-        def retire_stale(digest: str) -> None:
-            """The newest capture wins over older durable copies, before it becomes visible: a restore
-            never sees the new L2 entry beside an older L3 authority (which would remove it)."""
-            if self.l3 is None:
-                return
-            with self._lock:
-                if key in self._queued_keys:  # a queued older write of this key must not land
-                    self._newest[key] = digest
-            stale = self.l3.get(key)
-            if stale is not None and stale.digest != digest:
-                self.l3.remove(key)
+            def retire_stale(digest: str) -> None:
+                """The newest capture wins over older durable copies, before it becomes visible: a restore
+                never sees the new L2 entry beside an older L3 authority (which would remove it)."""
+                if self.l3 is None:
+                    return
+                with self._lock:
+                    if key in self._queued_keys:  # a queued older write of this key must not land
+                        self._newest[key] = digest
+                stale = self.l3.get(key)
+                if stale is not None and stale.digest != digest:
+                    self.l3.remove(key)
 
-        with self.l2.reserve(
-            key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
-        ) as reservation:
-            for spec in specs:
-                view = source[spec.offset : spec.offset + spec.nbytes]
-                copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads)
-            entry = reservation.commit(before_publish=retire_stale)
-        l3 = self._queue_write(entry, seq) if durable else False
-        for hook in self.capture_hooks:
-            hook(identity, tokens, entry)
-        self._count(captures=1, capture_bytes=entry.nbytes)
-        return CaptureOutcome(entry.digest, entry.token_count, entry.nbytes, True, l3)
+            with self.l2.reserve(
+                key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
+            ) as reservation:
+                for spec in specs:
+                    view = source[spec.offset : spec.offset + spec.nbytes]
+                    copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads)
+                entry = reservation.commit(before_publish=retire_stale)
+            l3 = self._queue_write(entry, seq) if durable else False
+            for hook in self.capture_hooks:
+                hook(identity, tokens, entry)
+            self._count(captures=1, capture_bytes=entry.nbytes)
+            return CaptureOutcome(entry.digest, entry.token_count, entry.nbytes, True, l3)
+        finally:
+            self._end()
 
-    def _current_seq(self) -> int:
+    def _begin(self) -> int:
+        """The eviction number this operation runs under; until :meth:`_end` it counts as outstanding
+        work, so the eviction marks it may need are not forgotten before it has checked them."""
         with self._lock:
+            self._outstanding += 1
             return self._seq
+
+    def _end(self) -> None:
+        with self._lock:
+            self._work_done_locked()
 
     def _queue_write(self, entry: L2Entry, seq: int) -> bool:
         if self.l3 is None:
@@ -381,7 +391,15 @@ class Tiers:
         :class:`RunOnWorker` instead of reading the disk.
         """
         started = time.perf_counter()
-        seq = self._current_seq()  # an eviction from here on cancels the promotion of a fill
+        seq = self._begin()  # an eviction from here on cancels the promotion of a fill
+        try:
+            return self._open_restore(identity, tokens, may_fill, started, seq)
+        finally:
+            self._end()
+
+    def _open_restore(
+        self, identity: Identity, tokens: bytes, may_fill: bool, started: float, seq: int
+    ) -> Opened | None:
         for candidate in self._candidates(identity, tokens):
             found = self._resolve(candidate)
             if found is None:

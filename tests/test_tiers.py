@@ -373,3 +373,26 @@ def test_l3_restores_held_outside_l2_are_capped_by_the_fill_budget(shm_dir: Path
     finally:
         hold.set()
         t.close()
+
+
+def test_an_eviction_during_a_capture_cancels_its_write_even_when_other_work_ends_meanwhile(
+    tiers: tuple[Tiers, threading.Event], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eviction marks are forgotten when no work is outstanding; a capture in progress is work."""
+    t, gate = tiers
+    gate.set()
+    digest = capture(t, [6], fill=5, durable=False)  # the same bytes under another key: their digest
+    real = t.l2.reserve
+
+    def evicted_meanwhile(**options: Any) -> Any:
+        with t._lock:
+            t._outstanding += 1  # some other work, running while the eviction comes...
+        t.evict_digest(digest)
+        with t._lock:
+            t._work_done_locked()  # ...and ending before this capture queues its durable write
+        return real(**options)
+
+    monkeypatch.setattr(t.l2, "reserve", evicted_meanwhile)
+    capture(t, [5, 5], fill=5, durable=True)
+    t.drain()
+    assert t.l3 is not None and t.l3.get(cache_key(IDENT, encode_tokens([5, 5]))) is None
