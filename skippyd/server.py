@@ -211,6 +211,12 @@ class Connection:
             if self.decoder.mid_frame:  # the frame clock was stopped while we were not reading
                 self.frame_started = time.monotonic()
 
+    @property
+    def waiting_on_us(self) -> bool:
+        """Reading is paused because this connection's earlier requests are still running or queued
+        (not because the client stopped reading its replies): its frame clock does not run."""
+        return not self.reading and not self.closed and self.out_bytes <= _MAX_OUT_BYTES
+
     def _pause_reading(self) -> None:
         if self.reading:
             self.server.loop.remove_reader(self.fd)
@@ -645,8 +651,8 @@ class Server:
             now = time.monotonic()
             for conn in list(self.connections.values()):
                 if (
-                    conn.reading  # paused by us (its earlier requests still running): not its fault
-                    and conn.decoder.mid_frame
+                    conn.decoder.mid_frame
+                    and not conn.waiting_on_us
                     and now - conn.frame_started > self.config.frame_timeout
                 ):
                     log.info("closing connection %d: a frame did not arrive in time", conn.session.id)
