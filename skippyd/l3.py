@@ -202,7 +202,7 @@ class Reconciliation:
     dangling_links_dropped: int = 0
     links_restored: int = 0
     orphans_collected: int = 0
-    objects_renamed: int = 0  # stores written before objects were named by layout (0.x): moved, kept
+    objects_renamed: int = 0  # regions of earlier stores (named by digest alone) given their current name
     verified: int = 0
     problems: list[str] = field(default_factory=list)
 
@@ -390,15 +390,15 @@ class L3Store:
 
     def _adopt_legacy_object(self, entry: L3Entry) -> int:
         """Stores from before objects were named by digest *and* layout kept an entry's data region
-        as ``<digest>.obj``: it moves to its current name (loads still verify every segment and the
-        digest against the manifest, so a region written for another layout is caught there)."""
+        as ``<digest>.obj``: it gets its current name as a hard link (several layouts may have named
+        that one file; loads verify every segment and the digest against each manifest, so a region
+        written for another layout is caught there). The old name, named by no manifest now, is
+        collected with the orphans."""
         old, new = self._object_path(entry.digest), self._object_path(entry.object)
         new.parent.mkdir(mode=0o700, exist_ok=True)
-        os.rename(old, new)
+        os.link(old, new)
         fsync_dir(new.parent)
-        fsync_dir(old.parent)
-        size = self._object_sizes.pop(entry.digest)
-        self._object_bytes -= size
+        size = self._object_sizes[entry.digest]
         self._add_object(entry.object, size)
         return size
 
