@@ -138,6 +138,62 @@ def test_the_binary_search_agrees_with_the_seeds_linear_scan_on_random_histories
     warm.close()
 
 
+long_history = st.lists(
+    st.tuples(
+        st.integers(0, 2),  # stem
+        st.integers(1, 300),  # stem blocks kept
+        st.integers(0, 40),  # extra blocks of its own
+        st.sampled_from("abcd"),  # node
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    events=long_history,
+    dead=st.sets(st.sampled_from("abcd"), max_size=3),
+    max_prefixes=st.sampled_from([400, 65536]),
+)
+def test_warmest_agrees_with_a_linear_scan_over_live_nodes_on_long_random_histories(
+    redis_url: str, events: list[tuple[int, int, int, str]], dead: set[str], max_prefixes: int
+) -> None:
+    """Hundreds of blocks per prompt (several fan-out rounds) and gone nodes (the dead-run search)."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushall()
+    warm = WarmTable(client, max_prefixes=max_prefixes, max_dead_runs=10_000)
+    stems = [[s * 1_000_003 + j for j in range(64 * 300)] for s in range(3)]
+    prompts = []
+    for n, (stem, keep, extra, node) in enumerate(events):
+        prompt = stems[stem][: keep * 64] + [10**8 + n * 7919 + j for j in range(extra * 64 + 5)]
+        prompts.append(prompt)
+        warm.ran("m", prompt, node)
+    for node in "abcd":
+        warm.heartbeat(node, 1, ttl_s=0.001 if node in dead else 60)
+    time.sleep(0.01)
+
+    def linear(prompt: list[int]) -> tuple[str, int] | None:
+        chain = warm.chain("m", prompt)
+        owners = []
+        for k in range(len(chain) // WARM_HASH_BYTES):
+            value = client.hget(
+                warm.keys.warm_prefixes, chain[k * WARM_HASH_BYTES : (k + 1) * WARM_HASH_BYTES]
+            )
+            if value is None:
+                break  # the longest remembered prefix ends here (the seed's scan)
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            owners.append(text.split(" ", 1)[1])
+        for k in range(len(owners), warm.min_blocks - 1, -1):
+            if owners[k - 1] not in dead:
+                return owners[k - 1], k * 64
+        return None
+
+    for prompt in prompts + stems + [stems[0][: 64 * 150]]:
+        assert warm.warmest("m", prompt) == linear(prompt)
+    warm.close()
+
+
 def test_warmest_never_answers_a_node_whose_heartbeat_expired(any_redis_url: str) -> None:
     warm = WarmTable.from_url(any_redis_url)
     base = list(range(64 * 4))
