@@ -132,8 +132,10 @@ def main() -> None:
     if args.write_docs:
         write_section(
             "redis_ops",
-            f"Machine: {machine()}. `python -m bench.redis_ops`, one run; redis-py with hiredis over a unix "
-            f"socket to a local redis-server; Redis time from `INFO commandstats`.\n\n{text}",
+            f"Machine: {machine()}. `python -m bench.redis_ops`, one run; redis-py with hiredis over a "
+            "unix socket to a local redis-server, each call alternating with a trivial EVALSHA (the "
+            "ratio); Redis time from `INFO commandstats` (for warmest, over calls with the chain already "
+            f"hashed).\n\n{text}",
         )
 
 
