@@ -221,13 +221,13 @@ def test_one_owner_per_directory(tmp_path: Path) -> None:
 
 WRITER = textwrap.dedent(
     """
-    import sys, tempfile
+    import sys
     from skippyd.l2 import L2Tier
     from skippyd.l3 import L3Store
     from skippyd.keys import Identity, cache_key, encode_tokens
     from skippyd.payload import TensorDecl
     ident = Identity("m", "s")
-    l2 = L2Tier(tempfile.mkdtemp(dir="/dev/shm"), 1 << 30)
+    l2 = L2Tier(sys.argv[2], 1 << 30)
     l3 = L3Store(sys.argv[1], 1 << 40)
     for i in range(10000):
         key = cache_key(ident, encode_tokens([i]))
@@ -241,9 +241,11 @@ WRITER = textwrap.dedent(
 )
 
 
-def test_kill_9_during_a_write_leaves_no_torn_entry(tmp_path: Path) -> None:
+def test_kill_9_during_a_write_leaves_no_torn_entry(tmp_path: Path, shm_dir: Path) -> None:
     root = tmp_path / "l3"
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, str(root)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(root), str(shm_dir / "l2")], stdout=subprocess.PIPE, text=True
+    )
     assert proc.stdout is not None
     for _ in range(3):
         proc.stdout.readline()  # a few complete writes first
