@@ -31,7 +31,6 @@ import errno
 import json
 import logging
 import os
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -58,7 +57,6 @@ _MANIFEST_MAGIC = b"SKIPPYD-L3-MANIFEST 1\n"
 _MAX_MANIFEST = 8 << 20
 _EVICT_TO = 0.85
 _QUARANTINE_SHARE = 0.05
-_NAME = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,19 +72,18 @@ class L3Entry:
     segment_bytes: int
     segments: tuple[str, ...]
     created_ns: int
+    # The stored data region's name: its content digest *and* its layout (offsets, sizes, length). Two
+    # entries with the same tensor bytes laid out differently (other shapes, so other offsets) have the
+    # same payload digest but not the same data region; they never share an object. Derived once here:
+    # the index and every fill look it up.
+    object: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "object", object_id(self.digest, self.tensors, self.data_len))
 
     @property
     def nbytes(self) -> int:
         return sum(spec.nbytes for spec in self.tensors)
-
-    @property
-    def object(self) -> str:
-        """The stored data region's name: its content digest *and* its layout (offsets, sizes, length).
-
-        Two entries with the same tensor bytes laid out differently (other shapes, so other offsets)
-        have the same payload digest but not the same data region; they never share an object.
-        """
-        return object_id(self.digest, self.tensors, self.data_len)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -259,6 +256,7 @@ class L3Store:
         try:
             self.last_reconciliation = self.reconcile(verify_objects=verify_objects_at_start)
         except BaseException:
+            self._hasher.shutdown(wait=False)
             os.close(self._lock_fd)
             raise
 
@@ -307,7 +305,7 @@ class L3Store:
             for shard in self._dirs["objects"].iterdir():
                 for obj in shard.iterdir() if shard.is_dir() else ():
                     name = obj.name.removesuffix(".obj")
-                    if not obj.name.endswith(".obj") or not _NAME.match(name) or obj.is_symlink():
+                    if not obj.name.endswith(".obj") or not is_hex_digest(name) or obj.is_symlink():
                         remove(obj)
                         report.orphans_collected += 1
                         continue
@@ -318,7 +316,7 @@ class L3Store:
                 for man in shard.iterdir() if shard.is_dir() else ():
                     key = man.name.removesuffix(".man")
                     try:
-                        if not man.name.endswith(".man") or not _NAME.match(key) or man.is_symlink():
+                        if not man.name.endswith(".man") or not is_hex_digest(key) or man.is_symlink():
                             raise CorruptEntry(f"unexpected file {man.name}")
                         st = man.stat()
                         raw = man.read_bytes() if st.st_size <= _MAX_MANIFEST else b""
