@@ -548,14 +548,9 @@ class L2Tier:
                 self._recycle(old.file)
             reuse = self._take_free(size)
             if reuse is None:
-                if not evict:
-                    if self._room() + self._free_bytes < size:  # free files alone would not do it
-                        raise NoSpace("no room in L2 without evicting an entry")
-                    while self._room() < size and self._drop_one_free():
-                        pass
-                    if self._room() < size:
-                        raise NoSpace("no room in L2 without evicting an entry")
-                reuse = self._make_room(size)
+                if not evict and self._room() + self._free_bytes < size:  # free files alone would not do
+                    raise NoSpace("no room in L2 without evicting an entry")
+                reuse = self._make_room(size)  # (drops free files before it evicts any entry)
             self._reserved += size
             if reuse is not None:
                 claimed = self._claim(reuse)

@@ -5,12 +5,14 @@
   is dropped and counted: L3 is a durability floor, not a serving dependency.
 * **lookup/restore**: the longest captured prefix across both tiers wins. Where L3 holds that prefix
   it is the authority: an L2 entry is served only if its digest and token count match L3's (a mismatch
-  removes the L2 entry). On an L2 miss the L3 entry is read and verified into pre-faulted L2 memory and
-  served from there; concurrent misses for one digest load it once. Corruption quarantines the L3
-  entry, drops every L2 entry with that digest and falls back to a shorter prefix.
+  removes the L2 entry). On an L2 miss the L3 entry is read and verified into free L2 memory (never
+  evicting for it) or, when L2 has none, into a sealed memfd within the fill budget, and served from
+  there; concurrent misses for one object load it once. Corruption quarantines the L3 entry, drops every
+  L2 entry with that digest and falls back to a shorter prefix.
 * **promotion**: after each L3 fill a bounded worker asks ``consider`` (the seed's should_promote,
-  counted in Redis across the scope, or locally); yes publishes the loaded memory as an L2 entry (no
-  second copy) and ``settle``\\ s; no gives the memory back.
+  counted in Redis across the scope, or locally); yes publishes the loaded L2 memory as an entry (no
+  second copy; a memfd fill is copied into room made by LRU) and ``settle``\\ s; no gives the memory
+  back.
 
 Nothing here touches sockets or imports torch.
 """
@@ -179,7 +181,7 @@ class Tiers:
         # write that a newer capture of the same key superseded must not reach L3 (the authority).
         self._newest: dict[str, str] = {}
         self._queued_keys: dict[str, int] = {}
-        self._promote: queue.Queue[tuple[_Fill, str] | None] = queue.Queue(maxsize=max(1, promotion_queue))
+        self._promote: queue.Queue[_Fill | None] = queue.Queue(maxsize=max(1, promotion_queue))
         self._threads: list[threading.Thread] = []
         if l3 is not None:
             self._threads.append(threading.Thread(target=self._writer, name="skippyd-l3-writer", daemon=True))
@@ -438,18 +440,8 @@ class Tiers:
             self.l3.touch(found.key)  # type: ignore[union-attr]
             self._count(l3_vouched=1)
         self._count(restores_l2=1)
-        timings = {"lookup_ms": (time.perf_counter() - started) * 1e3}
-        return Opened(
-            entry.token_count,
-            entry.kind,
-            entry.digest,
-            entry.meta,
-            entry.tensors,
-            entry.data_offset,
-            entry.data_len,
-            fd,
-            "l2",
-            timings,
+        return _opened(
+            entry, entry.data_offset, fd, "l2", {"lookup_ms": (time.perf_counter() - started) * 1e3}
         )
 
     # ----------------------------------------------------------------- L3 fills
@@ -475,19 +467,7 @@ class Tiers:
         self.l2.count_miss()
         self.l3.count_hit(True)
         self._count(restores_l3=1)
-        timings = {"lookup_ms": lookup_ms, "fill_ms": fill.fill_ms}
-        return Opened(
-            entry.token_count,
-            entry.kind,
-            entry.digest,
-            entry.meta,
-            entry.tensors,
-            data_offset,
-            entry.data_len,
-            fd,
-            "l3",
-            timings,
-        )
+        return _opened(entry, data_offset, fd, "l3", {"lookup_ms": lookup_ms, "fill_ms": fill.fill_ms})
 
     def _load(self, fill: _Fill) -> None:
         """Reads and verifies the entry into free L2 memory (never evicting for it: the promoter decides
@@ -496,10 +476,9 @@ class Tiers:
         entry, key = fill.entry, fill.key
         began = time.perf_counter()
         try:
-            decls = [TensorDecl(s.name, s.dtype, s.shape) for s in entry.tensors]
             try:
                 fill.reservation = self.l2.reserve(
-                    key=key, identity=entry.identity, token_count=entry.token_count, tensors=decls,
+                    key=key, identity=entry.identity, token_count=entry.token_count, tensors=_decls(entry),
                     kind=entry.kind, meta=entry.meta, origin="l3", evict=False, replace=False,
                 )  # fmt: skip
                 if fill.reservation.header.data_len != entry.data_len:  # pragma: no cover - same layout rule
@@ -520,20 +499,17 @@ class Tiers:
             fill.fill_ms = (time.perf_counter() - began) * 1e3
             self._count(fills=1)
         except BaseException as exc:
-            with self._lock:
-                self._retire_locked(fill)
-                self._fill_bytes -= fill.memfd_bytes
-                fill.memfd_bytes = 0
             if fill.reservation is not None:
                 fill.reservation.abort()
                 fill.reservation = None
             with self._lock:
-                self._work_done_locked()
+                self._retire_locked(fill)
+                self._finish_fill_locked(fill)
             fill.done.set_exception(exc)
             return
         fill.done.set_result(None)
         try:
-            self._promote.put_nowait((fill, key))
+            self._promote.put_nowait(fill)
         except queue.Full:
             self._count(promotions_dropped=1)
             self._resolve_fill(fill, promote=False)
@@ -563,6 +539,12 @@ class Tiers:
             if fill.fd >= 0:
                 return reopen_readonly(fill.fd), 0
         raise NotFound("the loaded L3 entry was already released")  # pragma: no cover - users guard it
+
+    def _finish_fill_locked(self, fill: _Fill) -> None:
+        """The fill's memory is given back (or now L2's): its budget share and its outstanding work end."""
+        self._fill_bytes -= fill.memfd_bytes
+        fill.memfd_bytes = 0
+        self._work_done_locked()
 
     def _retire_locked(self, fill: _Fill) -> None:
         """No restore joins this fill any more (its work stays outstanding until :meth:`_release`)."""
@@ -613,30 +595,26 @@ class Tiers:
                     current = self.l2.peek(committed.key)
                     if current is not None and current.digest == committed.digest:
                         self.l2.remove(committed.key)
-        except SkippydError as exc:
-            reservation = None  # a failed commit gave its memory back
-            log.warning("promotion into L2 failed: %s", exc)
-        except Exception:  # never escapes into the restore (or the promoter) that released the fill
-            log.exception("promotion into L2 failed")
+        except Exception as exc:  # never escapes into the restore (or the promoter) that released the fill
+            if isinstance(exc, SkippydError):
+                reservation = None  # a failed commit gave its memory back
+            _log_failure("promotion into L2 failed", exc)
         finally:
             if reservation is not None:
                 reservation.abort()
             if fd >= 0:
                 os.close(fd)
             with self._lock:
-                self._fill_bytes -= fill.memfd_bytes
-                fill.memfd_bytes = 0
-                self._work_done_locked()
+                self._finish_fill_locked(fill)
 
     def _promote_copy(self, fill: _Fill, fd: int) -> L2Entry | None:
         """Promotes a fill that L2 had no free room for: now room is made (LRU) and the bytes copied."""
         entry = fill.entry
-        decls = [TensorDecl(s.name, s.dtype, s.shape) for s in entry.tensors]
         size = max(entry.data_len, 1)
         with (
             mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapping,
             self.l2.reserve(
-                key=fill.key, identity=entry.identity, token_count=entry.token_count, tensors=decls,
+                key=fill.key, identity=entry.identity, token_count=entry.token_count, tensors=_decls(entry),
                 kind=entry.kind, meta=entry.meta, origin="l3", replace=False,
             ) as reservation,
         ):  # fmt: skip
@@ -649,29 +627,24 @@ class Tiers:
 
     def _promoter(self) -> None:
         while True:
-            job = self._promote.get()
-            if job is None:
+            fill = self._promote.get()
+            if fill is None:
                 return
-            fill, _key = job
             entry = fill.entry
             promote = False
-            try:
+            try:  # the promoter outlives any one decision
                 if self.promotions is not None:
                     promote = self.promotions.consider(entry.digest, entry.token_count, entry.nbytes)
-            except SkippydError as exc:
-                log.warning("promotion check failed: %s", exc)
-            except Exception:  # the promoter outlives any one decision
-                log.exception("promotion check failed")
+            except Exception as exc:
+                _log_failure("promotion check failed", exc)
             if not promote:
                 self._count(promotions_declined=1)
             self._resolve_fill(fill, promote=promote)
             if promote and self.promotions is not None:
                 try:
                     self.promotions.settle(entry.digest)
-                except SkippydError:
-                    pass
-                except Exception:
-                    log.exception("settling a promotion failed")
+                except Exception as exc:
+                    _log_failure("settling a promotion failed", exc)
 
     # ----------------------------------------------------------------- admin
     def evict_digest(self, digest: str) -> int:
@@ -764,14 +737,35 @@ class Tiers:
             thread.join(timeout=60)
         while True:
             try:
-                job = self._promote.get_nowait()
+                fill = self._promote.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                self._resolve_fill(job[0], promote=False)
+            if fill is not None:
+                self._resolve_fill(fill, promote=False)
         if self.l3 is not None:
             self.l3.close()
         self.l2.close()
+
+
+def _opened(
+    entry: L2Entry | L3Entry, data_offset: int, fd: int, source: str, timings: dict[str, float]
+) -> Opened:
+    return Opened(
+        entry.token_count, entry.kind, entry.digest, entry.meta, entry.tensors, data_offset, entry.data_len,
+        fd, source, timings,
+    )  # fmt: skip
+
+
+def _decls(entry: L3Entry) -> list[TensorDecl]:
+    return [TensorDecl(s.name, s.dtype, s.shape) for s in entry.tensors]
+
+
+def _log_failure(what: str, exc: Exception) -> None:
+    """A typed failure is a warning line; anything else is a bug, logged with its traceback."""
+    if isinstance(exc, SkippydError):
+        log.warning("%s: %s", what, exc)
+    else:
+        log.error("%s", what, exc_info=exc)
 
 
 def _listing(tier: str, entry: L2Entry | L3Entry, size: int, last_use: int, now: int) -> dict[str, Any]:
