@@ -548,6 +548,18 @@ class _AsyncConn:
             raise error_from_wire(frame.body)
         return frame.body, frame.fds
 
+    async def ensure_staging(self, size: int, timeout: float) -> _Staging:
+        """As :meth:`_Conn.ensure_staging`."""
+        if self.staging is not None and self.staging.size >= size:
+            return self.staging
+        want = _staging_size(self.staging, size, self.info)
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+        reply, fds = await self.request({"op": "stage", "size": want}, timeout)
+        self.staging = _Staging.from_reply(reply, fds)
+        return self.staging
+
     def close(self) -> None:
         if self.closed:
             return
@@ -646,14 +658,7 @@ class AsyncClient:
                 conn: _AsyncConn | None = None
                 try:
                     conn = await self._connection()
-                    staging = conn.staging
-                    if staging is None or staging.size < data_len:
-                        want = _staging_size(staging, max(data_len, 1), conn.info)
-                        if staging is not None:
-                            staging.close()
-                            conn.staging = None
-                        reply, fds = await conn.request({"op": "stage", "size": want}, self.timeout)
-                        conn.staging = staging = _Staging.from_reply(reply, fds)
+                    staging = await conn.ensure_staging(max(data_len, 1), self.timeout)
                     region = staging.region(data_len)
                     write = asyncio.ensure_future(
                         asyncio.to_thread(_skt().write_into, region, specs, tensors)

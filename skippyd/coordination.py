@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -117,18 +118,9 @@ class _Script:
             return client.evalsha(self.sha, len(keys), *keys, *args)
 
 
-def _is_cluster(client: RedisClient) -> bool:
-    return isinstance(client, redis.cluster.RedisCluster)
-
-
-_SCRIPTS: dict[str, _Script] = {}
-
-
+@functools.cache
 def script(name: str) -> _Script:
-    found = _SCRIPTS.get(name)
-    if found is None:
-        found = _SCRIPTS[name] = _Script(name)
-    return found
+    return _Script(name)
 
 
 def run_pipeline(
@@ -609,9 +601,10 @@ class Coordinator:
                 batch_id, batch = retry
                 self.counters["batches_resent"] += 1
             else:
-                batch, batch_id = self._take_batch(), new_batch_id()
+                batch = self._take_batch()
                 if not batch:
                     return
+                batch_id = new_batch_id()
             try:
                 written = self._batch_table.ran_chains(batch, self.node, batch_id)
             except SkippydError:

@@ -125,12 +125,6 @@ class Handlers:
         self.server_stats: Callable[[], dict[str, Any]] = dict
 
     # ----------------------------------------------------------------- dispatch
-    def operation(self, body: dict[str, Any]) -> str:
-        op = body.get("op")
-        if not isinstance(op, str) or op not in self._ops:
-            raise InvalidArgument(f"unknown operation {op!r}")
-        return op
-
     def needs_worker(self, op: str, body: dict[str, Any]) -> bool:
         """Whether the request's cost grows with payload or prompt size (then it leaves the event loop)."""
         if op in ("capture", "stage", "evict", "ls", "ran"):
@@ -150,10 +144,6 @@ class Handlers:
         if not session.handshaken and op != "hello":
             raise InvalidArgument("the first request on a connection must be hello")
         return op, handler, self.needs_worker(op, body)
-
-    def handle(self, session: Session, body: dict[str, Any]) -> Reply:
-        _op, handler, _pooled = self.route(session, body)
-        return handler(session, body)
 
     def close_session(self, session: Session) -> None:
         staging, session.staging = session.staging, None

@@ -15,6 +15,7 @@ accepting, lets in-flight requests finish within ``shutdown_timeout`` and exits;
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import fcntl
@@ -311,11 +312,8 @@ class Connection:
             except RunOnWorker:  # it needs disk I/O after all: off the event loop with it
                 self._submit(request_id, op, started, handler, body)
                 return
-            except SkippydError as exc:
-                self._reply_error(request_id, exc)
             except Exception as exc:
-                log.exception("operation %s failed", op)
-                self._reply_error(request_id, SkippydError(f"internal error: {type(exc).__name__}"))
+                self._reply_failure(request_id, exc, f"operation {op} failed")
             else:
                 self._reply(request_id, reply)
             server.latency.observe(op, time.perf_counter() - started)
@@ -342,11 +340,8 @@ class Connection:
         self.server.inflight -= 1
         try:
             reply = future.result()
-        except SkippydError as exc:
-            self._reply_error(request_id, exc)
         except Exception as exc:
-            log.exception("a request failed")
-            self._reply_error(request_id, SkippydError(f"internal error: {type(exc).__name__}"))
+            self._reply_failure(request_id, exc, "a request failed")
         else:
             if self.closed:
                 _close_fds(reply.fds)
@@ -366,10 +361,16 @@ class Connection:
             data = encode_frame(FrameType.REPLY, request_id, reply.body, len(reply.fds))
         except Exception as exc:
             _close_fds(reply.fds)
-            log.exception("could not encode a reply")
-            self._reply_error(request_id, SkippydError(f"internal error: {type(exc).__name__}"))
+            self._reply_failure(request_id, exc, "could not encode a reply")
             return
         self._send(data, reply.fds)
+
+    def _reply_failure(self, request_id: int, exc: Exception, what: str) -> None:
+        """A typed error goes back as itself; anything else is a bug: logged, answered as internal."""
+        if not isinstance(exc, SkippydError):
+            log.error("%s", what, exc_info=exc)
+            exc = SkippydError(f"internal error: {type(exc).__name__}")
+        self._reply_error(request_id, exc)
 
     def _reply_error(self, request_id: int, exc: SkippydError) -> None:
         self.server.stats["errors"] += 1
@@ -478,7 +479,7 @@ class Server:
         self.handlers = handlers
         self.pool = ThreadPoolExecutor(max_workers=config.worker_threads, thread_name_prefix="skippyd-worker")
         self.connections: dict[int, Connection] = {}
-        self._per_uid: dict[int, int] = {}
+        self._per_uid: collections.Counter[int] = collections.Counter()
         self.inflight = 0
         self.partial_bytes = 0
         self.stopping = False
@@ -607,7 +608,7 @@ class Server:
                 continue
             conn = Connection(self, sock, session)
             crowded = len(self.connections) >= _MAX_CONNECTIONS
-            if crowded or self._per_uid.get(session.uid, 0) >= _MAX_CONNECTIONS_PER_UID:
+            if crowded or self._per_uid[session.uid] >= _MAX_CONNECTIONS_PER_UID:
                 self.stats["refused"] += 1
                 message = (
                     "too many connections" if crowded else f"too many connections from uid {session.uid}"
@@ -628,7 +629,7 @@ class Server:
             self.stats["accepted"] += 1
             self.connections[conn.fd] = conn
             conn.counted = True
-            self._per_uid[session.uid] = self._per_uid.get(session.uid, 0) + 1
+            self._per_uid[session.uid] += 1
             log.debug("connection %d from pid %d uid %d", session.id, session.pid, session.uid)
             conn.start()
 
@@ -637,11 +638,9 @@ class Server:
             del self.connections[conn.fd]
         if conn.counted:
             conn.counted = False
-            left = self._per_uid.get(conn.session.uid, 1) - 1
-            if left > 0:
-                self._per_uid[conn.session.uid] = left
-            else:
-                self._per_uid.pop(conn.session.uid, None)
+            self._per_uid[conn.session.uid] -= 1
+            if self._per_uid[conn.session.uid] <= 0:
+                del self._per_uid[conn.session.uid]
 
     # ------------------------------------------------------------- periodic work
     async def _housekeeping(self) -> None:
