@@ -16,7 +16,7 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from . import __version__
-from .config import FIELDS, load_config
+from .config import FIELDS, human_size, load_config
 from .errors import ConfigError, ConnectionLost, SkippydError, Timeout
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -64,14 +64,6 @@ def _client(socket: str | None, config_file: str | None, timeout: float = 10.0) 
     from .client import Client
 
     return Client(loaded.config.socket, timeout=timeout, connect_timeout=min(timeout, 5.0))
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def human_age(seconds: float) -> str:

@@ -24,6 +24,7 @@ __all__ = [
     "Config",
     "ConfigField",
     "LoadedConfig",
+    "human_size",
     "load_config",
     "parse_duration",
     "parse_size",
@@ -43,6 +44,16 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _DURATIONS = {"ms": 1e-3, "s": 1.0, "": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
+
+
+def human_size(n: float) -> str:
+    """Bytes for people: binary units, one decimal (what ``ls``, ``doctor``, ``top`` and ``config show``
+    print; :func:`parse_size` reads it back)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def parse_size(value: Any) -> int:

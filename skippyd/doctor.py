@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import Config
+from .config import Config, human_size
 from .errors import SkippydError
 
 __all__ = ["Finding", "diagnose"]
@@ -32,14 +32,6 @@ class Finding:
     def line(self) -> str:
         text = f"{self.level.upper():4}  {self.what}"
         return f"{text}  →  {self.fix}" if self.fix else text
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _mount_of(path: Path) -> tuple[str, str, str]:
@@ -135,18 +127,20 @@ def check_tmpfs(config: Config) -> Iterator[Finding]:
     if size < config.l2_budget:
         yield Finding(
             FAIL,
-            f"tmpfs {point} is {_human(size)} but l2_budget is {_human(config.l2_budget)}",
+            f"tmpfs {point} is {human_size(size)} but l2_budget is {human_size(config.l2_budget)}",
             f"lower --l2-budget or grow it (mount -o remount,size=... {point}; Docker: --shm-size)",
         )
     elif free + held < config.l2_budget:
         yield Finding(
             WARN,
-            f"tmpfs {point} has {_human(free)} free, less than the L2 budget needs",
+            f"tmpfs {point} has {human_size(free)} free, less than the L2 budget needs",
             "other programs use this tmpfs: give skippyd its own mount or lower --l2-budget",
         )
     else:
         yield Finding(
-            OK, f"tmpfs {point}: {_human(size)}, {_human(free)} free for a {_human(config.l2_budget)} budget"
+            OK,
+            f"tmpfs {point}: {human_size(size)}, {human_size(free)} free "
+            f"for a {human_size(config.l2_budget)} budget",
         )
     if "huge=" not in options or "huge=never" in options:
         yield Finding(
@@ -158,7 +152,7 @@ def check_tmpfs(config: Config) -> Iterator[Finding]:
     if ram and config.l2_budget > ram * 0.8:
         yield Finding(
             FAIL,
-            f"l2_budget {_human(config.l2_budget)} is over 80% of RAM ({_human(ram)})",
+            f"l2_budget {human_size(config.l2_budget)} is over 80% of RAM ({human_size(ram)})",
             "tmpfs pages are RAM: leave room for the engine and the page cache",
         )
     if shm.exists():
@@ -210,18 +204,20 @@ def check_l3(config: Config) -> Iterator[Finding]:
     if free < config.l3_min_free:
         yield Finding(
             FAIL,
-            f"L3 disk has {_human(free)} free, below l3_min_free {_human(config.l3_min_free)}: "
+            f"L3 disk has {human_size(free)} free, below l3_min_free {human_size(config.l3_min_free)}: "
             "L3 is read-only",
             "free disk space or lower --l3-budget/--l3-min-free",
         )
     else:
         yield Finding(
-            OK, f"L3 disk: {_human(free)} free of {_human(total)} (floor {_human(config.l3_min_free)})"
+            OK,
+            f"L3 disk: {human_size(free)} free of {human_size(total)} "
+            f"(floor {human_size(config.l3_min_free)})",
         )
     if config.l3_budget > total:
         yield Finding(
             WARN,
-            f"l3_budget {_human(config.l3_budget)} is larger than the disk ({_human(total)})",
+            f"l3_budget {human_size(config.l3_budget)} is larger than the disk ({human_size(total)})",
             "lower --l3-budget: the free-space floor will stop writes first",
         )
 
@@ -270,13 +266,13 @@ def check_budgets(config: Config) -> Iterator[Finding]:
     if config.staging_budget < min(64 << 20, config.l2_budget):
         yield Finding(
             WARN,
-            f"staging_budget {_human(config.staging_budget)} is small: large captures get busy errors",
+            f"staging_budget {human_size(config.staging_budget)} is small: large captures get busy errors",
             "raise --staging-budget to the largest capture times the engines capturing at once",
         )
     if config.l2_budget < 64 << 20:
         yield Finding(
             WARN,
-            f"l2_budget {_human(config.l2_budget)} holds little KV",
+            f"l2_budget {human_size(config.l2_budget)} holds little KV",
             "size it from the engines' KV bytes",
         )
 

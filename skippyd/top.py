@@ -8,15 +8,9 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from .config import human_size
+
 __all__ = ["render"]
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _rate(now: dict[str, Any], before: dict[str, Any] | None, key: str, seconds: float) -> str:
@@ -47,12 +41,12 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -
     tiers.add_row(
         "L2",
         str(l2["entries"]),
-        _size(l2["bytes"]),
-        _size(l2["budget_bytes"]),
+        human_size(l2["bytes"]),
+        human_size(l2["budget_bytes"]),
         _hit_rate(l2, l2_before),
         _rate(l2, l2_before, "hits", seconds),
         _rate(l2, l2_before, "evictions", seconds),
-        f"recycled {_size(l2.get('free_bytes', 0))}",
+        f"recycled {human_size(l2.get('free_bytes', 0))}",
     )
     l3 = now.get("l3")
     if l3:
@@ -61,8 +55,8 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -
         tiers.add_row(
             "L3",
             str(l3["entries"]),
-            _size(l3["bytes"]),
-            _size(l3["budget_bytes"]),
+            human_size(l3["bytes"]),
+            human_size(l3["budget_bytes"]),
             "-",
             _rate(l3, l3_before, "hits", seconds),
             _rate(l3, l3_before, "evictions", seconds),
