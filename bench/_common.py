@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from skippyd.redis_embedded import EmbeddedRedis
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
 
@@ -74,42 +76,14 @@ def machine() -> str:
 
 @contextlib.contextmanager
 def redis_server() -> Iterator[str]:
-    """A private, persistence-free redis-server on a unix socket; yields its unix:// URL."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+    """A private, persistence-free redis-server on a unix socket (the daemon's own embedded Redis, AOF
+    off); yields its unix:// URL."""
     workdir = Path(tempfile.mkdtemp(prefix="skb-", dir="/tmp"))
-    sock = workdir / "r.sock"
-    proc = subprocess.Popen(
-        [
-            binary,
-            "--port",
-            "0",
-            "--unixsocket",
-            str(sock),
-            "--unixsocketperm",
-            "700",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-            "--proto-max-bulk-len",
-            "1gb",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
+    server = EmbeddedRedis(workdir, appendonly=False)
     try:
-        deadline = time.monotonic() + 10
-        while not sock.exists():
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.02)
-        yield f"unix://{sock}"
+        yield server.start()
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
 

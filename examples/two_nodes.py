@@ -39,6 +39,7 @@ import torch
 
 import skippyd
 from skippyd.integrations import transformers as skt
+from skippyd.redis_embedded import EmbeddedRedis
 
 VOCAB = 32000
 NODES = ("node-a", "node-b")
@@ -46,26 +47,12 @@ NODES = ("node-a", "node-b")
 
 @contextlib.contextmanager
 def redis_server(workdir: Path) -> Iterator[str]:
-    """A private, persistence-free redis-server on a unix socket; yields its ``unix://`` URL."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise SystemExit("redis-server is not installed (apt-get install redis-server)")
-    sock = workdir / "redis.sock"
-    proc = subprocess.Popen(
-        [binary, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
-         "--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    """The shared Redis: a private redis-server on a unix socket (skippyd's embedded one, AOF off)."""
+    server = EmbeddedRedis(workdir, appendonly=False)
     try:
-        deadline = time.monotonic() + 10
-        while not sock.exists():
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.02)
-        yield f"unix://{sock}"
+        yield server.start()
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 @dataclass
