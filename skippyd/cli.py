@@ -231,11 +231,11 @@ def ls_command(socket: str | None, config_file: str | None, as_json: bool, limit
         click.echo("no entries")
         return
     click.echo(
-        f"{'TIER':4}  {'DIGEST':16}  {'TOKENS':>8}  {'KIND':14}  {'SIZE':>10}  {'AGE':>8}  {'IDLE':>8}"
+        f"{'TIER':5}  {'DIGEST':16}  {'TOKENS':>8}  {'KIND':14}  {'SIZE':>10}  {'AGE':>8}  {'IDLE':>8}"
     )
     for e in entries:
         click.echo(
-            f"{e['tier']:4}  {e['digest'][:16]}  {e['token_count']:>8}  {e['kind']:14}  "
+            f"{e['tier']:5}  {e['digest'][:16]}  {e['token_count']:>8}  {e['kind']:14}  "
             f"{human_size(e['nbytes']):>10}  {human_age(e['age_s']):>8}  {human_age(e['idle_s']):>8}"
         )
 
