@@ -184,10 +184,7 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
 def stats(socket: str | None, config_file: str | None, as_json: bool) -> None:
     """Counters of every tier and operation."""
     with _client(socket, config_file) as client:
-        try:
-            data = client.stats()
-        except SkippydError as exc:
-            _fail(str(exc))
+        data = client.stats()
     if as_json:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
@@ -220,10 +217,7 @@ def stats(socket: str | None, config_file: str | None, as_json: bool) -> None:
 def ls_command(socket: str | None, config_file: str | None, as_json: bool, limit: int) -> None:
     """Cached entries, most recently used first."""
     with _client(socket, config_file) as client:
-        try:
-            entries = client.ls(limit)
-        except SkippydError as exc:
-            _fail(str(exc))
+        entries = client.ls(limit)
     if as_json:
         click.echo(json.dumps(entries, indent=2, sort_keys=True))
         return
@@ -249,10 +243,7 @@ def evict(socket: str | None, config_file: str | None, digest: str | None, every
     if (digest is None) == (not everything):
         _fail("give exactly one of --digest D or --all", 2)
     with _client(socket, config_file) as client:
-        try:
-            removed = client.evict(digest=digest) if digest else client.evict(all=True)
-        except SkippydError as exc:
-            _fail(str(exc))
+        removed = client.evict(digest=digest) if digest else client.evict(all=True)
     click.echo(f"removed {removed} entr{'y' if removed == 1 else 'ies'}")
 
 
@@ -321,10 +312,7 @@ def warm() -> None:
 def warm_ran(model: str, node: str, tokens_file: str, block: int, **redis: Any) -> None:
     """Record that NODE ran this prompt."""
     tokens = read_tokens(tokens_file)
-    try:
-        _table(**redis, block=block).ran(model, tokens, node)
-    except SkippydError as exc:
-        _fail(str(exc))
+    _table(**redis, block=block).ran(model, tokens, node)
     click.echo(f"recorded {len(tokens) // block} block(s) for {node}")
 
 
@@ -340,10 +328,7 @@ def warm_warmest(
 ) -> None:
     """The live node that ran the longest remembered prefix of this prompt."""
     tokens = read_tokens(tokens_file)
-    try:
-        found = _table(**redis, block=block, min_blocks=min_blocks).warmest(model, tokens)
-    except SkippydError as exc:
-        _fail(str(exc))
+    found = _table(**redis, block=block, min_blocks=min_blocks).warmest(model, tokens)
     if as_json:
         doc = {"node": found[0], "tokens": found[1]} if found else {"node": None, "tokens": 0}
         click.echo(json.dumps(doc))
@@ -358,10 +343,7 @@ def warm_warmest(
 @click.option("--node", required=True, help="the node to remove with every prefix it holds")
 def warm_forget(node: str, **redis: Any) -> None:
     """Remove a node and its prefixes (in bounded steps)."""
-    try:
-        removed = _table(**redis).forget(node)
-    except SkippydError as exc:
-        _fail(str(exc))
+    removed = _table(**redis).forget(node)
     click.echo(f"forgot {node}: {removed} prefix(es) removed")
 
 
@@ -371,10 +353,7 @@ def warm_forget(node: str, **redis: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document")
 def nodes(include_gone: bool, as_json: bool, **redis: Any) -> None:
     """Nodes registered in Redis, with incarnation and last heartbeat."""
-    try:
-        found = _table(**redis).nodes(include_gone=include_gone)
-    except SkippydError as exc:
-        _fail(str(exc))
+    found = _table(**redis).nodes(include_gone=include_gone)
     if as_json:
         click.echo(json.dumps([n.__dict__ for n in found], indent=2))
         return
@@ -568,10 +547,7 @@ def top(socket: str | None, config_file: str | None, interval: float, once: bool
     console = Console()
     previous: dict[str, Any] | None = None
     with client:
-        try:
-            current = client.stats()
-        except SkippydError as exc:
-            _fail(str(exc))
+        current = client.stats()
         if once:
             console.print(render(current, None, interval))
             return
