@@ -121,9 +121,14 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
     with client:
         if check:
             try:
-                sys.exit(0 if client.ping() else 1)
+                health = client.health()
             except SkippydError:
                 sys.exit(1)
+            if not health["healthy"]:
+                dead = ", ".join(health["dead_threads"])
+                click.echo(f"skippyd on {client.socket_path} is unhealthy: {dead} died", err=True)
+                sys.exit(1)
+            sys.exit(0)
         try:
             info = client.server_info
             stats = client.stats()
@@ -166,7 +171,7 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
         used = f"{human_size(l3['bytes'])} of {human_size(l3['budget_bytes'])}"
         click.echo(
             f"  L3         {l3['entries']} entries, {used}, {l3['corrupt']} quarantined, "
-            f"queue {stats['ops']['l3_queue_depth']}{flags}"
+            f"queue {stats.get('durable', {}).get('queue_depth', 0)}{flags}"
         )
     else:
         click.echo("  L3         off")
@@ -176,6 +181,9 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
         state = "degraded: " + str(redis.get("cause")) if redis.get("degraded") else "ok"
         click.echo(f"  redis      {state}")
     click.echo(f"  clients    {doc['connections']} connected")
+    dead = sorted(name for name, t in (stats.get("threads") or {}).items() if not t.get("alive", True))
+    if dead:
+        click.echo(f"  UNHEALTHY  background thread(s) {', '.join(dead)} died: restart the daemon")
 
 
 @main.command()

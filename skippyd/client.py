@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import __version__
 from .errors import BadFrame, ConnectionLost, InvalidArgument, SkippydError, Timeout, error_from_wire
@@ -66,11 +66,36 @@ def resolve_socket_path(path: str | os.PathLike[str] | None = None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class CaptureResult:
+    """What a capture stored. ``l3``: a durable copy is on disk (``durable="sync"``) or queued for it
+    (``durable=True``); ``durability`` says which: ``"written"``, ``"queued"``, ``"deferred"`` (L3
+    cannot take it now: written later unless evicted first) or ``"none"``."""
+
     digest: str
     token_count: int
     nbytes: int
     l2: bool
     l3: bool
+    durability: str = "none"
+
+
+Durable = bool | Literal["sync"]
+
+
+def _check_durable(durable: Any) -> Durable:
+    if isinstance(durable, bool) or durable == "sync":
+        return durable  # type: ignore[no-any-return]
+    raise InvalidArgument('durable must be True, False or "sync"')
+
+
+def _capture_result(reply: dict[str, Any]) -> CaptureResult:
+    return CaptureResult(
+        digest=str(reply["digest"]),
+        token_count=int(reply["token_count"]),
+        nbytes=int(reply["nbytes"]),
+        l2=bool(reply["l2"]),
+        l3=bool(reply["l3"]),
+        durability=str(reply.get("durability", "queued" if reply["l3"] else "none")),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,6 +371,16 @@ class Client:
             return False
         return bool(reply.get("pong"))
 
+    def health(self) -> dict[str, Any]:
+        """The daemon's own view of itself: ``healthy`` (every background thread runs), ``dead_threads``
+        and ``node``. Raises :class:`~skippyd.errors.ConnectionLost` when it cannot be reached."""
+        reply, _ = self._call({"op": "ping"})
+        return {
+            "healthy": bool(reply.get("healthy", True)),
+            "dead_threads": list(reply.get("dead_threads", [])),
+            "node": reply.get("node"),
+        }
+
     def capture(
         self,
         *,
@@ -356,12 +391,18 @@ class Client:
         tensors: Mapping[str, torch.Tensor],
         kind: str = "kv",
         meta: Mapping[str, Any] | None = None,
-        durable: bool = True,
+        durable: Durable = True,
     ) -> CaptureResult:
-        """Stores the state after exactly ``tokens``; bytes are kept bit-for-bit."""
+        """Stores the state after exactly ``tokens``; bytes are kept bit-for-bit.
+
+        ``durable=True`` queues a copy on disk (L3) and returns at once; ``"sync"`` returns once that copy
+        is fsynced (``.l3`` then says it is); ``False`` keeps it in memory only.
+        """
         body = _identity_body(model, state, namespace, tokens)
         table, specs, data_len = _tensor_table(tensors)
-        body.update(op="capture", tensors=table, kind=kind, meta=dict(meta or {}), durable=durable)
+        body.update(
+            op="capture", tensors=table, kind=kind, meta=dict(meta or {}), durable=_check_durable(durable)
+        )
         with self._lock:
             for attempt in range(2):
                 try:
@@ -382,13 +423,7 @@ class Client:
                     if not _answered(exc):  # e.g. KeyboardInterrupt: see AsyncClient.capture
                         self._drop()
                     raise
-        return CaptureResult(
-            digest=str(reply["digest"]),
-            token_count=int(reply["token_count"]),
-            nbytes=int(reply["nbytes"]),
-            l2=bool(reply["l2"]),
-            l3=bool(reply["l3"]),
-        )
+        return _capture_result(reply)
 
     def lookup(self, *, model: str, state: str, namespace: str = "", tokens: Any) -> Hit | None:
         """The longest captured prefix of ``tokens``, without restoring it."""
@@ -648,11 +683,13 @@ class AsyncClient:
         tensors: Mapping[str, torch.Tensor],
         kind: str = "kv",
         meta: Mapping[str, Any] | None = None,
-        durable: bool = True,
+        durable: Durable = True,
     ) -> CaptureResult:
         body = _identity_body(model, state, namespace, tokens)
         table, specs, data_len = _tensor_table(tensors)
-        body.update(op="capture", tensors=table, kind=kind, meta=dict(meta or {}), durable=durable)
+        body.update(
+            op="capture", tensors=table, kind=kind, meta=dict(meta or {}), durable=_check_durable(durable)
+        )
         async with self._capture_lock:  # the staging buffer is one per connection
             for attempt in range(2):
                 conn: _AsyncConn | None = None
@@ -685,13 +722,7 @@ class AsyncClient:
                         conn.staging.close()
                         conn.staging = None
                     raise
-        return CaptureResult(
-            str(reply["digest"]),
-            int(reply["token_count"]),
-            int(reply["nbytes"]),
-            bool(reply["l2"]),
-            bool(reply["l3"]),
-        )
+        return _capture_result(reply)
 
     async def lookup(self, *, model: str, state: str, namespace: str = "", tokens: Any) -> Hit | None:
         body = _identity_body(model, state, namespace, tokens)

@@ -164,7 +164,12 @@ FIELDS: dict[str, ConfigField] = {
         ConfigField("l3_dir", _parse_path, "", "L3 disk directory (default <state_dir>/l3; 'off' disables)"),
         ConfigField("l3_budget", parse_size, "64GiB", "hard cap on bytes L3 keeps on disk"),
         ConfigField("l3_min_free", parse_size, "2GiB", "L3 goes read-only below this much free disk"),
-        ConfigField("l3_queue", _parse_int, 64, "durable writes waiting for L3 before new ones are dropped"),
+        ConfigField(
+            "l3_queue", _parse_int, 64, "durable writes holding L2 memory (more wait as keys)"
+        ),
+        ConfigField(
+            "sync_timeout", parse_duration, "20s", 'how long a durable="sync" capture waits for its fsync'
+        ),
         ConfigField(
             "redis_url", _parse_str, "", "shared Redis (redis://, rediss://, unix://, redis+cluster://)"
         ),
@@ -210,6 +215,7 @@ class Config:
     l3_budget: int = 64 << 30
     l3_min_free: int = 2 << 30
     l3_queue: int = 64
+    sync_timeout: float = 20.0
     redis_url: str = ""
     redis_prefix: str = "skippyd"
     redis_timeout: float = 0.25

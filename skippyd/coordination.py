@@ -38,6 +38,7 @@ from redis.retry import Retry
 from .errors import CoordinationTimeout, CoordinationUnavailable, InvalidArgument, SkippydError
 from .keys import WARM_HASH_BYTES, encode_tokens, warm_chain
 from .rediskeys import RedisKeys
+from .workers import Health
 
 __all__ = [
     "Coordinator",
@@ -50,6 +51,8 @@ __all__ = [
 ]
 
 log = logging.getLogger("skippyd.coordination")
+
+THREAD = "skippyd-coordination"
 
 BATCH_BYTES = 64 << 10  # chain bytes per warm-table batch: ~0.1 ms of Redis time per 64 KB of argument
 BATCH_TIMEOUT_S = 2.0  # a batch's own timeout (single calls keep --redis-timeout)
@@ -468,6 +471,7 @@ class Coordinator:
                          "batches_applied_before": 0, "failures": 0, "heartbeats": 0,
                          "promotions_local": 0, "promotions_redis": 0, "superseded": 0}  # fmt: skip
         self._last_heartbeat = 0.0
+        self._health = Health()
 
     # ------------------------------------------------------------- request side (never blocks on Redis)
     def ran(self, model: str, tokens: bytes) -> None:
@@ -519,9 +523,10 @@ class Coordinator:
         }
 
     # ------------------------------------------------------------- background side
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="skippyd-coordination", daemon=True)
-        self._thread.start()
+    def start(self, health: Health | None = None) -> None:
+        """Starts the background thread: heartbeats, then batches (call once the node serves)."""
+        self._health = health or Health()
+        self._thread = self._health.start(THREAD, self._run)
 
     def close(self, flush_timeout: float = 2.0) -> None:
         with self._cond:
@@ -572,8 +577,10 @@ class Coordinator:
                     final = self._stop
             try:
                 self._tick()
-            except SkippydError as exc:
-                self._degrade(str(exc))
+            except Exception as exc:  # Redis trouble or a bug: degrade, count, back off, go on
+                self._degrade(str(exc) if isinstance(exc, SkippydError) else f"{type(exc).__name__}: {exc}")
+                if not isinstance(exc, SkippydError):
+                    self._health.failed(THREAD, "the Redis link failed", exc)
                 if final:
                     return
                 with self._cond:
@@ -610,6 +617,9 @@ class Coordinator:
             except SkippydError:
                 with self._cond:
                     self._retry = (batch_id, batch)
+                raise
+            except Exception:
+                self.counters["ran_dropped"] += len(batch)  # not Redis being away: never sent again
                 raise
             if written < 0:  # an earlier try ran it; only its answer was lost
                 self.counters["batches_applied_before"] += 1

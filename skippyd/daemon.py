@@ -23,6 +23,7 @@ from .logs import setup_logging
 from .redis_embedded import EmbeddedRedis
 from .server import Server, notify
 from .tiers import PromotionPolicy, Tiers
+from .workers import Health
 
 __all__ = ["run"]
 
@@ -51,7 +52,6 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
                 ttl_s=config.node_ttl,
                 buffer=config.ran_buffer,
             )
-            coordinator.start()
             stack.callback(coordinator.close)
             promotions = coordinator
         _extend_start_timeout(config.shm_path)
@@ -69,6 +69,7 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
                 "collected %d orphan(s)", config.l3_path, report.manifests, report.temporary_removed,
                 report.manifests_quarantined, report.orphans_collected,
             )  # fmt: skip
+        health = Health()
         tiers = Tiers(
             l2,
             l3=l3,
@@ -77,8 +78,10 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
             max_entry=config.entry_limit,
             l3_queue=config.l3_queue,
             fill_budget=config.fill_budget,
+            sync_timeout=config.sync_timeout,
+            health=health,
         )
-        stack.callback(tiers.close)
+        stack.callback(tiers.close, config.shutdown_timeout)
         if coordinator is not None and config.warm_on_capture:
             tiers.capture_hooks.append(_feed_warm_table(coordinator))
         stats = l2.stats()
@@ -89,8 +92,8 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
             stats.adopt_dropped,
             config.l2_budget,
         )
-        handlers = Handlers(config, tiers, coordinator)
-        server = Server(config, handlers)
+        handlers = Handlers(config, tiers, coordinator, health=health)
+        server = Server(config, handlers, health=health)
         if config.metrics_addr:
             from .metrics import DaemonCollector, MetricsServer
 
@@ -99,7 +102,14 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
             )
             metrics.start()
             stack.callback(metrics.stop)
-        asyncio.run(server.serve(install_signals=install_signals, on_ready=on_ready))
+
+        def serving() -> None:
+            if coordinator is not None:  # the node is announced only once its socket serves
+                coordinator.start(health)
+            if on_ready is not None:
+                on_ready()
+
+        asyncio.run(server.serve(install_signals=install_signals, on_ready=serving))
     return 0
 
 

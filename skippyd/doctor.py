@@ -305,12 +305,32 @@ def check_daemon(daemon: dict[str, Any] | None) -> Iterator[Finding]:
             f"L3 start-up reconciliation repaired: {details}",
             "usually a crash mid-write; if it repeats, check the disk and run skippyd l3 fsck",
         )
-    ops = daemon.get("ops", {})
-    if ops.get("l3_dropped"):
+    for name, thread in sorted((daemon.get("threads") or {}).items()):
+        if not thread.get("alive", True):
+            yield Finding(
+                FAIL,
+                f"background thread {name} died (last error: {thread.get('last_error') or 'none'})",
+                "restart the daemon (under systemd its watchdog does); the log has the traceback",
+            )
+        elif thread.get("errors"):
+            yield Finding(
+                WARN,
+                f"background thread {name}: {thread['errors']} job(s) failed, the last with "
+                f"{thread.get('last_error')}",
+                "the log has each failure; a full disk or tmpfs, or Redis away, explains most",
+            )
+    durable = daemon.get("durable") or {}
+    if durable.get("lost"):
         yield Finding(
             WARN,
-            f"{ops['l3_dropped']} durable writes were dropped (queue full)",
-            "raise --l3-queue or use a faster disk",
+            f"{durable['lost']} deferred durable writes were lost (their entries left L2 before L3 had room)",
+            "raise --l3-queue, use a faster disk, or give L3 more room (it may be read-only)",
+        )
+    if durable.get("backlog"):
+        yield Finding(
+            INFO,
+            f"{durable['backlog']} durable writes are waiting for L3 (queue full, or L3 out of room)",
+            "they are written once L3 can take them; a backlog that keeps growing needs a faster disk",
         )
 
 

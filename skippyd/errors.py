@@ -32,6 +32,7 @@ __all__ = [
     "TooLarge",
     "UnsupportedDtype",
     "VersionMismatch",
+    "describe",
     "error_from_wire",
 ]
 
@@ -183,6 +184,22 @@ class ShuttingDown(SkippydError):
     """The daemon is stopping and takes no new work."""
 
     code = "shutting_down"
+
+
+def describe(value: Any, limit: int = 48) -> str:
+    """A short, safe rendering of a value a client sent, for error messages: never recursive, never
+    longer than about ``limit`` characters (a client's value may be nested 1,000 deep or 16 MiB long)."""
+    if value is None or isinstance(value, bool | int | float):
+        text = repr(value)
+    elif isinstance(value, str):
+        text = repr(value[:limit])
+    elif isinstance(value, bytes | bytearray | memoryview):
+        return f"{len(value)} bytes"
+    elif isinstance(value, list | tuple | dict):
+        return f"a {type(value).__name__} of {len(value)}"
+    else:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def error_from_wire(body: Any) -> SkippydError:

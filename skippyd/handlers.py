@@ -18,12 +18,13 @@ from typing import Any, Protocol
 
 from . import __version__
 from .config import Config
-from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMismatch
+from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMismatch, describe
 from .keys import Identity, identity, is_hex_digest
 from .payload import MAX_TENSORS, check_decl, check_kind
 from .protocol import PROTOCOL_VERSION
 from .shm import PAGE, memfd
 from .tiers import RunOnWorker, Tiers
+from .workers import Health
 
 __all__ = [
     "Coordinator",
@@ -103,10 +104,18 @@ Operation = Callable[[Session, dict[str, Any]], Reply]
 
 
 class Handlers:
-    def __init__(self, config: Config, tiers: Tiers, coordinator: Coordinator | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        tiers: Tiers,
+        coordinator: Coordinator | None = None,
+        *,
+        health: Health | None = None,
+    ) -> None:
         self.config = config
         self.tiers = tiers
         self.coordinator = coordinator
+        self.health = health or tiers.health
         self.started = time.time()
         self._staging_lock = threading.Lock()
         self._staging_bytes = 0
@@ -139,7 +148,7 @@ class Handlers:
         op = body.get("op")
         handler = self._ops.get(op) if isinstance(op, str) else None
         if handler is None:
-            raise InvalidArgument(f"unknown operation {op!r}")
+            raise InvalidArgument(f"unknown operation {describe(op)}")
         assert isinstance(op, str)
         if not session.handshaken and op != "hello":
             raise InvalidArgument("the first request on a connection must be hello")
@@ -157,7 +166,7 @@ class Handlers:
         versions = body.get("versions", [PROTOCOL_VERSION])
         if not isinstance(versions, list) or PROTOCOL_VERSION not in versions:
             raise VersionMismatch(
-                f"this daemon speaks protocol {PROTOCOL_VERSION}; the client offers {versions}"
+                f"this daemon speaks protocol {PROTOCOL_VERSION}; the client offers {describe(versions)}"
             )
         session.handshaken = True
         return Reply(
@@ -174,7 +183,8 @@ class Handlers:
         )
 
     def ping(self, session: Session, body: dict[str, Any]) -> Reply:
-        return Reply({"pong": True, "node": self.config.node_name})
+        dead = self.health.dead()
+        return Reply({"pong": True, "node": self.config.node_name, "healthy": not dead, "dead_threads": dead})
 
     def stage(self, session: Session, body: dict[str, Any]) -> Reply:
         want = _uint(body, "size")
@@ -218,7 +228,7 @@ class Handlers:
             decls.append(check_decl(item[0], item[1], item[2]))
         kind = check_kind(body.get("kind", "kv"))
         meta = body.get("meta")
-        durable = _bool(body, "durable", True)
+        durable = _durable(body)
         staging = session.staging
         if staging is None:
             raise InvalidArgument("no staging buffer on this connection: send stage first")
@@ -239,6 +249,7 @@ class Handlers:
                 "nbytes": outcome.nbytes,
                 "l2": outcome.l2,
                 "l3": outcome.l3,
+                "durability": outcome.durability,
             }
         )
 
@@ -300,6 +311,8 @@ class Handlers:
             server=self.server_stats(),
         )
         result["redis"] = self.coordinator.status() if self.coordinator is not None else {"configured": False}
+        result["threads"] = {name: th.to_wire() for name, th in self.health.snapshot().items()}
+        result["healthy"] = self.health.healthy
         return result
 
     def ls(self, session: Session, body: dict[str, Any]) -> Reply:
@@ -343,6 +356,13 @@ def _uint(body: dict[str, Any], name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise InvalidArgument(f"{name} must be a non-negative integer")
     return value
+
+
+def _durable(body: dict[str, Any]) -> bool | str:
+    value = body.get("durable", True)
+    if isinstance(value, bool) or value == "sync":
+        return value  # type: ignore[no-any-return]
+    raise InvalidArgument('durable must be true, false or "sync"')
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:

@@ -581,10 +581,11 @@ class L3Store:
 
     def _segment_digests(self, data: memoryview) -> list[str]:
         step = self.segment_bytes
-        return [
-            blake3(data[i : i + step], max_threads=self._hash_threads).hexdigest()
-            for i in range(0, len(data), step)
-        ]
+        digests = []
+        for i in range(0, len(data), step):
+            with data[i : i + step] as part:
+                digests.append(blake3(part, max_threads=self._hash_threads).hexdigest())
+        return digests
 
     def _write_file(self, final: Path, data: memoryview) -> None:
         """tmp + write + fsync + rename + directory fsync: the file appears whole or not at all."""
@@ -596,17 +597,22 @@ class L3Store:
         final.parent.mkdir(mode=0o700, exist_ok=True)
         temp = self._dirs["tmp"] / f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        view = memoryview(data).cast("B")
         try:
-            view = memoryview(data).cast("B")
             written = 0
             while written < len(view):
-                written += os.pwrite(fd, view[written : written + (64 << 20)], written)
+                with view[written : written + (64 << 20)] as part:
+                    written += os.pwrite(fd, part, written)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
             raise
+        finally:
+            # No view of the caller's memory may outlive this call, even when a traceback keeps this frame:
+            # the caller could not unmap that memory afterwards (BufferError).
+            view.release()
         os.close(fd)
         return temp
 

@@ -60,9 +60,6 @@ _L3 = [
     ("bytes_written", "written_bytes", "bytes written", True),
 ]
 _OPS = [
-    ("l3_queue_depth", "l3_queue_depth", "durable writes waiting", False),
-    ("l3_dropped", "l3_dropped_writes", "durable writes dropped because the queue was full", True),
-    ("l3_write_failures", "l3_write_failures", "durable writes that failed", True),
     ("promotions", "promotions", "L3 entries promoted into L2", True),
     ("corrupt_fallbacks", "corrupt_fallbacks", "restores that fell back to a shorter prefix", True),
     ("fills_refused", "l3_fills_refused", "L3 restores over the fill budget (a shorter prefix served)", True),
@@ -70,6 +67,18 @@ _OPS = [
     ("captures", "captures", "captures", True),
     ("capture_bytes", "capture_bytes", "bytes captured", True),
     ("restore_bytes", "restore_bytes", "bytes restored", True),
+]
+
+
+_DURABLE = [
+    ("queue_depth", "l3_queue_depth", "durable writes queued or running", False),
+    ("backlog", "l3_backlog", "durable writes deferred until L3 can take them", False),
+    ("queued", "l3_queued_writes", "durable writes queued with a lease on their bytes", True),
+    ("deferred", "l3_deferred_writes", "durable writes deferred (queue full, L3 read-only)", True),
+    ("written", "l3_durable_writes", "durable writes completed", True),
+    ("failed", "l3_write_failures", "durable writes that failed (retried when L3 has room again)", True),
+    ("lost", "l3_lost_writes", "deferred durable writes lost: the entry left L2 first", True),
+    ("sync_timeouts", "l3_sync_timeouts", 'durable="sync" captures answered before their fsync', True),
 ]
 
 
@@ -109,6 +118,10 @@ class DaemonCollector(Collector):
         ops = data.get("ops", {})
         for key, suffix, help_text, counter in _OPS:
             yield _metric(f"skippyd_{suffix}", help_text, counter, ops.get(key, 0))
+        durable = data.get("durable", {})
+        if isinstance(durable, dict) and durable:
+            for key, suffix, help_text, counter in _DURABLE:
+                yield _metric(f"skippyd_{suffix}", help_text, counter, durable.get(key, 0))
         server = data.get("server", {})
         yield _metric("skippyd_connections", "clients connected", False, server.get("connections", 0))
         yield _metric("skippyd_requests_in_flight", "requests running", False, server.get("inflight", 0))

@@ -27,7 +27,7 @@ from typing import Any
 
 from blake3 import blake3
 
-from .errors import CorruptEntry, InvalidArgument, UnsupportedDtype
+from .errors import CorruptEntry, InvalidArgument, UnsupportedDtype, describe
 from .keys import is_hex_digest
 
 __all__ = [
@@ -88,6 +88,8 @@ MAX_NAME_BYTES = 256
 MAX_DIMS = 16
 MAX_DIM = 1 << 40
 MAX_META_BYTES = 64 * 1024
+#: How deep ``meta`` may nest (maps and lists together): deeper is refused before it is encoded.
+MAX_META_DEPTH = 32
 MAX_HEADER_BYTES = 4 * 1024 * 1024
 MAX_TOKEN_COUNT = 1 << 31
 
@@ -142,12 +144,12 @@ def check_decl(name: Any, dtype: Any, shape: Any) -> TensorDecl:
     if not isinstance(name, str) or not name or len(name.encode("utf-8")) > MAX_NAME_BYTES:
         raise InvalidArgument(f"tensor names are non-empty strings of at most {MAX_NAME_BYTES} bytes")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise UnsupportedDtype(f"tensor {name!r}: unsupported dtype {dtype!r}")
+        raise UnsupportedDtype(f"tensor {describe(name)}: unsupported dtype {describe(dtype)}")
     if not isinstance(shape, list | tuple) or len(shape) > MAX_DIMS:
-        raise InvalidArgument(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} dims")
+        raise InvalidArgument(f"tensor {describe(name)}: shape must be a list of at most {MAX_DIMS} dims")
     dims = tuple(shape)
     if not all(_is_uint(d) and d < MAX_DIM for d in dims):
-        raise InvalidArgument(f"tensor {name!r}: dims must be non-negative ints")
+        raise InvalidArgument(f"tensor {describe(name)}: dims must be non-negative ints")
     return TensorDecl(name, dtype, dims)
 
 
@@ -175,16 +177,17 @@ def plan_layout(decls: Sequence[TensorDecl], align: int = ALIGN) -> tuple[list[T
 
 def check_kind(kind: Any) -> str:
     if kind not in KINDS:
-        raise InvalidArgument(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+        raise InvalidArgument(f"kind must be one of {', '.join(KINDS)}; got {describe(kind)}")
     return str(kind)
 
 
 def check_meta(meta: Any) -> dict[str, Any]:
-    """``meta`` is a JSON-able dict of at most 64 KiB; returns a canonical copy."""
+    """``meta`` is a JSON-able dict of at most 64 KiB, nested at most 32 deep; returns a canonical copy."""
     if meta is None:
         return {}
     if not isinstance(meta, Mapping):
         raise InvalidArgument(f"meta must be a dict, not {type(meta).__name__}")
+    _check_depth(meta)
     try:
         text = json.dumps(dict(meta), sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -193,6 +196,22 @@ def check_meta(meta: Any) -> dict[str, Any]:
         raise InvalidArgument(f"meta is larger than {MAX_META_BYTES} bytes once encoded")
     decoded: dict[str, Any] = json.loads(text)
     return decoded
+
+
+def _check_depth(meta: Mapping[str, Any]) -> None:
+    """Refuses ``meta`` nested deeper than :data:`MAX_META_DEPTH`, walked without recursion (a cycle is
+    endless nesting), and more maps and lists than fit in :data:`MAX_META_BYTES` once encoded."""
+    stack: list[tuple[Any, int]] = [(meta, 1)]
+    containers = 0
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_META_DEPTH:
+            raise InvalidArgument(f"meta nests deeper than {MAX_META_DEPTH} levels")
+        containers += 1
+        if containers > MAX_META_BYTES // 2:  # every map or list takes at least two bytes of JSON
+            raise InvalidArgument(f"meta is larger than {MAX_META_BYTES} bytes once encoded")
+        children = value.values() if isinstance(value, Mapping) else value
+        stack.extend((child, depth + 1) for child in children if isinstance(child, Mapping | list | tuple))
 
 
 def payload_digest(buffer: Any, tensors: Sequence[TensorSpec], *, base: int = 0, threads: int = 1) -> str:

@@ -40,6 +40,7 @@ from .errors import Busy, PermissionDenied, ShuttingDown, SkippydError, StoreLoc
 from .handlers import Handlers, Operation, Reply, RunOnWorker, Session, run_on_worker
 from .latency import LatencyTracker
 from .protocol import MAX_REQUEST_ITEMS, Frame, FrameDecoder, FrameType, encode_frame, send_frame
+from .workers import Health
 
 __all__ = ["Server", "notify", "publish_socket"]
 
@@ -474,9 +475,10 @@ def _close_fds(fds: list[int]) -> None:
 class Server:
     """Serves :class:`Handlers` on the configured Unix socket until told to stop."""
 
-    def __init__(self, config: Config, handlers: Handlers) -> None:
+    def __init__(self, config: Config, handlers: Handlers, *, health: Health | None = None) -> None:
         self.config = config
         self.handlers = handlers
+        self.health = health or Health()
         self.pool = ThreadPoolExecutor(max_workers=config.worker_threads, thread_name_prefix="skippyd-worker")
         self.connections: dict[int, Connection] = {}
         self._per_uid: collections.Counter[int] = collections.Counter()
@@ -672,7 +674,19 @@ class Server:
                     log.exception("periodic job failed")
 
     async def _watchdog(self, interval: float) -> None:
+        """Feeds systemd's watchdog while the event loop runs and every background thread lives; once one
+        has died it stops, so systemd restarts the service (a daemon that cannot write L3 or talk to
+        Redis any more is better restarted than left serving without saying so)."""
         while True:
+            dead = self.health.dead()
+            if dead:
+                log.critical(
+                    "background thread(s) %s died: no longer feeding the watchdog, systemd will restart "
+                    "the daemon",
+                    ", ".join(dead),
+                )
+                notify(f"STATUS=unhealthy: {', '.join(dead)} died")
+                return
             notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 

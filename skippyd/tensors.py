@@ -103,16 +103,19 @@ def _views(base: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.T
 
 
 def write_into(region: Any, specs: Sequence[TensorSpec], tensors: Mapping[str, Any]) -> None:
-    """Copies each tensor's bytes into ``region`` (a writable buffer) at its spec's offset."""
-    if not specs:
-        return
-    base = torch.frombuffer(region, dtype=torch.uint8)
-    views = _views(base, specs)
+    """Copies each tensor's bytes into ``region`` (a writable buffer) at its spec's offset.
+
+    Tensors with no elements take no bytes (an entry may hold only such tensors, or none at all)."""
     for spec in specs:
         source = _dense(tensors[spec.name], spec.name)
         if tuple(source.shape) != spec.shape or dtype_name(source.dtype) != spec.dtype:
             raise InvalidArgument(f"tensor {spec.name!r} changed while it was being captured")
-        views[spec.name].copy_(source)
+    sized = [spec for spec in specs if spec.nbytes]
+    if not sized:
+        return
+    views = _views(torch.frombuffer(region, dtype=torch.uint8), sized)
+    for spec in sized:
+        views[spec.name].copy_(_dense(tensors[spec.name], spec.name))
 
 
 def _empty_tensors(

@@ -31,16 +31,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .durable import DurableWriter
 from .errors import Busy, CorruptEntry, InvalidArgument, NoSpace, NotFound, SkippydError, TooLarge
+from .evictions import EvictionClock
 from .keys import Identity, cache_key, prefix_keys, token_count
 from .l2 import L2Entry, L2Tier, Reservation, copy_into
 from .l3 import L3Entry, L3Store
 from .payload import TensorDecl, plan_layout
 from .shm import memfd, reopen_readonly, seal_readonly
+from .workers import Health
 
 __all__ = ["CaptureOutcome", "Located", "Opened", "PromotionPolicy", "RunOnWorker", "Tiers"]
 
 log = logging.getLogger("skippyd.tiers")
+
+PROMOTER = "skippyd-promoter"
 
 
 class RunOnWorker(Exception):
@@ -61,6 +66,7 @@ class CaptureOutcome:
     nbytes: int
     l2: bool
     l3: bool
+    durability: str = "none"  # "written" | "queued" | "deferred" | "none" (see skippyd.durable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +106,6 @@ class Counters:
     restores_l3: int = 0
     l3_vouched: int = 0
     l2_mismatches_removed: int = 0
-    l3_queued: int = 0
-    l3_dropped: int = 0
-    l3_write_failures: int = 0
     fills: int = 0
     fill_waits: int = 0
     fills_refused: int = 0  # over the fill budget: a shorter prefix was served instead
@@ -155,39 +158,33 @@ class Tiers:
         l3_queue: int = 64,
         promotion_queue: int = 16,
         fill_budget: int = 2 << 30,
+        sync_timeout: float = 20.0,
+        health: Health | None = None,
     ) -> None:
         self.l2 = l2
         self.l3 = l3
         self.promotions = promotions
+        self.health = health or Health()
         self._copy_threads = copy_threads
         self._max_entry = max_entry
+        self._sync_timeout = sync_timeout
         self._lock = threading.Lock()
         self.counters = Counters()
         self.capture_hooks: list[Callable[[Identity, bytes, L2Entry], None]] = []
         self._fills: dict[str, _Fill] = {}  # by L3 object: concurrent misses of the same bytes load once
-        self._writes: queue.Queue[tuple[L2Entry, int, int] | None] = queue.Queue(maxsize=max(1, l3_queue))
-        # Evictions cancel the work begun before them: every evict bumps ``_seq``; a durable write or a
-        # fill remembers the ``_seq`` it began under and is cancelled if its digest (or everything) was
-        # evicted at a later number. The marks are forgotten once no work that predates them is left.
-        self._seq = 0
-        self._evicted_all_at = 0
-        self._cancelled: dict[str, int] = {}
-        self._outstanding = 0  # captures and restores running, durable writes queued or running, fills
+        # Evictions cancel the work begun before them (captures, restores, durable writes, fills).
+        self.clock = EvictionClock()
         # L3 fills held in memfds (L2 had no free room) are RAM outside the L2 budget: capped here. One
         # fill may always run, however large; past the cap a restore falls back to a shorter prefix.
         self._fill_budget = fill_budget
         self._fill_bytes = 0
-        # key -> digest of its newest capture, kept while a durable write of that key is queued: a
-        # write that a newer capture of the same key superseded must not reach L3 (the authority).
-        self._newest: dict[str, str] = {}
-        self._queued_keys: dict[str, int] = {}
-        self._promote: queue.Queue[_Fill | None] = queue.Queue(maxsize=max(1, promotion_queue))
-        self._threads: list[threading.Thread] = []
+        self.writer: DurableWriter | None = None
         if l3 is not None:
-            self._threads.append(threading.Thread(target=self._writer, name="skippyd-l3-writer", daemon=True))
-        self._threads.append(threading.Thread(target=self._promoter, name="skippyd-promoter", daemon=True))
-        for thread in self._threads:
-            thread.start()
+            self.writer = DurableWriter(l2, l3, self.clock, self.health, queue_size=l3_queue)
+            self.writer.recover()
+            self.writer.start()
+        self._promote: queue.Queue[_Fill | None] = queue.Queue(maxsize=max(1, promotion_queue))
+        self._promoter_thread = self.health.start(PROMOTER, self._promoter)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -204,13 +201,17 @@ class Tiers:
         source: memoryview,
         kind: str = "kv",
         meta: Mapping[str, Any] | None = None,
-        durable: bool = True,
+        durable: bool | str = True,
     ) -> CaptureOutcome:
         """Copies the tensors out of ``source`` (laid out by :func:`plan_layout`) into a new L2 entry.
 
         The copy lands in memory only the daemon can write, and the digest is computed over it there, so
-        whatever the client does to ``source`` afterwards cannot change the committed entry.
+        whatever the client does to ``source`` afterwards cannot change the committed entry. ``durable``
+        is True (an L3 copy is queued), ``"sync"`` (returns once it is fsynced, within the sync
+        timeout) or False.
         """
+        if durable not in (True, False, "sync"):
+            raise InvalidArgument('durable must be true, false or "sync"')
         count = token_count(tokens)
         if count == 0:
             raise InvalidArgument("a capture needs at least one token")
@@ -222,128 +223,46 @@ class Tiers:
         if self._max_entry is not None and data_len > self._max_entry:
             raise TooLarge(f"an entry of {data_len} bytes exceeds the entry limit of {self._max_entry}")
         key = cache_key(identity, tokens)
-        seq = self._begin()  # an eviction from here on cancels this capture's durable write
+        seq = self.clock.begin()  # an eviction from here on cancels this capture's durable write
+        writer = self.writer
+        intended: list[str] = []
         try:
 
-            def retire_stale(digest: str) -> None:
+            def before_publish(digest: str) -> None:
                 """The newest capture wins over older durable copies, before it becomes visible: a restore
-                never sees the new L2 entry beside an older L3 authority (which would remove it)."""
-                if self.l3 is None:
+                never sees the new L2 entry beside an older L3 authority (which would remove it). A
+                durable capture's intent is recorded here too, so a crash right after the commit keeps it."""
+                if writer is None or self.l3 is None:
                     return
-                with self._lock:
-                    if key in self._queued_keys:  # a queued older write of this key must not land
-                        self._newest[key] = digest
+                writer.intend(key, digest, durable=bool(durable))
+                intended.append(digest)
                 stale = self.l3.get(key)
                 if stale is not None and stale.digest != digest:
                     self.l3.remove(key)
 
-            with self.l2.reserve(
-                key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
-            ) as reservation:
-                for spec in specs:
-                    view = source[spec.offset : spec.offset + spec.nbytes]
-                    copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads)
-                entry = reservation.commit(before_publish=retire_stale)
-            l3 = self._queue_write(entry, seq) if durable else False
+            try:
+                with self.l2.reserve(
+                    key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
+                ) as reservation:
+                    for spec in specs:
+                        view = source[spec.offset : spec.offset + spec.nbytes]
+                        threads = self._copy_threads
+                        copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=threads)
+                    entry = reservation.commit(before_publish=before_publish)
+            except BaseException:
+                if writer is not None and intended and durable:
+                    writer.marks.clear(key, intended[0])  # nothing was published under that intent
+                raise
+            durability = "none"
+            if durable and writer is not None:
+                durability = writer.submit(entry, seq, sync=durable == "sync", timeout=self._sync_timeout)
             for hook in self.capture_hooks:
                 hook(identity, tokens, entry)
             self._count(captures=1, capture_bytes=entry.nbytes)
-            return CaptureOutcome(entry.digest, entry.token_count, entry.nbytes, True, l3)
+            l3 = durability == "written" if durable == "sync" else durability in ("written", "queued")
+            return CaptureOutcome(entry.digest, entry.token_count, entry.nbytes, True, l3, durability)
         finally:
-            self._end()
-
-    def _begin(self) -> int:
-        """The eviction number this operation runs under; until :meth:`_end` it counts as outstanding
-        work, so the eviction marks it may need are not forgotten before it has checked them."""
-        with self._lock:
-            self._outstanding += 1
-            return self._seq
-
-    def _end(self) -> None:
-        with self._lock:
-            self._work_done_locked()
-
-    def _queue_write(self, entry: L2Entry, seq: int) -> bool:
-        if self.l3 is None:
-            return False
-        opened = self.l2.open_reader(entry.key)  # the lease keeps the bytes even if L2 evicts the entry
-        if opened is None:
-            return False
-        fd, current = opened
-        with self._lock:
-            try:
-                self._writes.put_nowait((current, fd, seq))
-            except queue.Full:
-                os.close(fd)
-                self.counters.l3_dropped += 1
-                return False
-            self._outstanding += 1
-            self.counters.l3_queued += 1
-            self._queued_keys[current.key] = self._queued_keys.get(current.key, 0) + 1
-            self._newest[current.key] = current.digest
-        return True
-
-    def _writer(self) -> None:
-        assert self.l3 is not None
-        while True:
-            job = self._writes.get()
-            if job is None:
-                return
-            entry, fd, seq = job
-
-            def wanted(entry: L2Entry = entry, seq: int = seq) -> bool:
-                with self._lock:
-                    return not self._cancelled_locked(entry.digest, seq) and (
-                        self._newest.get(entry.key, entry.digest) == entry.digest
-                    )
-
-            try:
-                if not wanted():
-                    continue
-                length = entry.data_len or 1
-                with mmap.mmap(
-                    fd, length, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=entry.data_offset
-                ) as mapping:
-                    view = memoryview(mapping)[: entry.data_len]
-                    try:
-                        # asked again right before the entry becomes visible in L3: an eviction or a
-                        # newer capture that arrived during the write wins
-                        self.l3.write(entry, view, wanted=wanted)
-                    finally:
-                        view.release()
-            except SkippydError as exc:
-                self._count(l3_write_failures=1)
-                log.warning("durable write skipped: %s", exc)
-            except OSError as exc:
-                self._count(l3_write_failures=1)
-                log.error("durable write failed: %s", exc)
-            finally:
-                os.close(fd)
-                self._write_done(entry)
-                self._writes.task_done()
-
-    def _cancelled_locked(self, digest: str, seq: int) -> bool:
-        return self._evicted_all_at > seq or self._cancelled.get(digest, -1) > seq
-
-    def _work_done_locked(self) -> None:
-        self._outstanding -= 1
-        if self._outstanding == 0:
-            self._cancelled.clear()  # no work that began before these evictions is left
-
-    def _write_done(self, entry: L2Entry) -> None:
-        with self._lock:
-            self._work_done_locked()
-            newer = self._newest.get(entry.key, entry.digest) != entry.digest
-            left = self._queued_keys.get(entry.key, 1) - 1
-            if left > 0:
-                self._queued_keys[entry.key] = left
-            else:
-                self._queued_keys.pop(entry.key, None)
-                self._newest.pop(entry.key, None)
-        if newer and self.l3 is not None:
-            stale = self.l3.get(entry.key)
-            if stale is not None and stale.digest == entry.digest:
-                self.l3.remove(entry.key)  # captured again while this write ran: the newer one wins
+            self.clock.end()
 
     # ----------------------------------------------------------------- locating
     def _candidates(self, identity: Identity, tokens: bytes) -> list[_Candidate]:
@@ -393,11 +312,11 @@ class Tiers:
         :class:`RunOnWorker` instead of reading the disk.
         """
         started = time.perf_counter()
-        seq = self._begin()  # an eviction from here on cancels the promotion of a fill
+        seq = self.clock.begin()  # an eviction from here on cancels the promotion of a fill
         try:
             return self._open_restore(identity, tokens, may_fill, started, seq)
         finally:
-            self._end()
+            self.clock.end()
 
     def _open_restore(
         self, identity: Identity, tokens: bytes, may_fill: bool, started: float, seq: int
@@ -452,8 +371,7 @@ class Tiers:
             fill = self._fills.get(entry.object)
             leader = fill is None
             if fill is None:
-                fill = self._fills[entry.object] = _Fill(entry, key, seq)
-                self._outstanding += 1
+                fill = self._fills[entry.object] = _Fill(entry, key, min(seq, self.clock.begin()))
             else:
                 self.counters.fill_waits += 1
             fill.users += 1
@@ -544,7 +462,7 @@ class Tiers:
         """The fill's memory is given back (or now L2's): its budget share and its outstanding work end."""
         self._fill_bytes -= fill.memfd_bytes
         fill.memfd_bytes = 0
-        self._work_done_locked()
+        self.clock.end()
 
     def _retire_locked(self, fill: _Fill) -> None:
         """No restore joins this fill any more (its work stays outstanding until :meth:`_release`)."""
@@ -574,7 +492,7 @@ class Tiers:
         reservation, fill.reservation = fill.reservation, None
         fd, fill.fd = fill.fd, -1
         with self._lock:
-            promote = fill.resolution == "commit" and not self._cancelled_locked(fill.entry.digest, fill.seq)
+            promote = fill.resolution == "commit" and not self.clock.cancelled(fill.entry.digest, fill.seq)
         if promote and self.l3 is not None:  # a newer capture of the key may have retired these bytes
             durable = self.l3.get(fill.key)
             promote = durable is not None and durable.digest == fill.entry.digest
@@ -590,7 +508,7 @@ class Tiers:
                 with self._lock:
                     # an eviction that marked this digest after the check above may have swept L2
                     # before the commit: take the promoted entry back out
-                    withdraw = self._cancelled_locked(fill.entry.digest, fill.seq)
+                    withdraw = self.clock.cancelled(fill.entry.digest, fill.seq)
                 if withdraw:
                     current = self.l2.peek(committed.key)
                     if current is not None and current.digest == committed.digest:
@@ -598,7 +516,7 @@ class Tiers:
         except Exception as exc:  # never escapes into the restore (or the promoter) that released the fill
             if isinstance(exc, SkippydError):
                 reservation = None  # a failed commit gave its memory back
-            _log_failure("promotion into L2 failed", exc)
+            self.health.failed(PROMOTER, "promotion into L2 failed", exc)
         finally:
             if reservation is not None:
                 reservation.abort()
@@ -626,25 +544,31 @@ class Tiers:
             return reservation.commit_if_absent(expected_digest=entry.digest)
 
     def _promoter(self) -> None:
+        """Decides each fill's promotion; one decision's failure never stops the thread."""
         while True:
             fill = self._promote.get()
             if fill is None:
                 return
-            entry = fill.entry
-            promote = False
-            try:  # the promoter outlives any one decision
-                if self.promotions is not None:
-                    promote = self.promotions.consider(entry.digest, entry.token_count, entry.nbytes)
+            resolved = False
+            try:
+                entry = fill.entry
+                promote = False
+                with self.health.guard(PROMOTER, "promotion check failed"):
+                    if self.promotions is not None:
+                        promote = self.promotions.consider(entry.digest, entry.token_count, entry.nbytes)
+                if not promote:
+                    self._count(promotions_declined=1)
+                resolved = True
+                self._resolve_fill(fill, promote=promote)
+                if promote and self.promotions is not None:
+                    with self.health.guard(PROMOTER, "settling a promotion failed"):
+                        self.promotions.settle(entry.digest)
             except Exception as exc:
-                _log_failure("promotion check failed", exc)
-            if not promote:
-                self._count(promotions_declined=1)
-            self._resolve_fill(fill, promote=promote)
-            if promote and self.promotions is not None:
-                try:
-                    self.promotions.settle(entry.digest)
-                except Exception as exc:
-                    _log_failure("settling a promotion failed", exc)
+                self.health.failed(PROMOTER, "a promotion failed", exc)
+            finally:
+                if not resolved:  # the fill's memory always goes back
+                    with contextlib.suppress(Exception):
+                        self._resolve_fill(fill, promote=False)
 
     # ----------------------------------------------------------------- admin
     def evict_digest(self, digest: str) -> int:
@@ -666,12 +590,9 @@ class Tiers:
 
     def _mark_evicted(self, digest: str | None) -> None:
         """Cancels the work begun before now: of this digest, or of every digest with None."""
-        with self._lock:
-            self._seq += 1
-            if digest is None:
-                self._evicted_all_at = self._seq
-            else:
-                self._cancelled[digest] = self._seq
+        self.clock.evict(digest)
+        if self.writer is not None:
+            self.writer.forget(digest)
 
     def evict_all(self) -> int:
         """Removes every entry from both tiers (and every durable write still queued)."""
@@ -705,7 +626,6 @@ class Tiers:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             ops = {name: getattr(self.counters, name) for name in self.counters.__slots__}
-            ops["l3_queue_depth"] = self._writes.qsize()
             ops["fills_in_flight"] = len(self._fills)
             ops["fill_bytes"] = self._fill_bytes
             ops["fill_budget"] = self._fill_budget
@@ -715,6 +635,8 @@ class Tiers:
             report = self.l3.last_reconciliation.as_dict()
             report["problems"] = report["problems"][:20]
             result["l3_reconciliation"] = report
+        if self.writer is not None:
+            result["durable"] = self.writer.stats().as_dict()
         return result
 
     def housekeeping(self) -> None:
@@ -723,18 +645,15 @@ class Tiers:
         if self.l3 is not None:
             self.l3.flush_recency()
 
-    def drain(self, timeout: float = 30.0) -> None:
-        """Waits (bounded) until queued durable writes are on disk."""
-        deadline = time.monotonic() + timeout
-        while self._writes.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        for q in (self._writes, self._promote):
-            with contextlib.suppress(queue.Full):
-                q.put(None, timeout=30)
-        for thread in self._threads:
-            thread.join(timeout=60)
+    def close(self, timeout: float = 10.0) -> None:
+        """Lets queued durable writes finish (within ``timeout``), stops the threads, closes the tiers.
+        Durable writes left undone keep their markers and are written by the next start."""
+        if self.writer is not None:
+            self.writer.close(timeout)
+        with contextlib.suppress(queue.Full):
+            self._promote.put(None, timeout=max(0.1, timeout))
+        if self._promoter_thread.is_alive():
+            self._promoter_thread.join(timeout=max(1.0, timeout))
         while True:
             try:
                 fill = self._promote.get_nowait()
@@ -758,14 +677,6 @@ def _opened(
 
 def _decls(entry: L3Entry) -> list[TensorDecl]:
     return [TensorDecl(s.name, s.dtype, s.shape) for s in entry.tensors]
-
-
-def _log_failure(what: str, exc: Exception) -> None:
-    """A typed failure is a warning line; anything else is a bug, logged with its traceback."""
-    if isinstance(exc, SkippydError):
-        log.warning("%s: %s", what, exc)
-    else:
-        log.error("%s", what, exc_info=exc)
 
 
 def _listing(tier: str, entry: L2Entry | L3Entry, size: int, last_use: int, now: int) -> dict[str, Any]:

@@ -51,7 +51,7 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -
     l3 = now.get("l3")
     if l3:
         l3_before = (before or {}).get("l3")
-        notes = "READ-ONLY" if l3.get("readonly") else f"queue {now['ops'].get('l3_queue_depth', 0)}"
+        notes = "READ-ONLY" if l3.get("readonly") else f"queue {now.get('durable', {}).get('queue_depth', 0)}"
         tiers.add_row(
             "L3",
             str(l3["entries"]),

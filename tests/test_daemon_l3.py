@@ -220,7 +220,7 @@ def test_a_small_l3_budget_drops_writes_it_cannot_hold_and_serving_goes_on(make_
             model=MODEL, state=STATE, tokens=[1], tensors={"x": torch.zeros(4 << 20, dtype=torch.uint8)}
         )
         assert huge.l2
-        assert eventually(lambda: client.stats()["ops"]["l3_write_failures"] == 1)
+        assert eventually(lambda: client.stats()["durable"]["failed"] == 1)
         for i in range(8):
             distinct = {
                 "x": torch.full((300_000,), i, dtype=torch.uint8)
@@ -248,9 +248,10 @@ def test_a_nearly_full_disk_makes_l3_refuse_writes_cleanly(make_daemon: Any, sma
             model=MODEL, state=STATE, tokens=[2], tensors={"x": torch.ones(1 << 20, dtype=torch.uint8)}
         )
         assert second.l2
-        assert eventually(lambda: client.stats()["ops"]["l3_write_failures"] == 1)
+        assert second.durability in ("queued", "deferred")
+        assert eventually(lambda: client.stats()["durable"]["failed"] >= 1)
         stats = client.stats()["l3"]
-        assert stats["entries"] == 1 and stats["refused_writes"] == 1, "it would have gone below the floor"
+        assert stats["entries"] == 1 and stats["refused_writes"] >= 1, "it would have gone below the floor"
         assert client.restore(model=MODEL, state=STATE, tokens=[2]) is not None
     assert not any((small_disk / "l3" / "tmp").iterdir())
     proc.stop()

@@ -50,6 +50,12 @@ def tiers(
         t.close()
 
 
+def settle(t: Tiers) -> None:
+    """Waits until the durable writes queued so far are done."""
+    assert t.writer is not None
+    t.writer.wait_idle()
+
+
 def capture(t: Tiers, tokens: list[int], fill: int, durable: bool) -> str:
     decls, source = staged(fill)
     out = t.capture(
@@ -74,7 +80,7 @@ def test_a_queued_durable_write_superseded_by_a_newer_capture_never_reaches_l3(
     capture(t, [1, 2, 3], fill=2, durable=True)  # v1 of the key, queued
     newest = capture(t, [1, 2, 3], fill=3, durable=False)  # v2, not durable
     gate.set()
-    t.drain()
+    settle(t)
     assert t.l3 is not None
     assert t.l3.get(cache_key(IDENT, encode_tokens([1, 2, 3]))) is None, "v1 was skipped"
     assert served_digest(t, [1, 2, 3]) == newest
@@ -88,7 +94,7 @@ def test_a_durable_write_in_flight_when_its_key_is_captured_again_is_withdrawn(
     time.sleep(0.2)
     newest = capture(t, [1, 2, 3], fill=3, durable=False)  # v2 while v1 is being written
     gate.set()
-    t.drain()
+    settle(t)
     assert t.l3 is not None
     assert t.l3.get(cache_key(IDENT, encode_tokens([1, 2, 3]))) is None
     assert served_digest(t, [1, 2, 3]) == newest
@@ -98,7 +104,7 @@ def test_l3_is_the_authority_over_a_disagreeing_l2_entry(tiers: tuple[Tiers, thr
     t, gate = tiers
     gate.set()
     durable = capture(t, [5, 6], fill=7, durable=True)
-    t.drain()
+    settle(t)
     key = cache_key(IDENT, encode_tokens([5, 6]))
     decls, source = staged(8)
     with t.l2.reserve(key=key, identity=IDENT, token_count=2, tensors=decls) as r:  # behind the rules' back
@@ -116,7 +122,7 @@ def test_an_eviction_during_a_durable_write_wins_over_the_write(
     time.sleep(0.2)
     assert t.evict_digest(digest) == 1
     gate.set()
-    t.drain()
+    settle(t)
     assert t.l3 is not None
     assert t.l3.get(cache_key(IDENT, encode_tokens([4, 4]))) is None, "evicted means gone from both tiers"
     assert served_digest(t, [4, 4]) is None
@@ -128,7 +134,7 @@ def test_evict_all_during_a_durable_write_leaves_l3_empty(tiers: tuple[Tiers, th
     time.sleep(0.2)
     t.evict_all()
     gate.set()
-    t.drain()
+    settle(t)
     assert t.l3 is not None
     assert t.l3.stats().entries == 0 and t.l3.stats().objects == 0
     assert not list(t.l3.directory.joinpath("objects").rglob("*.obj")), "no object written for nothing"
@@ -138,10 +144,10 @@ def test_work_after_an_eviction_is_not_cancelled_by_it(tiers: tuple[Tiers, threa
     t, gate = tiers
     gate.set()
     digest = capture(t, [4, 4], fill=5, durable=True)
-    t.drain()
+    settle(t)
     t.evict_digest(digest)
     again = capture(t, [4, 4], fill=5, durable=True)  # the same bytes captured after the eviction
-    t.drain()
+    settle(t)
     assert t.l3 is not None
     stored = t.l3.get(cache_key(IDENT, encode_tokens([4, 4])))
     assert stored is not None and stored.digest == again == digest
@@ -155,7 +161,7 @@ def test_a_capture_retires_the_stale_durable_copy_before_its_entry_is_visible(
     t, gate = tiers
     gate.set()
     old = capture(t, [7, 7], fill=1, durable=True)
-    t.drain()
+    settle(t)
     assert t.l3 is not None
     key = cache_key(IDENT, encode_tokens([7, 7]))
     seen_in_l2: list[str | None] = []
@@ -199,7 +205,7 @@ def wait_for_decision(t: Tiers) -> None:
     """Until the promoter has asked and carried out its answer (no fill or write is outstanding)."""
     policy = t.promotions
     assert isinstance(policy, Policy)
-    assert eventually(lambda: policy.asked.is_set() and t._outstanding == 0 and not t._fills, timeout=10)
+    assert eventually(lambda: policy.asked.is_set() and t.clock.outstanding == 0 and not t._fills, timeout=10)
 
 
 def test_an_l3_fill_evicted_while_its_promotion_is_decided_is_not_promoted(
@@ -210,7 +216,7 @@ def test_an_l3_fill_evicted_while_its_promotion_is_decided_is_not_promoted(
     t = make_tiers(shm_dir, tmp_path, 64 << 20, policy)
     try:
         digest = capture(t, [3, 3], fill=9, durable=True)
-        t.drain()
+        settle(t)
         key = cache_key(IDENT, encode_tokens([3, 3]))
         t.l2.remove(key)
         opened = t.open_restore(IDENT, encode_tokens([3, 3]))
@@ -236,7 +242,7 @@ def test_an_l3_fill_never_evicts_l2_entries_until_promotion_says_so(
     t = make_tiers(shm_dir, tmp_path, size, Policy(promote))
     try:
         durable = capture(t, [3, 3], fill=9, durable=True)
-        t.drain()
+        settle(t)
         other = capture(t, [8, 8], fill=8, durable=False)  # evicts [3, 3] from L2: L2 is full now
         key, other_key = (cache_key(IDENT, encode_tokens(x)) for x in ([3, 3], [8, 8]))
         assert t.l2.peek(key) is None
@@ -272,7 +278,7 @@ def test_a_corrupt_l3_entry_is_a_clean_miss_whether_filled_into_l2_or_a_memfd(
     t = make_tiers(shm_dir, tmp_path, size if l2_full else 64 << 20, Policy(False))
     try:
         capture(t, [3, 3], fill=9, durable=True)
-        t.drain()
+        settle(t)
         key = cache_key(IDENT, encode_tokens([3, 3]))
         t.l2.remove(key)
         if l2_full:
@@ -288,7 +294,7 @@ def test_a_corrupt_l3_entry_is_a_clean_miss_whether_filled_into_l2_or_a_memfd(
         for _ in range(2):
             assert t.open_restore(IDENT, encode_tokens([3, 3, 4])) is None
         assert t.l3.get(key) is None and t.l3.stats().corrupt == 1
-        assert eventually(lambda: t._outstanding == 0 and not t._fills, timeout=10)
+        assert eventually(lambda: t.clock.outstanding == 0 and not t._fills, timeout=10)
     finally:
         t.close()
 
@@ -309,7 +315,7 @@ def test_an_eviction_just_after_a_capture_commits_cancels_its_durable_write(
 
     monkeypatch.setattr(t.l2, "open_reader", open_then_evicted)
     capture(t, [5, 5], fill=5, durable=True)
-    t.drain()
+    settle(t)
     assert t.l3 is not None and t.l3.get(cache_key(IDENT, encode_tokens([5, 5]))) is None
     assert served_digest(t, [5, 5]) is None
 
@@ -320,7 +326,7 @@ def test_a_restore_that_begins_while_an_eviction_sweeps_the_tiers_does_not_promo
     t = make_tiers(shm_dir, tmp_path, 64 << 20, Policy(True))
     try:
         digest = capture(t, [3, 3], fill=9, durable=True)
-        t.drain()
+        settle(t)
         key = cache_key(IDENT, encode_tokens([3, 3]))
         t.l2.remove(key)
         assert t.l3 is not None
@@ -358,7 +364,7 @@ def test_l3_restores_held_outside_l2_are_capped_by_the_fill_budget(shm_dir: Path
     try:
         first = capture(t, [3, 3], fill=3, durable=True)
         second = capture(t, [4, 4], fill=4, durable=True)
-        t.drain()
+        settle(t)
         capture(t, [8, 8], fill=8, durable=False)  # L2 is full of an entry L3 does not hold
         opened = t.open_restore(IDENT, encode_tokens([3, 3]))
         assert opened is not None and opened.source == "l3" and opened.digest == first
@@ -385,14 +391,12 @@ def test_an_eviction_during_a_capture_cancels_its_write_even_when_other_work_end
     real = t.l2.reserve
 
     def evicted_meanwhile(**options: Any) -> Any:
-        with t._lock:
-            t._outstanding += 1  # some other work, running while the eviction comes...
+        t.clock.begin()  # some other work, running while the eviction comes...
         t.evict_digest(digest)
-        with t._lock:
-            t._work_done_locked()  # ...and ending before this capture queues its durable write
+        t.clock.end()  # ...and ending before this capture queues its durable write
         return real(**options)
 
     monkeypatch.setattr(t.l2, "reserve", evicted_meanwhile)
     capture(t, [5, 5], fill=5, durable=True)
-    t.drain()
+    settle(t)
     assert t.l3 is not None and t.l3.get(cache_key(IDENT, encode_tokens([5, 5]))) is None

@@ -1,0 +1,471 @@
+"""Durable writes: L2 entries copied into L3 in the background, with their intent kept across crashes.
+
+A durable capture is answered as soon as its L2 entry is committed; its L3 copy is written by one
+background thread. What a reply promises (``durability`` in the capture reply, docs/protocol.md):
+
+* ``"written"``: the entry's bytes and manifest were fsynced into L3 before the reply
+  (``durable="sync"``, or L3 already held the same bytes under the key); they survive kill -9 and a
+  reboot.
+* ``"queued"``: a write is queued with a lease on the entry's bytes. It is written within moments;
+  a daemon crash does not lose it (below), a reboot before it is written does.
+* ``"deferred"``: L3 cannot take it now (read-only below its free-space floor, its queue full, its
+  writer down); the intent is kept and the write happens once L3 can take it, unless the entry leaves
+  L2 first.
+* ``"none"``: not durable (``durable=False``, or no L3).
+
+**Intent survives a crash.** Before a durable capture's entry becomes visible, a marker
+``<l2 dir>/pending/<key>`` holding its digest is written (tmpfs: a daemon crash keeps it, a reboot
+does not). The marker goes once the write is done, superseded or cancelled. At start, every marker
+whose entry L2 re-adopted and L3 lacks goes into the backlog, and is written within seconds.
+
+**The newest capture of a key wins.** A write of a key that was captured again meanwhile is skipped
+(asked again under L3's lock right before the manifest goes into place), and an L3 copy written just
+as the newer capture arrived is removed. An eviction cancels the writes that began before it
+(:class:`~skippyd.evictions.EvictionClock`).
+
+**Bounded.** At most ``queue_size`` writes hold leases on L2 memory; past that, writes wait in the
+backlog as a key and a digest each (no lease: an entry evicted from L2 before its turn is lost, and
+counted). One job's failure never stops the thread (:class:`~skippyd.workers.Health`).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import NoSpace, NotFound, SkippydError, TooLarge
+from .evictions import EvictionClock
+from .files import private_dirs, remove
+from .keys import is_hex_digest
+from .l2 import L2Entry, L2Tier
+from .l3 import L3Store
+from .shm import new_name
+from .workers import Health
+
+__all__ = ["DURABILITY", "DurableStats", "DurableWriter", "PendingMarks"]
+
+log = logging.getLogger("skippyd.durable")
+
+THREAD = "skippyd-l3-writer"
+#: What a capture reply may say about its durable copy (docs/protocol.md).
+DURABILITY = ("written", "queued", "deferred", "none")
+_IDLE_WAIT_S = 0.5
+_RETRY_AFTER_NO_SPACE_S = (5.0, 60.0)  # the backlog waits this long after L3 ran out of room, doubling
+
+
+class PendingMarks:
+    """One small file per durable write not yet done: ``<key>`` holding the digest it must write.
+
+    Kept on the L2 tmpfs, beside the entries they name: a daemon crash keeps both, a reboot neither.
+    Names are keys the daemon computed (hex digests), never client text.
+    """
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        private_dirs(directory)
+
+    def mark(self, key: str, digest: str) -> None:
+        temp = self.directory / new_name(".tmp")
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, digest.encode())
+        finally:
+            os.close(fd)
+        os.rename(temp, self.directory / key)
+
+    def clear(self, key: str, digest: str | None = None) -> None:
+        """Removes the marker of ``key`` (only if it still names ``digest``, when given)."""
+        path = self.directory / key
+        if digest is not None and self._read(path) != digest:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+    def load(self, *, clean: bool = False) -> dict[str, str]:
+        """Every marker (key -> digest). With ``clean`` (at start, when no marker is being written)
+        anything that is not a marker is removed."""
+        found: dict[str, str] = {}
+        for child in self.directory.iterdir():
+            digest = self._read(child) if is_hex_digest(child.name) else None
+            if digest is not None:
+                found[child.name] = digest
+            elif clean:
+                remove(child)
+        return found
+
+    @staticmethod
+    def _read(path: Path) -> str | None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        except OSError:
+            return None
+        try:
+            text = os.read(fd, 128).decode(errors="replace")
+        finally:
+            os.close(fd)
+        return text if is_hex_digest(text) else None
+
+
+@dataclass(slots=True)
+class DurableStats:
+    queued: int = 0  # writes queued with a lease
+    deferred: int = 0  # writes that went to the backlog (queue full, L3 read-only, writer down)
+    written: int = 0
+    skipped: int = 0  # superseded by a newer capture, cancelled by an eviction, or already in L3
+    failed: int = 0
+    lost: int = 0  # the entry left L2 before its deferred write could run
+    recovered: int = 0  # intents found at start (written afterwards from the backlog)
+    sync_waits: int = 0
+    sync_timeouts: int = 0
+    queue_depth: int = 0
+    backlog: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True)
+class _Job:
+    entry: L2Entry
+    fd: int  # a lease on the entry's bytes (closed when the job ends)
+    seq: int  # its eviction-clock number; the clock counts it outstanding until the job ends
+    waiters: list[Future[bool]] = field(default_factory=list)
+
+
+class DurableWriter:
+    """The L3 writer thread and its queue, backlog and markers. Thread-safe."""
+
+    def __init__(
+        self,
+        l2: L2Tier,
+        l3: L3Store,
+        clock: EvictionClock,
+        health: Health,
+        *,
+        queue_size: int = 64,
+        marks: PendingMarks | None = None,
+    ) -> None:
+        self.l2 = l2
+        self.l3 = l3
+        self.clock = clock
+        self.health = health
+        self.marks = marks or PendingMarks(l2.directory / "pending")
+        self._queue_size = max(1, queue_size)
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._running: _Job | None = None
+        self._backlog: dict[str, str] = {}  # key -> digest, in the order they were deferred
+        self._newest: dict[str, str] = {}  # key -> digest of its newest capture while a write of it waits
+        self._pending: collections.Counter[str] = collections.Counter()  # key -> queued jobs + backlog
+        self._stats = DurableStats()
+        self._stop = False
+        self._retry_backlog_at = 0.0
+        self._retry_wait = _RETRY_AFTER_NO_SPACE_S[0]
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self._thread = self.health.start(THREAD, self._run)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def recover(self) -> int:
+        """Puts every durable write a crash left undone into the backlog; returns how many."""
+        found = 0
+        for key, digest in self.marks.load(clean=True).items():
+            entry = self.l2.peek(key)
+            stored = self.l3.get(key)
+            if entry is None or entry.digest != digest or (stored is not None and stored.digest == digest):
+                self.marks.clear(key, digest)
+                continue
+            with self._cond:
+                self._defer_locked(key, digest)
+                self._stats.recovered += 1
+            found += 1
+        if found:
+            log.info("%d durable write(s) left undone by an earlier run will be written now", found)
+            with self._cond:
+                self._cond.notify()
+        return found
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Lets queued writes finish for up to ``timeout`` seconds, then stops; what is left keeps its
+        marker and is written by the next start."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (self._jobs or self._running is not None) and self.alive:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(timeout=min(left, 0.1))
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, deadline - time.monotonic()))
+        with self._cond:
+            jobs, self._jobs = list(self._jobs), collections.deque()
+        for job in jobs:  # unwritten: their markers stay for the next start
+            self._finish(job, written=False)
+
+    # ------------------------------------------------------------------ the capture side
+    def intend(self, key: str, digest: str, *, durable: bool) -> None:
+        """A capture of ``key`` with ``digest`` is about to become visible (called before it is).
+
+        Records the intent of a durable one (its marker) and lets it supersede older pending writes of
+        the key; a non-durable capture withdraws the intent of an older durable one.
+        """
+        with self._cond:
+            if self._pending[key]:
+                self._newest[key] = digest
+            if key in self._backlog:
+                self._drop_backlog_locked(key)
+        if durable:
+            self.marks.mark(key, digest)
+        else:
+            self.marks.clear(key)
+
+    def submit(self, entry: L2Entry, seq: int, *, sync: bool = False, timeout: float = 20.0) -> str:
+        """Queues the durable write of a committed entry; returns its durability (see module doc).
+
+        ``seq`` is the eviction-clock number the capture began under. With ``sync`` it returns once the
+        write is fsynced, or after ``timeout`` seconds (then ``"queued"``: the write goes on).
+        """
+        deadline = time.monotonic() + timeout
+        present = self.l3.get(entry.key)
+        if present is not None and present.digest == entry.digest:
+            self.marks.clear(entry.key, entry.digest)
+            return "written"
+        if not self.alive or self.l3.readonly:
+            self.defer(entry.key, entry.digest)
+            return "deferred"
+        waiter: Future[bool] | None = Future() if sync else None
+        with self._cond:
+            while sync and len(self._jobs) >= self._queue_size and self.alive and not self._stop:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(timeout=min(left, 0.1))
+            if len(self._jobs) >= self._queue_size or self._stop:
+                self._defer_locked(entry.key, entry.digest)
+                self._cond.notify()
+                return "deferred"
+        opened = self.l2.open_reader(entry.key)  # the lease keeps the bytes even if L2 evicts the entry
+        if opened is None or opened[1].digest != entry.digest:
+            if opened is not None:
+                os.close(opened[0])
+            return "none"  # replaced or evicted already: a newer capture (or an eviction) decided
+        fd, current = opened
+        job = _Job(current, fd, self.clock.begin())
+        job.seq = min(job.seq, seq)  # an eviction since the capture began cancels it too
+        if waiter is not None:
+            job.waiters.append(waiter)
+        with self._cond:
+            self._jobs.append(job)
+            self._pending[current.key] += 1
+            self._newest[current.key] = current.digest
+            self._stats.queued += 1
+            self._cond.notify()
+        if waiter is None:
+            return "queued"
+        with self._cond:
+            self._stats.sync_waits += 1
+        try:
+            written = waiter.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            with self._cond:
+                self._stats.sync_timeouts += 1
+            return "queued"
+        return "written" if written else "deferred"
+
+    def defer(self, key: str, digest: str) -> None:
+        """Keeps a durable write for later (its marker is already written)."""
+        with self._cond:
+            self._defer_locked(key, digest)
+            self._cond.notify()
+
+    def forget(self, digest: str | None) -> None:
+        """An eviction: drops deferred writes and markers of ``digest`` (every one with None). Queued
+        jobs are cancelled by the eviction clock when their turn comes."""
+        with self._cond:
+            for key, pending in list(self._backlog.items()):
+                if digest is None or pending == digest:
+                    self._drop_backlog_locked(key)
+                    self.marks.clear(key, pending)
+        for key, marked in self.marks.load().items():
+            if digest is None or marked == digest:
+                self.marks.clear(key, marked)
+
+    def stats(self) -> DurableStats:
+        with self._cond:
+            stats = DurableStats(**self._stats.as_dict())
+            stats.queue_depth = len(self._jobs) + (self._running is not None)
+            stats.backlog = len(self._backlog)
+            return stats
+
+    def wait_idle(self, timeout: float = 30.0) -> bool:
+        """Waits until nothing is queued, running or deferred (tests, benchmarks, shutdown)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._jobs or self._running is not None or (self._backlog and not self.l3.readonly):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.alive:
+                    return False
+                self._cond.wait(timeout=min(left, 0.05))
+            return True
+
+    # ------------------------------------------------------------------ bookkeeping (lock held)
+    def _defer_locked(self, key: str, digest: str) -> None:
+        if key in self._backlog:
+            self._drop_backlog_locked(key)
+        self._backlog[key] = digest
+        self._pending[key] += 1
+        self._newest[key] = digest
+        self._stats.deferred += 1
+
+    def _drop_backlog_locked(self, key: str) -> None:
+        self._backlog.pop(key, None)
+        self._release_key_locked(key)
+
+    def _release_key_locked(self, key: str) -> None:
+        self._pending[key] -= 1
+        if self._pending[key] <= 0:
+            del self._pending[key]
+            self._newest.pop(key, None)
+
+    # ------------------------------------------------------------------ the writer thread
+    def _run(self) -> None:
+        while True:
+            job = self._next_job()
+            if job is None:
+                return
+            written = False
+            try:
+                written = self._write(job)
+            except Exception as exc:  # one job's failure: counted, logged, and the thread goes on
+                with self._cond:
+                    self._stats.failed += 1
+                self.health.failed(THREAD, "durable write failed", exc)
+            finally:
+                self._finish(job, written=written)
+
+    def _next_job(self) -> _Job | None:
+        """The next queued job, else one from the backlog (opened now), else waits; None to stop."""
+        while True:
+            with self._cond:
+                while not self._jobs and not self._stop and not self._backlog_ready_locked():
+                    self._cond.wait(timeout=_IDLE_WAIT_S)
+                if self._stop:
+                    return None
+                if self._jobs:
+                    self._running = self._jobs.popleft()
+                    return self._running
+                key = next(iter(self._backlog))
+                digest = self._backlog.pop(key)  # its count in _pending passes to the job
+            job = self._open_deferred(key, digest)
+            with self._cond:
+                if job is None:
+                    self._release_key_locked(key)
+                    continue
+                self._running = job
+                return job
+
+    def _backlog_ready_locked(self) -> bool:
+        if not self._backlog or time.monotonic() < self._retry_backlog_at:
+            return False
+        if self.l3.readonly:
+            self._retry_backlog_at = time.monotonic() + 1.0
+            return False
+        return True
+
+    def _open_deferred(self, key: str, digest: str) -> _Job | None:
+        opened = self.l2.open_reader(key)
+        if opened is None or opened[1].digest != digest:
+            if opened is not None:
+                os.close(opened[0])
+            self.marks.clear(key, digest)
+            with self._cond:
+                self._stats.lost += 1
+            log.warning("a deferred durable write was lost: its entry left L2 before L3 could take it")
+            return None
+        return _Job(opened[1], opened[0], self.clock.begin())
+
+    def _wanted(self, job: _Job) -> bool:
+        entry = job.entry
+        with self._cond:
+            newest = self._newest.get(entry.key, entry.digest)
+        return newest == entry.digest and not self.clock.cancelled(entry.digest, job.seq)
+
+    def _write(self, job: _Job) -> bool:
+        entry = job.entry
+        if not self._wanted(job):
+            return False
+        try:
+            if entry.data_len == 0:
+                return self.l3.write(entry, memoryview(b""), wanted=lambda: self._wanted(job))
+            with mmap.mmap(
+                job.fd, entry.data_len, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=entry.data_offset
+            ) as mapping:
+                view = memoryview(mapping)
+                try:
+                    # asked again right before the entry becomes visible in L3: an eviction or a newer
+                    # capture that arrived during the write wins
+                    return self.l3.write(entry, view, wanted=lambda: self._wanted(job))
+                finally:
+                    view.release()
+        except NoSpace:
+            with self._cond:  # kept: written once the disk has room again
+                self._defer_locked(entry.key, entry.digest)
+                self._retry_backlog_at = time.monotonic() + self._retry_wait
+                self._retry_wait = min(self._retry_wait * 2, _RETRY_AFTER_NO_SPACE_S[1])
+            raise
+        except (TooLarge, NotFound):
+            self.marks.clear(entry.key, entry.digest)  # L3 can never hold it: the intent is void
+            raise
+
+    def _finish(self, job: _Job, *, written: bool) -> None:
+        entry = job.entry
+        with contextlib.suppress(OSError):
+            os.close(job.fd)
+        failed = False
+        with self._cond:
+            running = self._running is job
+            if running:
+                self._running = None
+            newer = self._newest.get(entry.key, entry.digest) != entry.digest
+            if written:
+                self._stats.written += 1
+                self._retry_wait = _RETRY_AFTER_NO_SPACE_S[0]
+            elif not self._stop:
+                failed = entry.key in self._backlog  # deferred again after a failure
+                if not failed:
+                    self._stats.skipped += 1
+            self._release_key_locked(entry.key)
+            self._cond.notify_all()
+        self.clock.end()
+        try:
+            if written and not newer:
+                self.marks.clear(entry.key, entry.digest)
+            elif not written and not failed and not self._stop:
+                self.marks.clear(entry.key, entry.digest)  # superseded or cancelled: nothing to redo
+            if newer:  # captured again while this write ran: the newer one wins
+                stale = self.l3.get(entry.key)
+                if stale is not None and stale.digest == entry.digest:
+                    self.l3.remove(entry.key)
+        except (OSError, SkippydError) as exc:
+            self.health.failed(THREAD, "finishing a durable write failed", exc)
+        finally:
+            for waiter in job.waiters:
+                if not waiter.done():
+                    waiter.set_result(written and not newer)

@@ -1,0 +1,381 @@
+"""Durable means durable, and no one job's failure stops a background thread.
+
+Real daemons killed with SIGKILL, real tmpfs files, real L3 directories; where a failure must happen at
+one exact system call, the call is made to fail in-process (``os.pwrite`` raising ENOSPC).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from daemonutil import DaemonProcess, eventually
+
+from skippyd.errors import InvalidArgument, NoSpace
+from skippyd.keys import Identity, cache_key, encode_tokens
+from skippyd.l2 import L2Tier
+from skippyd.l3 import L3Store
+from skippyd.payload import TensorDecl, plan_layout
+from skippyd.tiers import PROMOTER, Tiers
+from skippyd.workers import Health
+
+MODEL, STATE = "m", "kv-v1"
+IDENT = Identity(MODEL, STATE)
+
+
+def staged(fill: int, n: int) -> tuple[list[TensorDecl], memoryview]:
+    decls = [TensorDecl("x", "uint8", (n,))]
+    specs, length = plan_layout(decls)
+    buf = bytearray(max(length, 1))
+    buf[specs[0].offset : specs[0].offset + n] = bytes([fill]) * n
+    return decls, memoryview(buf)
+
+
+@pytest.fixture
+def tiers(shm_dir: Path, tmp_path: Path) -> Iterator[Tiers]:
+    t = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30))
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def durable_count(client: Any) -> int:
+    return int(client.stats()["l3"]["entries"])
+
+
+# ------------------------------------------------------------------------------- entries without bytes
+
+
+def test_an_entry_without_bytes_is_stored_and_restored_from_both_tiers_and_the_writer_goes_on(
+    daemon: DaemonProcess,
+) -> None:
+    captures: dict[int, dict[str, torch.Tensor]] = {
+        1: {},
+        2: {"e": torch.empty(0, 4)},
+        3: {"e": torch.empty(0, 4, dtype=torch.bfloat16), "x": torch.ones(3)},
+    }
+    with daemon.client() as client:
+        for token, tensors in captures.items():
+            result = client.capture(model=MODEL, state=STATE, tokens=[token], tensors=tensors)
+            assert result.l3 and result.durability == "queued"
+        after = client.capture(model=MODEL, state=STATE, tokens=[9], tensors={"x": torch.arange(10.0)})
+        assert eventually(lambda: durable_count(client) == 4), "the writer kept writing after empty entries"
+        assert all(t["alive"] and not t["errors"] for t in client.stats()["threads"].values())
+        for token, tensors in captures.items():
+            hit = client.restore(model=MODEL, state=STATE, tokens=[token, 0])
+            assert hit is not None and hit.source == "l2" and set(hit.tensors) == set(tensors)
+            for name, tensor in tensors.items():
+                assert hit.tensors[name].shape == tensor.shape and hit.tensors[name].dtype == tensor.dtype
+                assert torch.equal(hit.tensors[name], tensor)
+    daemon.stop()
+    shutil.rmtree(daemon.shm_dir)
+    daemon.shm_dir.mkdir()  # a reboot: tmpfs is empty, L3 is what is left
+    daemon.start()
+    with daemon.client() as client:
+        for token, tensors in captures.items():
+            hit = client.restore(model=MODEL, state=STATE, tokens=[token])
+            assert hit is not None and hit.source == "l3" and set(hit.tensors) == set(tensors)
+            assert all(torch.equal(hit.tensors[n], t) for n, t in tensors.items())
+        hit = client.restore(model=MODEL, state=STATE, tokens=[9])
+        assert hit is not None and hit.digest == after.digest
+
+
+# ------------------------------------------------------------------------------- meta
+
+
+def test_meta_nested_deeper_than_the_limit_is_an_invalid_argument_with_no_traceback(
+    daemon: DaemonProcess,
+) -> None:
+    meta: dict[str, Any] = {}
+    inner = meta
+    for _ in range(1000):
+        inner["a"] = {}
+        inner = inner["a"]
+    ok: dict[str, Any] = {}
+    inner = ok
+    for _ in range(31):
+        inner["a"] = {}
+        inner = inner["a"]
+    with daemon.client() as client:
+        with pytest.raises(InvalidArgument, match="deeper than 32"):
+            client.capture(model=MODEL, state=STATE, tokens=[1], tensors={"x": torch.ones(2)}, meta=meta)
+        client.capture(model=MODEL, state=STATE, tokens=[2], tensors={"x": torch.ones(2)}, meta=ok)
+        hit = client.restore(model=MODEL, state=STATE, tokens=[2])
+        assert hit is not None and hit.meta == ok
+    assert "Traceback" not in daemon.log_text()
+
+
+# ------------------------------------------------------------------------------- durable across crashes
+
+
+def test_a_durable_capture_acknowledged_just_before_kill_9_reaches_l3_after_the_restart(
+    make_daemon: Any,
+) -> None:
+    """A 64 MiB capture, kill -9 right after its reply: the restarted daemon finds the intent on tmpfs
+    and writes it. Repeated until at least one kill came before the write was done."""
+    proc = make_daemon()
+    data = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8)
+    crashed_before_the_write = 0
+    for attempt in range(6):
+        proc.start()
+        with proc.client() as client:
+            result = client.capture(model=MODEL, state=STATE, tokens=[attempt, 7], tensors={"x": data})
+            assert result.l3 and result.durability == "queued"
+        proc.kill9()
+        proc.start()
+        with proc.client() as client:
+            crashed_before_the_write += client.stats()["durable"]["recovered"]
+            assert eventually(lambda: client.stats()["l3"]["entries"] == attempt + 1, timeout=30)
+            listing = [e for e in client.ls() if e["digest"] == result.digest]
+            assert {e["tier"] for e in listing} == {"l2+l3"}
+        proc.stop()
+        if crashed_before_the_write:
+            break
+    assert crashed_before_the_write, "no kill -9 landed before the durable write finished"
+    shutil.rmtree(proc.shm_dir)
+    proc.shm_dir.mkdir()  # and a reboot afterwards: the entry comes back from L3
+    proc.start()
+    with proc.client() as client:
+        hit = client.restore(model=MODEL, state=STATE, tokens=[attempt, 7])
+        assert hit is not None and hit.source == "l3" and torch.equal(hit.tensors["x"], data)
+
+
+def test_a_sync_durable_capture_survives_kill_9_and_a_reboot(make_daemon: Any) -> None:
+    proc = make_daemon().start()
+    tensors = {"k": torch.randn(1 << 20), "v": torch.randn(3, 1000, dtype=torch.float64)}
+    with proc.client() as client:
+        result = client.capture(model=MODEL, state=STATE, tokens=[1, 2, 3], tensors=tensors, durable="sync")
+        assert result.l3 and result.durability == "written"
+        assert client.stats()["l3"]["entries"] == 1, "on disk before the reply"
+    proc.kill9()
+    shutil.rmtree(proc.shm_dir)
+    proc.shm_dir.mkdir()
+    proc.start()
+    with proc.client() as client:
+        hit = client.restore(model=MODEL, state=STATE, tokens=[1, 2, 3, 4])
+        assert hit is not None and hit.source == "l3" and hit.digest == result.digest
+        assert all(torch.equal(hit.tensors[n], t) for n, t in tensors.items())
+
+
+def test_durable_must_be_true_false_or_sync(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        with pytest.raises(InvalidArgument):
+            client.capture(model=MODEL, state=STATE, tokens=[1], tensors={}, durable="yes")  # type: ignore[arg-type]
+        result = client.capture(model=MODEL, state=STATE, tokens=[1], tensors={}, durable=False)
+        assert not result.l3 and result.durability == "none"
+
+
+def test_a_read_only_l3_defers_durable_writes_and_writes_them_once_it_has_room(
+    make_daemon: Any, mount_tmpfs: Any
+) -> None:
+    disk = Path(mount_tmpfs("8m"))
+    filler = disk / "filler"
+    proc = make_daemon("--l3-dir", str(disk / "l3"), "--l3-min-free", "2MiB").start()
+    with filler.open("wb") as handle:
+        handle.truncate(0)
+        os.posix_fallocate(handle.fileno(), 0, 6 << 20)  # below the floor: L3 is read-only
+    with proc.client() as client:
+        assert eventually(lambda: client.stats()["l3"]["readonly"])
+        result = client.capture(model=MODEL, state=STATE, tokens=[5], tensors={"x": torch.ones(1000)})
+        assert not result.l3 and result.durability == "deferred"
+        sync = client.capture(
+            model=MODEL, state=STATE, tokens=[6], tensors={"x": torch.zeros(1000)}, durable="sync"
+        )
+        assert not sync.l3 and sync.durability == "deferred"
+        assert client.stats()["durable"]["backlog"] == 2
+        filler.unlink()  # room again: the deferred writes happen without anyone asking
+        assert eventually(lambda: client.stats()["l3"]["entries"] == 2, timeout=30)
+        assert client.stats()["durable"]["backlog"] == 0
+
+
+# ------------------------------------------------------------------------------- threads survive
+
+
+def test_a_disk_that_fills_during_an_l3_write_fails_that_write_and_the_writer_goes_on(
+    tiers: Tiers, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ENOSPC from pwrite in the middle of the object: before the fix, the traceback kept a view of the
+    L2 mapping alive, closing it raised BufferError and the writer thread died."""
+    real = os.pwrite
+    full = threading.Event()
+    full.set()
+
+    def pwrite(fd: int, data: Any, offset: int) -> int:
+        if full.is_set() and len(data) > 4096:
+            real(fd, bytes(data[:4096]), offset)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    decls, source = staged(3, 1 << 20)
+    first = tiers.capture(identity=IDENT, tokens=encode_tokens([1]), tensors=decls, source=source)
+    assert first.durability == "queued"
+    assert tiers.writer is not None
+    assert eventually(lambda: tiers.writer is not None and tiers.writer.stats().failed == 1)
+    assert tiers.health.healthy and tiers.writer.alive
+    assert tiers.l3 is not None and tiers.l3.get(cache_key(IDENT, encode_tokens([1]))) is None
+    assert not any((tiers.l3.directory / "tmp").iterdir()), "nothing torn is left behind"
+    full.clear()  # room again: the deferred write is retried, a new one goes straight through
+    second = tiers.capture(identity=IDENT, tokens=encode_tokens([2]), tensors=decls, source=source)
+    assert second.durability == "queued"
+    assert eventually(lambda: tiers.l3 is not None and tiers.l3.get(cache_key(IDENT, encode_tokens([2]))))
+    assert tiers.writer.stats().backlog == 1, "the failed write waits for its retry"
+    assert tiers.health.snapshot()["skippyd-l3-writer"].errors == 1
+
+
+class _Raising:
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+        self.calls = 0
+
+    def consider(self, digest: str, token_count: int, payload_bytes: int) -> bool:
+        self.calls += 1
+        raise self.exc
+
+    def settle(self, digest: str) -> None:
+        raise AssertionError("never promoted")
+
+
+def _fill(t: Tiers, times: int, policy: _Raising) -> None:
+    """L3 fills of one entry, each after the promoter has decided the one before."""
+    for i in range(times):
+        t.l2.clear()
+        opened = t.open_restore(IDENT, encode_tokens([1, 2]))
+        assert opened is not None and opened.source == "l3"
+        os.close(opened.fd)
+        assert eventually(lambda i=i: policy.calls > i and not t._fills, timeout=10)  # type: ignore[misc]
+
+
+def _tiers_with(shm_dir: Path, tmp_path: Path, policy: _Raising) -> Tiers:
+    t = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30), promotions=policy)
+    decls, source = staged(9, 50_000)
+    t.capture(identity=IDENT, tokens=encode_tokens([1, 2]), tensors=decls, source=source, durable="sync")
+    return t
+
+
+def test_a_promotion_policy_that_raises_is_counted_and_the_promoter_goes_on(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    policy = _Raising(RuntimeError("boom"))
+    t = _tiers_with(shm_dir, tmp_path, policy)
+    try:
+        _fill(t, 2, policy)
+        assert eventually(lambda: t.health.snapshot()[PROMOTER].errors == 2)
+        assert t.health.healthy and t.clock.outstanding == 0
+    finally:
+        t.close()
+
+
+def test_a_background_thread_that_dies_anyway_makes_the_daemon_unhealthy(shm_dir: Path, tmp_path: Path) -> None:
+    policy = _Raising(SystemExit(3))  # not an Exception: it ends the thread
+    t = _tiers_with(shm_dir, tmp_path, policy)
+    try:
+        _fill(t, 1, policy)
+        assert eventually(lambda: not t.health.healthy)
+        assert t.health.dead() == [PROMOTER]
+        snapshot = t.health.snapshot()[PROMOTER]
+        assert not snapshot.alive and "SystemExit" in snapshot.last_error
+    finally:
+        t.close()
+
+
+def test_health_counts_each_failure_and_tells_a_stopped_thread_from_a_dead_one() -> None:
+    health = Health()
+    stop = threading.Event()
+
+    def loop() -> None:
+        for _ in range(3):
+            with health.guard("t", "a job failed"):
+                raise NoSpace("full")
+        stop.wait(10)
+
+    thread = health.start("t", loop)
+    assert eventually(lambda: health.snapshot()["t"].errors == 3)
+    assert health.healthy
+    stop.set()
+    thread.join()
+    assert health.healthy, "a thread that returned was stopped, not dead"
+    assert not health.snapshot()["t"].alive
+
+
+def test_closing_the_tiers_never_waits_long_for_a_writer_that_is_gone(shm_dir: Path, tmp_path: Path) -> None:
+    t = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30), l3_queue=2)
+    decls, source = staged(1, 4096)
+    for i in range(8):
+        t.capture(identity=IDENT, tokens=encode_tokens([i]), tensors=decls, source=source)
+    started = time.monotonic()
+    t.close(timeout=2.0)
+    assert time.monotonic() - started < 5.0
+
+
+def test_writes_left_at_shutdown_keep_their_intent_for_the_next_start(shm_dir: Path, tmp_path: Path) -> None:
+    gate = threading.Event()
+    l3 = L3Store(tmp_path / "l3", 1 << 30)
+    real = l3.write
+
+    def slow(*args: Any, **kwargs: Any) -> bool:
+        gate.wait(10)
+        return real(*args, **kwargs)
+
+    l3.write = slow  # type: ignore[method-assign]
+    t = Tiers(L2Tier(shm_dir, 64 << 20), l3=l3)
+    decls, source = staged(1, 4096)
+    for i in range(3):
+        t.capture(identity=IDENT, tokens=encode_tokens([i]), tensors=decls, source=source)
+    t.close(timeout=0.2)
+    gate.set()
+    marks = sorted(p.name for p in (shm_dir / "pending").iterdir())
+    assert len(marks) >= 2, "unwritten durable writes keep their markers"
+    again = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30))
+    try:
+        assert again.writer is not None and again.writer.stats().recovered == len(marks)
+        assert again.writer.wait_idle()
+        assert again.l3 is not None
+        assert all(again.l3.get(cache_key(IDENT, encode_tokens([i]))) is not None for i in range(3))
+        assert not any((shm_dir / "pending").iterdir())
+    finally:
+        again.close()
+
+
+def test_an_l3_write_mapping_is_released_even_when_the_write_fails(tmp_path: Path, shm_dir: Path) -> None:
+    """The writer maps an entry's bytes and closes the mapping after the write; it must be closable."""
+    store = L3Store(tmp_path / "l3", 1 << 30)
+    tier = L2Tier(shm_dir, 64 << 20)
+    try:
+        decls, source = staged(5, 100_000)
+        with tier.reserve(key=cache_key(IDENT, b"\x01\x00\x00\x00"), identity=IDENT, token_count=1,
+                          tensors=decls) as reservation:  # fmt: skip
+            reservation.data[: len(source)] = source[: len(reservation.data)]
+            entry = reservation.commit()
+        opened = tier.open_reader(entry.key)
+        assert opened is not None
+        fd = opened[0]
+        mapping = mmap.mmap(fd, entry.data_len, prot=mmap.PROT_READ, offset=entry.data_offset)
+        view = memoryview(mapping)
+        real = os.pwrite
+
+        def failing(*args: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.pwrite = failing  # type: ignore[assignment]
+        try:
+            with pytest.raises(NoSpace):
+                store.write(entry, view)
+        finally:
+            os.pwrite = real
+        view.release()
+        mapping.close()  # BufferError before the fix
+        os.close(fd)
+    finally:
+        tier.close()
+        store.close()
