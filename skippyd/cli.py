@@ -107,7 +107,10 @@ def serve(config_file: str | None, **flags: Any) -> None:
     except ConfigError as exc:
         _fail(str(exc), 2)
     except SkippydError as exc:
-        _fail(str(exc), 1)
+        _fail(f"{exc} [{exc.code}]", 1)
+    except OSError as exc:  # a directory it may not create, a file it may not read: one line, not a traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        _fail(f"{exc.strerror or exc}{where}", 1)
     sys.exit(code)
 
 
@@ -181,9 +184,9 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
         state = "degraded: " + str(redis.get("cause")) if redis.get("degraded") else "ok"
         click.echo(f"  redis      {state}")
     click.echo(f"  clients    {doc['connections']} connected")
-    dead = sorted(name for name, t in (stats.get("threads") or {}).items() if not t.get("alive", True))
-    if dead:
-        click.echo(f"  UNHEALTHY  background thread(s) {', '.join(dead)} died: restart the daemon")
+    died = sorted(name for name, t in (stats.get("threads") or {}).items() if not t.get("alive", True))
+    if died:
+        click.echo(f"  UNHEALTHY  background thread(s) {', '.join(died)} died: restart the daemon")
 
 
 @main.command()

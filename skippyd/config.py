@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from blake3 import blake3
+
 from .errors import ConfigError
 
 __all__ = [
@@ -26,12 +28,16 @@ __all__ = [
     "LoadedConfig",
     "human_size",
     "load_config",
+    "parse_addr",
     "parse_duration",
     "parse_size",
 ]
 
 ENV_PREFIX = "SKIPPYD_"
 DEFAULT_SOCKET = "/run/skippyd/skippyd.sock"
+DEFAULT_STATE_DIR = "/var/lib/skippyd"
+#: The smallest budget that holds one entry: its header page and one page of data.
+MIN_BUDGET = 8 << 10
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 _UNITS = {
@@ -116,8 +122,33 @@ def _parse_str(value: Any) -> str:
 
 
 def _parse_path(value: Any) -> str:
+    """An absolute path (``~`` expanded, relative paths taken from the working directory once, here):
+    the daemon, its redis-server and a URL built from the path all agree on what it names."""
     text = _parse_str(value)
-    return str(Path(text).expanduser()) if text else ""
+    return os.path.abspath(os.path.expanduser(text)) if text else ""
+
+
+def _parse_dir_or_off(value: Any) -> str:
+    text = _parse_str(value)
+    return "off" if text.strip().lower() == "off" else _parse_path(text)
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``host:port`` (``[::1]:9400``, ``:9400`` for every address) for the metrics endpoint."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"{addr!r} is not host:port (try 127.0.0.1:9400)")
+    number = int(port)
+    if not 0 < number < 65536:
+        raise ValueError(f"{addr!r}: port {number} is out of range")
+    return (host.strip("[]") or "0.0.0.0"), number  # noqa: S104 - the operator chose to expose it
+
+
+def _parse_addr(value: Any) -> str:
+    text = _parse_str(value).strip()
+    if text:
+        parse_addr(text)
+    return text
 
 
 def _parse_choice(*choices: str) -> Callable[[Any], str]:
@@ -153,7 +184,7 @@ FIELDS: dict[str, ConfigField] = {
     f.name: f
     for f in [
         ConfigField("socket", _parse_path, DEFAULT_SOCKET, "Unix socket the daemon listens on"),
-        ConfigField("state_dir", _parse_path, "/var/lib/skippyd", "embedded Redis data, default L3 dir"),
+        ConfigField("state_dir", _parse_path, DEFAULT_STATE_DIR, "embedded Redis data, default L3 dir"),
         ConfigField("shm_dir", _parse_path, "", "L2 tmpfs directory (default /dev/shm/skippyd-<node>)"),
         ConfigField("l2_budget", parse_size, "4GiB", "bytes the L2 tier may hold in tmpfs"),
         ConfigField("max_entry", parse_size, 0, "largest entry accepted (0: the L2 budget)"),
@@ -161,12 +192,12 @@ FIELDS: dict[str, ConfigField] = {
         ConfigField(
             "fill_budget", parse_size, "2GiB", "memory for L3 restores while L2 has no free room (memfd)"
         ),
-        ConfigField("l3_dir", _parse_path, "", "L3 disk directory (default <state_dir>/l3; 'off' disables)"),
+        ConfigField(
+            "l3_dir", _parse_dir_or_off, "", "L3 disk directory (default <state_dir>/l3; 'off' disables)"
+        ),
         ConfigField("l3_budget", parse_size, "64GiB", "hard cap on bytes L3 keeps on disk"),
         ConfigField("l3_min_free", parse_size, "2GiB", "L3 goes read-only below this much free disk"),
-        ConfigField(
-            "l3_queue", _parse_int, 64, "durable writes holding L2 memory (more wait as keys)"
-        ),
+        ConfigField("l3_queue", _parse_int, 64, "durable writes holding L2 memory (more wait as keys)"),
         ConfigField(
             "sync_timeout", parse_duration, "20s", 'how long a durable="sync" capture waits for its fsync'
         ),
@@ -197,7 +228,7 @@ FIELDS: dict[str, ConfigField] = {
         ConfigField("frame_timeout", parse_duration, "30s", "a request must arrive whole within this long"),
         ConfigField("log_level", _parse_choice("debug", "info", "warning", "error"), "info", "log level"),
         ConfigField("log_format", _parse_choice("human", "json"), "human", "log line format"),
-        ConfigField("metrics_addr", _parse_str, "", "host:port for Prometheus metrics (off by default)"),
+        ConfigField("metrics_addr", _parse_addr, "", "host:port for Prometheus metrics (off by default)"),
     ]
 }
 
@@ -205,7 +236,7 @@ FIELDS: dict[str, ConfigField] = {
 @dataclass(frozen=True)
 class Config:
     socket: str = DEFAULT_SOCKET
-    state_dir: str = "/var/lib/skippyd"
+    state_dir: str = DEFAULT_STATE_DIR
     shm_dir: str = ""
     l2_budget: int = 4 << 30
     max_entry: int = 0
@@ -245,11 +276,19 @@ class Config:
 
     @property
     def shm_path(self) -> Path:
-        return Path(self.shm_dir) if self.shm_dir else Path("/dev/shm") / f"skippyd-{self.node_name}"  # noqa: S108
+        """The L2 directory: ``shm_dir``, else one under /dev/shm derived from the node and the state
+        directory, so two daemons with their own state directories never share a tmpfs directory (the
+        system-wide state directory keeps the plain ``skippyd-<node>``)."""
+        if self.shm_dir:
+            return Path(self.shm_dir)
+        name = f"skippyd-{self.node_name}"
+        if self.state_dir != DEFAULT_STATE_DIR:
+            name += "-" + blake3(os.fsencode(self.state_dir)).hexdigest()[:8]
+        return Path("/dev/shm") / name  # noqa: S108
 
     @property
     def l3_path(self) -> Path | None:
-        if self.l3_dir.lower() == "off":
+        if self.l3_dir == "off":
             return None
         return Path(self.l3_dir) if self.l3_dir else Path(self.state_dir) / "l3"
 
@@ -331,8 +370,13 @@ def load_config(
 
 
 def _check(config: Config) -> None:
-    if config.l2_budget <= 0:
-        raise ConfigError("invalid l2_budget: must be positive")
+    for name in ("l2_budget", "l3_budget", "staging_budget"):
+        value = getattr(config, name)
+        if value < MIN_BUDGET:
+            raise ConfigError(
+                f"invalid {name}: {value} bytes is smaller than one entry ({human_size(MIN_BUDGET)}); "
+                f"sizes take units, e.g. {value}GiB"
+            )
     if config.max_frame < 64 * 1024:
         raise ConfigError("invalid max_frame: must be at least 64KiB")
     if len(os.fsencode(config.socket)) >= 108:

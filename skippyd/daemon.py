@@ -10,18 +10,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from .config import Config
+from .config import Config, human_size
 from .coordination import Coordinator, LocalPromotions
+from .errors import ConfigError
 from .handlers import Handlers
 from .keys import Identity
 from .l2 import L2Entry, L2Tier
 from .l3 import L3Store
 from .logs import setup_logging
 from .redis_embedded import EmbeddedRedis
-from .server import Server, notify
+from .server import Server, check_socket_free, notify
 from .tiers import PromotionPolicy, Tiers
 from .workers import Health
 
@@ -31,9 +34,30 @@ log = logging.getLogger("skippyd.daemon")
 
 
 def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_signals: bool = True) -> int:
-    """Runs the daemon until SIGTERM/SIGINT; returns the process exit code."""
+    """Runs the daemon until SIGTERM/SIGINT; returns the process exit code.
+
+    Everything that can be checked without touching the tiers is checked first (the configuration
+    was validated when it was loaded; here: a live daemon on the socket, the socket's directory, the
+    metrics port), so a mistake fails in a second, not after minutes of L2 verification.
+    """
     setup_logging(config.log_level, config.log_format)
+    preflight(config)
     with contextlib.ExitStack() as stack:
+        late: dict[str, Any] = {}
+        if config.metrics_addr:
+            from .metrics import DaemonCollector, MetricsServer
+
+            def snapshot() -> dict[str, Any]:
+                handlers = late.get("handlers")
+                return handlers.snapshot() if handlers is not None else {"starting": True}
+
+            def latency() -> dict[str, Any]:
+                server = late.get("server")
+                return server.latency.snapshot() if server is not None else {}
+
+            metrics = MetricsServer(config.metrics_addr, DaemonCollector(snapshot, latency))
+            metrics.start()  # bound before the tiers start: a port in use fails now
+            stack.callback(metrics.stop)
         redis_url = config.redis_url
         if not redis_url:
             embedded = EmbeddedRedis(Path(config.state_dir))
@@ -94,14 +118,7 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
         )
         handlers = Handlers(config, tiers, coordinator, health=health)
         server = Server(config, handlers, health=health)
-        if config.metrics_addr:
-            from .metrics import DaemonCollector, MetricsServer
-
-            metrics = MetricsServer(
-                config.metrics_addr, DaemonCollector(handlers.snapshot, server.latency.snapshot)
-            )
-            metrics.start()
-            stack.callback(metrics.stop)
+        late.update(handlers=handlers, server=server)
 
         def serving() -> None:
             if coordinator is not None:  # the node is announced only once its socket serves
@@ -111,6 +128,30 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
 
         asyncio.run(server.serve(install_signals=install_signals, on_ready=serving))
     return 0
+
+
+def preflight(config: Config) -> None:
+    """Fails fast on what would otherwise fail after start-up I/O; warns about what will fail later."""
+    socket = Path(config.socket)
+    check_socket_free(socket)
+    parent = socket.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"invalid socket: cannot create its directory {parent}: {exc.strerror}") from exc
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"invalid socket: {parent} is not writable by this user")
+    where = config.shm_path
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    vfs = os.statvfs(where)
+    size = vfs.f_blocks * vfs.f_frsize
+    if size < config.l2_budget:
+        log.warning(
+            "l2_budget %s is larger than the filesystem under %s (%s): captures will fail with no_space "
+            "once it is full; lower --l2-budget or grow the tmpfs",
+            human_size(config.l2_budget), config.shm_path, human_size(size),
+        )  # fmt: skip
 
 
 def _feed_warm_table(coordinator: Coordinator) -> Callable[[Identity, bytes, L2Entry], None]:

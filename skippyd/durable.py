@@ -164,6 +164,7 @@ class DurableWriter:
         self._cond = threading.Condition()
         self._jobs: collections.deque[_Job] = collections.deque()
         self._running: _Job | None = None
+        self._opening = 0  # backlog items taken out and being opened (neither backlog nor running)
         self._backlog: dict[str, str] = {}  # key -> digest, in the order they were deferred
         self._newest: dict[str, str] = {}  # key -> digest of its newest capture while a write of it waits
         self._pending: collections.Counter[str] = collections.Counter()  # key -> queued jobs + backlog
@@ -231,10 +232,10 @@ class DurableWriter:
                 self._newest[key] = digest
             if key in self._backlog:
                 self._drop_backlog_locked(key)
-        if durable:
-            self.marks.mark(key, digest)
-        else:
-            self.marks.clear(key)
+            if durable:
+                self.marks.mark(key, digest)
+            else:
+                self.marks.clear(key)
 
     def submit(self, entry: L2Entry, seq: int, *, sync: bool = False, timeout: float = 20.0) -> str:
         """Queues the durable write of a committed entry; returns its durability (see module doc).
@@ -245,7 +246,7 @@ class DurableWriter:
         deadline = time.monotonic() + timeout
         present = self.l3.get(entry.key)
         if present is not None and present.digest == entry.digest:
-            self.marks.clear(entry.key, entry.digest)
+            self._clear_mark(entry.key, entry.digest)
             return "written"
         if not self.alive or self.l3.readonly:
             self.defer(entry.key, entry.digest)
@@ -289,6 +290,14 @@ class DurableWriter:
             return "queued"
         return "written" if written else "deferred"
 
+    def withdraw(self, key: str, digest: str) -> None:
+        """A capture that recorded its intent failed before it was published: the intent goes."""
+        self._clear_mark(key, digest)
+
+    def _clear_mark(self, key: str, digest: str) -> None:
+        with self._cond:
+            self.marks.clear(key, digest)
+
     def defer(self, key: str, digest: str) -> None:
         """Keeps a durable write for later (its marker is already written)."""
         with self._cond:
@@ -305,7 +314,7 @@ class DurableWriter:
                     self.marks.clear(key, pending)
         for key, marked in self.marks.load().items():
             if digest is None or marked == digest:
-                self.marks.clear(key, marked)
+                self._clear_mark(key, marked)
 
     def stats(self) -> DurableStats:
         with self._cond:
@@ -318,7 +327,12 @@ class DurableWriter:
         """Waits until nothing is queued, running or deferred (tests, benchmarks, shutdown)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._jobs or self._running is not None or (self._backlog and not self.l3.readonly):
+            while (
+                self._jobs
+                or self._running is not None
+                or self._opening
+                or (self._backlog and not self.l3.readonly)
+            ):
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.alive:
                     return False
@@ -373,12 +387,19 @@ class DurableWriter:
                     return self._running
                 key = next(iter(self._backlog))
                 digest = self._backlog.pop(key)  # its count in _pending passes to the job
-            job = self._open_deferred(key, digest)
-            with self._cond:
-                if job is None:
-                    self._release_key_locked(key)
-                    continue
-                self._running = job
+                self._opening += 1
+            job: _Job | None = None
+            try:
+                job = self._open_deferred(key, digest)
+            finally:
+                with self._cond:
+                    self._opening -= 1
+                    if job is None:
+                        self._release_key_locked(key)
+                    else:
+                        self._running = job
+                    self._cond.notify_all()
+            if job is not None:
                 return job
 
     def _backlog_ready_locked(self) -> bool:
@@ -394,7 +415,7 @@ class DurableWriter:
         if opened is None or opened[1].digest != digest:
             if opened is not None:
                 os.close(opened[0])
-            self.marks.clear(key, digest)
+            self._clear_mark(key, digest)
             with self._cond:
                 self._stats.lost += 1
             log.warning("a deferred durable write was lost: its entry left L2 before L3 could take it")
@@ -431,34 +452,28 @@ class DurableWriter:
                 self._retry_wait = min(self._retry_wait * 2, _RETRY_AFTER_NO_SPACE_S[1])
             raise
         except (TooLarge, NotFound):
-            self.marks.clear(entry.key, entry.digest)  # L3 can never hold it: the intent is void
+            self._clear_mark(entry.key, entry.digest)  # L3 can never hold it: the intent is void
             raise
 
     def _finish(self, job: _Job, *, written: bool) -> None:
         entry = job.entry
         with contextlib.suppress(OSError):
             os.close(job.fd)
-        failed = False
-        with self._cond:
-            running = self._running is job
-            if running:
-                self._running = None
-            newer = self._newest.get(entry.key, entry.digest) != entry.digest
-            if written:
-                self._stats.written += 1
-                self._retry_wait = _RETRY_AFTER_NO_SPACE_S[0]
-            elif not self._stop:
-                failed = entry.key in self._backlog  # deferred again after a failure
-                if not failed:
-                    self._stats.skipped += 1
-            self._release_key_locked(entry.key)
-            self._cond.notify_all()
-        self.clock.end()
+        newer = False
         try:
-            if written and not newer:
-                self.marks.clear(entry.key, entry.digest)
-            elif not written and not failed and not self._stop:
-                self.marks.clear(entry.key, entry.digest)  # superseded or cancelled: nothing to redo
+            with self._cond:  # markers change under the lock: intend() of a newer capture cannot interleave
+                newer = self._newest.get(entry.key, entry.digest) != entry.digest
+                redo = False
+                if written:
+                    self._stats.written += 1
+                    self._retry_wait = _RETRY_AFTER_NO_SPACE_S[0]
+                elif not self._stop:
+                    redo = entry.key in self._backlog  # deferred again after a failure
+                    if not redo:
+                        self._stats.skipped += 1
+                self._release_key_locked(entry.key)
+                if written or (not self._stop and not redo):  # written, superseded or cancelled
+                    self.marks.clear(entry.key, entry.digest)
             if newer:  # captured again while this write ran: the newer one wins
                 stale = self.l3.get(entry.key)
                 if stale is not None and stale.digest == entry.digest:
@@ -466,6 +481,11 @@ class DurableWriter:
         except (OSError, SkippydError) as exc:
             self.health.failed(THREAD, "finishing a durable write failed", exc)
         finally:
+            self.clock.end()
+            with self._cond:
+                if self._running is job:
+                    self._running = None
+                self._cond.notify_all()
             for waiter in job.waiters:
                 if not waiter.done():
                     waiter.set_result(written and not newer)

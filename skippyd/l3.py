@@ -47,7 +47,7 @@ from .keys import is_hex_digest
 from .l2 import L2Entry, _Lengths
 from .payload import TensorSpec, payload_digest
 
-__all__ = ["L3Entry", "L3Stats", "L3Store", "Reconciliation"]
+__all__ = ["L3Entry", "L3Ref", "L3Stats", "L3Store", "Reconciliation"]
 
 log = logging.getLogger("skippyd.l3")
 
@@ -84,6 +84,13 @@ class L3Entry:
     @property
     def nbytes(self) -> int:
         return sum(spec.nbytes for spec in self.tensors)
+
+    def ref(self) -> L3Ref:
+        return L3Ref(
+            key=self.key, identity=_intern(self.identity), token_count=self.token_count,
+            kind=_intern(self.kind), digest=self.digest, object=self.object, data_len=self.data_len,
+            nbytes=self.nbytes, tensor_count=len(self.tensors), created_ns=self.created_ns,
+        )  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -136,6 +143,25 @@ class L3Entry:
         if end > entry.data_len:
             raise CorruptEntry("manifest tensors run past the data")
         return entry
+
+
+@dataclass(frozen=True, slots=True)
+class L3Ref:
+    """What the in-memory index keeps of an entry: what lookups, listings and budgets need, and nothing
+    more. The tensor table, ``meta`` and segment digests stay in the manifest on disk, read when the
+    entry is loaded (:meth:`L3Store.manifest`), so the index costs the same per entry whatever the
+    entry's ``meta`` holds (docs/operations.md, "Sizing")."""
+
+    key: str
+    identity: str
+    token_count: int
+    kind: str
+    digest: str
+    object: str
+    data_len: int
+    nbytes: int
+    tensor_count: int
+    created_ns: int
 
 
 def object_id(digest: str, tensors: tuple[TensorSpec, ...], data_len: int) -> str:
@@ -209,9 +235,17 @@ class Reconciliation:
 
 @dataclass(slots=True)
 class _Record:
-    entry: L3Entry
+    ref: L3Ref
     manifest_size: int
     last_use: int
+
+
+_interned: dict[str, str] = {}
+
+
+def _intern(text: str) -> str:
+    """One string object per identity digest or kind, however many entries share it."""
+    return _interned.setdefault(text, text)
 
 
 class L3Store:
@@ -283,7 +317,7 @@ class L3Store:
     def _manifest_path(self, key: str) -> Path:
         return self._dirs["manifests"] / key[:2] / f"{key}.man"
 
-    def _link_path(self, entry: L3Entry) -> Path:
+    def _link_path(self, entry: L3Ref | L3Entry) -> Path:
         return self._dirs["links"] / entry.identity / f"{entry.token_count}.{entry.key}"
 
     # ----------------------------------------------------------------- reconciliation
@@ -336,12 +370,12 @@ class L3Store:
                         report.manifests_quarantined += 1
                         report.problems.append(f"manifest {man.name}: {exc}")
                         continue
-                    found.append((st.st_mtime_ns, key, _Record(entry, st.st_size, st.st_mtime_ns)))
+                    found.append((st.st_mtime_ns, key, _Record(entry.ref(), st.st_size, st.st_mtime_ns)))
             for _mtime, _key, record in sorted(found, key=lambda item: (item[0], item[1])):
                 self._index(record)
             report.manifests = len(self._records)
             # links: drop dangling ones, restore missing ones
-            wanted = {self._link_path(r.entry) for r in self._records.values()}
+            wanted = {self._link_path(r.ref) for r in self._records.values()}
             for ident_dir in self._dirs["links"].iterdir():
                 for link in ident_dir.iterdir() if ident_dir.is_dir() else ():
                     if link not in wanted:
@@ -378,8 +412,11 @@ class L3Store:
                 record = self._records.get(keys[0]) if keys else None
             if record is not None:
                 try:
-                    self._read_verified(record.entry, bytearray(record.entry.data_len))
+                    entry = self.manifest(record.ref.key, expected=record.ref)
+                    self._read_verified(entry, bytearray(entry.data_len))
                     report.verified += 1
+                except NotFound:
+                    continue
                 except CorruptEntry as exc:
                     report.objects_quarantined += 1
                     report.problems.append(f"object {name[:16]}: {exc}")
@@ -406,17 +443,17 @@ class L3Store:
         self._object_sizes[name] = size
 
     def _index(self, record: _Record) -> None:
-        entry = record.entry
+        entry = record.ref
         old = self._records.get(entry.key)
         if old is not None:
-            self._unindex(old.entry)
+            self._unindex(old.ref)
         self._records[entry.key] = record
         self._manifest_bytes += record.manifest_size
         self._by_identity.setdefault(entry.identity, _Lengths()).add(entry.token_count)
         self._by_digest.setdefault(entry.digest, set()).add(entry.key)
         self._by_object.setdefault(entry.object, set()).add(entry.key)
 
-    def _unindex(self, entry: L3Entry) -> None:
+    def _unindex(self, entry: L3Ref) -> None:
         record = self._records.pop(entry.key, None)
         if record is not None:
             self._manifest_bytes -= record.manifest_size
@@ -442,14 +479,45 @@ class L3Store:
             lengths = self._by_identity.get(identity_digest)
             return lengths.upto(upto) if lengths is not None else []
 
-    def get(self, key: str) -> L3Entry | None:
+    def get(self, key: str) -> L3Ref | None:
         with self._lock:
             record = self._records.get(key)
-            return record.entry if record is not None else None
+            return record.ref if record is not None else None
 
-    def entries(self) -> list[tuple[L3Entry, int]]:
+    def entries(self) -> list[tuple[L3Ref, int]]:
         with self._lock:
-            return [(r.entry, r.last_use) for r in self._records.values()]
+            return [(r.ref, r.last_use) for r in self._records.values()]
+
+    def manifest(self, key: str, *, expected: L3Ref | None = None) -> L3Entry:
+        """The whole entry (tensor table, ``meta``, segment digests), read from its manifest on disk.
+
+        :class:`NotFound` when the key is gone or was rewritten since ``expected`` was looked up; a
+        manifest that no longer checks out is quarantined (:class:`CorruptEntry`).
+        """
+        with self._lock:
+            record = self._records.get(key)
+            if record is None or (expected is not None and record.ref != expected):
+                raise NotFound("the L3 entry changed since it was looked up")
+            ref = record.ref
+        path = self._manifest_path(key)
+        try:
+            with open(path, "rb") as handle:  # a bounded read of one small file
+                raw = handle.read(_MAX_MANIFEST + 1)
+        except FileNotFoundError:
+            with self._lock:
+                gone = self._records.get(key) is not record
+            if gone:
+                raise NotFound("the L3 entry was evicted") from None
+            self._quarantine_ref(ref, "its manifest file is missing")
+            raise CorruptEntry("L3 manifest file is missing") from None
+        try:
+            entry = decode_manifest(raw)
+            if entry.ref() != ref:
+                raise CorruptEntry("L3 manifest disagrees with the index built from it")
+        except CorruptEntry as exc:
+            self._quarantine_ref(ref, str(exc))
+            raise
+        return entry
 
     def touch(self, key: str) -> None:
         with self._lock:
@@ -499,7 +567,7 @@ class L3Store:
         with self._lock:
             existing = self._records.get(entry.key)
             name = object_id(entry.digest, entry.tensors, entry.data_len)
-            if existing is not None and existing.entry.object == name:
+            if existing is not None and existing.ref.object == name:
                 self._stats.write_skips += 1
                 return False
             have_object = name in self._object_sizes
@@ -527,12 +595,19 @@ class L3Store:
                     added_object = name not in self._object_sizes
                     self._add_object(name, entry.data_len)
                     self._stats.bytes_written += entry.data_len
+                source_key = None
                 if segments is None:
                     keys = self._by_object.get(name)
-                    source = self._records[next(iter(keys))].entry if keys else None
-                    if source is None:
+                    source_key = next(iter(keys)) if keys else None
+                    if source_key is None:
                         raise NoSpace("the shared object lost its manifest while this write waited")
-                    segments, segment_bytes = source.segments, source.segment_bytes
+            if segments is None:
+                assert source_key is not None
+                try:
+                    source = self.manifest(source_key)
+                except (NotFound, CorruptEntry) as exc:
+                    raise NoSpace(f"the shared object's manifest went away meanwhile: {exc}") from exc
+                segments, segment_bytes = source.segments, source.segment_bytes
             manifest = L3Entry(
                 key=entry.key, identity=entry.identity, token_count=entry.token_count, kind=entry.kind,
                 digest=entry.digest, meta=dict(entry.meta), tensors=entry.tensors, data_len=entry.data_len,
@@ -558,9 +633,9 @@ class L3Store:
                     return False
                 os.rename(staged, final)
                 old = self._records.get(entry.key)
-                self._index(_Record(manifest, len(raw), time.time_ns()))
-                if old is not None and old.entry.object != manifest.object:
-                    self._drop_object_if_unused(old.entry.object)  # (the key's link stays: same path)
+                self._index(_Record(manifest.ref(), len(raw), time.time_ns()))
+                if old is not None and old.ref.object != manifest.object:
+                    self._drop_object_if_unused(old.ref.object)  # (the key's link stays: same path)
                 self._stats.writes += 1
                 self._stats.bytes_written += len(raw)
                 added_object = False
@@ -634,14 +709,14 @@ class L3Store:
                 size = path.stat().st_size
                 path.unlink()
                 self._quarantine_bytes -= size
-        victims = sorted(self._records.values(), key=lambda r: (r.last_use, r.entry.key))
+        victims = sorted(self._records.values(), key=lambda r: (r.last_use, r.ref.key))
         for record in victims:
             if self._used() <= target:
                 return
-            self._remove_entry(record.entry)
+            self._remove_entry(record.ref)
             self._stats.evictions += 1
 
-    def _remove_entry(self, entry: L3Entry) -> None:
+    def _remove_entry(self, entry: L3Ref) -> None:
         self._unindex(entry)
         for path in (self._manifest_path(entry.key), self._link_path(entry)):
             with contextlib.suppress(FileNotFoundError):
@@ -659,7 +734,7 @@ class L3Store:
             record = self._records.get(key)
             if record is None:
                 return False
-            self._remove_entry(record.entry)
+            self._remove_entry(record.ref)
             return True
 
     def keys_by_digest(self, digest: str) -> list[str]:
@@ -677,28 +752,20 @@ class L3Store:
         with self._lock:
             records = list(self._records.values())
             for record in records:
-                self._remove_entry(record.entry)
+                self._remove_entry(record.ref)
             return len(records)
 
     # ----------------------------------------------------------------- read path
-    def load_into(self, key: str, dest: memoryview, *, expected: L3Entry | None = None) -> L3Entry:
+    def load_into(self, key: str, dest: memoryview, *, expected: L3Entry | L3Ref | None = None) -> L3Entry:
         """Reads and verifies an entry's data region into ``dest``; corruption quarantines it.
 
-        With ``expected`` the entry must still be that one (same object, digest and token count):
-        if the key was rewritten since the caller looked it up, :class:`NotFound` is raised rather than
-        loading bytes the caller's description does not match.
+        ``expected`` (what :meth:`manifest` gave the caller) must still be what the key names: if the
+        key was rewritten since, :class:`NotFound` is raised rather than loading bytes the caller's
+        description does not match.
         """
-        with self._lock:
-            record = self._records.get(key)
-            if record is None:
-                raise NotFound("no such L3 entry")
-            entry = record.entry
-        if expected is not None and (
-            entry.object != expected.object
-            or entry.digest != expected.digest
-            or entry.token_count != expected.token_count
-        ):
-            raise NotFound("the L3 entry changed since it was looked up")
+        if isinstance(expected, L3Entry):
+            expected = expected.ref()
+        entry = self.manifest(key, expected=expected)
         if len(dest) < entry.data_len:
             raise InvalidArgument("the destination is smaller than the entry")
         self._read_verified(entry, dest)
@@ -755,25 +822,28 @@ class L3Store:
                 chunk.release()
             view.release()
 
-    def quarantine(self, entry: L3Entry, reason: str) -> None:
+    def quarantine(self, entry: L3Entry | L3Ref, reason: str) -> None:
         """Moves an entry (manifest and, if no other manifest shares it, its object) out of service."""
+        self._quarantine_ref(entry if isinstance(entry, L3Ref) else entry.ref(), reason)
+
+    def _quarantine_ref(self, entry: L3Ref, reason: str) -> None:
         log.error("L3 entry quarantined: %s", reason)
         with self._lock:
             self._stats.corrupt += 1
             record = self._records.get(entry.key)
-            if record is not None and record.entry.object == entry.object:
+            if record is not None and record.ref.object == entry.object:
                 # only this entry's manifest: a newer write of the key (another object) stays in service
-                self._unindex(record.entry)
+                self._unindex(record.ref)
                 self._quarantine_file(self._manifest_path(entry.key), reason)
                 with contextlib.suppress(FileNotFoundError):
                     self._link_path(entry).unlink()
             # the object is bad for every manifest that names it
             for other in list(self._by_object.get(entry.object, ())):
                 record = self._records[other]
-                self._unindex(record.entry)
+                self._unindex(record.ref)
                 self._quarantine_file(self._manifest_path(other), f"shares corrupt object: {reason}")
                 with contextlib.suppress(FileNotFoundError):
-                    self._link_path(record.entry).unlink()
+                    self._link_path(record.ref).unlink()
             if entry.object in self._object_sizes:
                 self._object_bytes -= self._object_sizes.pop(entry.object)
                 self._quarantine_file(self._object_path(entry.object), reason)

@@ -22,10 +22,11 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from . import __version__
+from .config import parse_addr
 from .errors import ConfigError
 from .latency import BUCKETS_US, OpLatency
 
-__all__ = ["DaemonCollector", "MetricsServer", "parse_addr"]
+__all__ = ["DaemonCollector", "MetricsServer"]
 
 log = logging.getLogger("skippyd.metrics")
 
@@ -166,17 +167,6 @@ class DaemonCollector(Collector):
         yield histogram
 
 
-def parse_addr(addr: str) -> tuple[str, int]:
-    host, _, port = addr.rpartition(":")
-    try:
-        number = int(port)
-    except ValueError:
-        raise ConfigError(f"invalid metrics_addr {addr!r}: use host:port") from None
-    if not 0 < number < 65536:
-        raise ConfigError(f"invalid metrics_addr {addr!r}: port out of range")
-    return (host.strip("[]") or "0.0.0.0"), number  # noqa: S104 - the operator chose to expose it
-
-
 class MetricsServer:
     def __init__(self, addr: str, collector: DaemonCollector) -> None:
         self.host, self.port = parse_addr(addr)
@@ -185,7 +175,12 @@ class MetricsServer:
         self._server: Any = None
 
     def start(self) -> None:
-        server, _thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        try:
+            server, _thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(
+                f"invalid metrics_addr {self.host}:{self.port}: cannot listen there ({exc.strerror})"
+            ) from exc
         self._server = server
         self.port = server.server_port
         log.info("metrics on http://%s:%d/metrics", self.host, self.port)

@@ -42,7 +42,7 @@ from .latency import LatencyTracker
 from .protocol import MAX_REQUEST_ITEMS, Frame, FrameDecoder, FrameType, encode_frame, send_frame
 from .workers import Health
 
-__all__ = ["Server", "notify", "publish_socket"]
+__all__ = ["Server", "check_socket_free", "notify", "publish_socket"]
 
 log = logging.getLogger("skippyd.server")
 
@@ -124,6 +124,12 @@ def publish_socket(path: Path, *, group: str = "", backlog: int = 512) -> Publis
     except BaseException:
         os.close(lock_fd)
         raise
+
+
+def check_socket_free(path: Path) -> None:
+    """Refuses (:class:`StoreLocked`) when a live daemon answers on ``path`` or something that is not a
+    socket sits there; a stale socket is fine (it is replaced when the socket is published)."""
+    _check_existing(path)
 
 
 def _check_existing(path: Path) -> None:

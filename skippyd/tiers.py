@@ -36,7 +36,7 @@ from .errors import Busy, CorruptEntry, InvalidArgument, NoSpace, NotFound, Skip
 from .evictions import EvictionClock
 from .keys import Identity, cache_key, prefix_keys, token_count
 from .l2 import L2Entry, L2Tier, Reservation, copy_into
-from .l3 import L3Entry, L3Store
+from .l3 import L3Entry, L3Ref, L3Store
 from .payload import TensorDecl, plan_layout
 from .shm import memfd, reopen_readonly, seal_readonly
 from .workers import Health
@@ -125,9 +125,10 @@ class _Fill:
     finds the memory gone between the load and its fd.
     """
 
-    entry: L3Entry
+    ref: L3Ref  # what the restore looked up
     key: str
     seq: int  # the eviction sequence number when the fill began: a later eviction of its digest wins
+    entry: L3Entry | None = None  # the whole manifest, read by the leader
     done: Future[None] = field(default_factory=Future)
     reservation: Reservation | None = None
     fd: int = -1  # a sealed memfd when L2 had no free room
@@ -143,7 +144,7 @@ class _Candidate:
     key: str
     length: int
     l2: L2Entry | None
-    l3: L3Entry | None
+    l3: L3Ref | None
 
 
 class Tiers:
@@ -251,7 +252,7 @@ class Tiers:
                     entry = reservation.commit(before_publish=before_publish)
             except BaseException:
                 if writer is not None and intended and durable:
-                    writer.marks.clear(key, intended[0])  # nothing was published under that intent
+                    writer.withdraw(key, intended[0])  # nothing was published under that intent
                 raise
             durability = "none"
             if durable and writer is not None:
@@ -364,14 +365,14 @@ class Tiers:
         )
 
     # ----------------------------------------------------------------- L3 fills
-    def _open_l3(self, key: str, entry: L3Entry, started: float, seq: int) -> Opened:
+    def _open_l3(self, key: str, ref: L3Ref, started: float, seq: int) -> Opened:
         assert self.l3 is not None
         lookup_ms = (time.perf_counter() - started) * 1e3
         with self._lock:
-            fill = self._fills.get(entry.object)
+            fill = self._fills.get(ref.object)
             leader = fill is None
             if fill is None:
-                fill = self._fills[entry.object] = _Fill(entry, key, min(seq, self.clock.begin()))
+                fill = self._fills[ref.object] = _Fill(ref, key, min(seq, self.clock.begin()))
             else:
                 self.counters.fill_waits += 1
             fill.users += 1
@@ -380,6 +381,8 @@ class Tiers:
                 self._load(fill)
             fill.done.result()  # the leader's CorruptEntry/NotFound reaches every waiter
             fd, data_offset = self._fill_reader(fill)
+            entry = fill.entry
+            assert entry is not None
         finally:
             self._leave(fill)
         self.l2.count_miss()
@@ -391,9 +394,10 @@ class Tiers:
         """Reads and verifies the entry into free L2 memory (never evicting for it: the promoter decides
         whether it stays), or into a sealed memfd when L2 has no free room."""
         assert self.l3 is not None
-        entry, key = fill.entry, fill.key
+        key = fill.key
         began = time.perf_counter()
         try:
+            entry = fill.entry = self.l3.manifest(key, expected=fill.ref)
             try:
                 fill.reservation = self.l2.reserve(
                     key=key, identity=entry.identity, token_count=entry.token_count, tensors=_decls(entry),
@@ -467,8 +471,8 @@ class Tiers:
     def _retire_locked(self, fill: _Fill) -> None:
         """No restore joins this fill any more (its work stays outstanding until :meth:`_release`)."""
         fill.released = True
-        if self._fills.get(fill.entry.object) is fill:
-            del self._fills[fill.entry.object]
+        if self._fills.get(fill.ref.object) is fill:
+            del self._fills[fill.ref.object]
 
     def _leave(self, fill: _Fill) -> None:
         with self._lock:
@@ -492,14 +496,14 @@ class Tiers:
         reservation, fill.reservation = fill.reservation, None
         fd, fill.fd = fill.fd, -1
         with self._lock:
-            promote = fill.resolution == "commit" and not self.clock.cancelled(fill.entry.digest, fill.seq)
+            promote = fill.resolution == "commit" and not self.clock.cancelled(fill.ref.digest, fill.seq)
         if promote and self.l3 is not None:  # a newer capture of the key may have retired these bytes
             durable = self.l3.get(fill.key)
-            promote = durable is not None and durable.digest == fill.entry.digest
+            promote = durable is not None and durable.digest == fill.ref.digest
         try:
             committed: L2Entry | None = None
             if promote and reservation is not None:
-                committed = reservation.commit_if_absent(expected_digest=fill.entry.digest)
+                committed = reservation.commit_if_absent(expected_digest=fill.ref.digest)
                 reservation = None
             elif promote and fd >= 0:
                 committed = self._promote_copy(fill, fd)
@@ -508,7 +512,7 @@ class Tiers:
                 with self._lock:
                     # an eviction that marked this digest after the check above may have swept L2
                     # before the commit: take the promoted entry back out
-                    withdraw = self.clock.cancelled(fill.entry.digest, fill.seq)
+                    withdraw = self.clock.cancelled(fill.ref.digest, fill.seq)
                 if withdraw:
                     current = self.l2.peek(committed.key)
                     if current is not None and current.digest == committed.digest:
@@ -528,6 +532,7 @@ class Tiers:
     def _promote_copy(self, fill: _Fill, fd: int) -> L2Entry | None:
         """Promotes a fill that L2 had no free room for: now room is made (LRU) and the bytes copied."""
         entry = fill.entry
+        assert entry is not None  # a fill that loaded has its manifest
         size = max(entry.data_len, 1)
         with (
             mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapping,
@@ -551,7 +556,7 @@ class Tiers:
                 return
             resolved = False
             try:
-                entry = fill.entry
+                entry = fill.ref
                 promote = False
                 with self.health.guard(PROMOTER, "promotion check failed"):
                     if self.promotions is not None:
@@ -679,7 +684,7 @@ def _decls(entry: L3Entry) -> list[TensorDecl]:
     return [TensorDecl(s.name, s.dtype, s.shape) for s in entry.tensors]
 
 
-def _listing(tier: str, entry: L2Entry | L3Entry, size: int, last_use: int, now: int) -> dict[str, Any]:
+def _listing(tier: str, entry: L2Entry | L3Ref, size: int, last_use: int, now: int) -> dict[str, Any]:
     return {
         "tier": tier,
         "digest": entry.digest,
@@ -689,5 +694,5 @@ def _listing(tier: str, entry: L2Entry | L3Entry, size: int, last_use: int, now:
         "file_size": size,
         "age_s": max(0.0, (now - entry.created_ns) / 1e9),
         "idle_s": max(0.0, (now - last_use) / 1e9),
-        "tensors": len(entry.tensors),
+        "tensors": entry.tensor_count if isinstance(entry, L3Ref) else len(entry.tensors),
     }

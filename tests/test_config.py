@@ -79,7 +79,50 @@ def test_bad_values_fail_naming_the_key_and_where_it_came_from(
 
 def test_derived_paths_follow_the_node_and_state_dir() -> None:
     cfg = load_config({"node": "gpu-7", "state_dir": "/srv/sk"}, env={}).config
-    assert str(cfg.shm_path) == "/dev/shm/skippyd-gpu-7"
+    assert str(cfg.shm_path).startswith("/dev/shm/skippyd-gpu-7-")
     assert str(cfg.l3_path) == "/srv/sk/l3"
+    system = load_config({"node": "gpu-7"}, env={}).config
+    assert str(system.shm_path) == "/dev/shm/skippyd-gpu-7", "the system-wide state dir keeps its name"
     assert load_config({"l3_dir": "off"}, env={}).config.l3_path is None
     assert cfg.scope == "node:gpu-7"
+
+
+def test_two_state_dirs_on_one_host_never_share_a_tmpfs_directory() -> None:
+    one = load_config({"node": "n", "state_dir": "/work/a/.skippyd"}, env={}).config
+    two = load_config({"node": "n", "state_dir": "/work/b/.skippyd"}, env={}).config
+    assert one.shm_path != two.shm_path
+    assert one.shm_path == load_config({"node": "n", "state_dir": "/work/a/.skippyd"}, env={}).config.shm_path
+
+
+def test_relative_paths_are_made_absolute_once_from_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(
+        {"state_dir": "relstate", "socket": "s.sock", "shm_dir": "shm", "l3_dir": "../l3"}, env={}
+    ).config
+    assert cfg.state_dir == str(tmp_path / "relstate")
+    assert cfg.socket == str(tmp_path / "s.sock")
+    assert cfg.shm_dir == str(tmp_path / "shm")
+    assert cfg.l3_dir == str(tmp_path.parent / "l3")
+    assert load_config({"l3_dir": "OFF"}, env={}).config.l3_path is None
+    home = load_config({"state_dir": "~/sk"}, env={"HOME": "/home/x"}).config
+    assert home.state_dir.endswith("/sk") and not home.state_dir.startswith("~")
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ({"metrics_addr": "banana"}, "invalid metrics_addr"),
+        ({"metrics_addr": "127.0.0.1:99999"}, "out of range"),
+        ({"l2_budget": "10"}, "smaller than one entry"),
+        ({"l3_budget": "1KiB"}, "invalid l3_budget"),
+        ({"staging_budget": "0"}, "invalid staging_budget"),
+    ],
+)
+def test_values_that_cannot_work_are_refused_when_the_configuration_loads(
+    flags: dict[str, str], needle: str
+) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        load_config(flags, env={})
+    assert load_config({"metrics_addr": "127.0.0.1:9400"}, env={}).config.metrics_addr == "127.0.0.1:9400"

@@ -135,7 +135,8 @@ def test_a_durable_capture_acknowledged_just_before_kill_9_reaches_l3_after_the_
         proc.start()
         with proc.client() as client:
             crashed_before_the_write += client.stats()["durable"]["recovered"]
-            assert eventually(lambda: client.stats()["l3"]["entries"] == attempt + 1, timeout=30)
+            want = attempt + 1
+            assert eventually(lambda: client.stats()["l3"]["entries"] == want, timeout=30)  # noqa: B023
             listing = [e for e in client.ls() if e["digest"] == result.digest]
             assert {e["tier"] for e in listing} == {"l2+l3"}
         proc.stop()
@@ -276,7 +277,9 @@ def test_a_promotion_policy_that_raises_is_counted_and_the_promoter_goes_on(
         t.close()
 
 
-def test_a_background_thread_that_dies_anyway_makes_the_daemon_unhealthy(shm_dir: Path, tmp_path: Path) -> None:
+def test_a_background_thread_that_dies_anyway_makes_the_daemon_unhealthy(
+    shm_dir: Path, tmp_path: Path
+) -> None:
     policy = _Raising(SystemExit(3))  # not an Exception: it ends the thread
     t = _tiers_with(shm_dir, tmp_path, policy)
     try:
@@ -332,13 +335,17 @@ def test_writes_left_at_shutdown_keep_their_intent_for_the_next_start(shm_dir: P
     decls, source = staged(1, 4096)
     for i in range(3):
         t.capture(identity=IDENT, tokens=encode_tokens([i]), tensors=decls, source=source)
-    t.close(timeout=0.2)
-    gate.set()
+    assert t.writer is not None
+    old_thread = t.writer._thread
+    t.close(timeout=0.2)  # the first write is stuck on the disk, two more are queued
     marks = sorted(p.name for p in (shm_dir / "pending").iterdir())
-    assert len(marks) >= 2, "unwritten durable writes keep their markers"
+    assert len(marks) == 3, "unwritten durable writes keep their markers"
+    gate.set()
+    assert old_thread is not None
+    old_thread.join(10)  # the stuck write finishes (a real shutdown would just exit)
     again = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30))
     try:
-        assert again.writer is not None and again.writer.stats().recovered == len(marks)
+        assert again.writer is not None and again.writer.stats().recovered >= 2
         assert again.writer.wait_idle()
         assert again.l3 is not None
         assert all(again.l3.get(cache_key(IDENT, encode_tokens([i]))) is not None for i in range(3))
@@ -367,7 +374,7 @@ def test_an_l3_write_mapping_is_released_even_when_the_write_fails(tmp_path: Pat
         def failing(*args: Any) -> int:
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        os.pwrite = failing  # type: ignore[assignment]
+        os.pwrite = failing
         try:
             with pytest.raises(NoSpace):
                 store.write(entry, view)
