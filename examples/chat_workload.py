@@ -3,6 +3,10 @@
     python examples/chat_workload.py [--socket PATH] [--model attention|hybrid]
                                      [--conversations 8] [--turns 4] [--reply-tokens 8]
 
+Needs transformers 5.x beside skippyd and torch: ``scripts/setup.sh --dev`` installs it into ``.venv``
+(then run ``.venv/bin/python examples/chat_workload.py``), or ``pip install -e '.[transformers]'``
+together with ``torch==2.13.0`` (the CPU build) in your own environment.
+
 Each conversation starts from a shared system prompt; every turn appends a user message of 120-250 tokens
 to the history (previous prompts and assistant replies), so prompts grow turn by turn. The model is a
 small transformers model with seeded random weights (no downloads), so token ids are random too.

@@ -2,6 +2,10 @@
 
     python examples/two_nodes.py [--conversations 4] [--turns 3]
 
+Needs ``redis-server`` on the PATH and transformers 5.x beside skippyd and torch: ``scripts/setup.sh
+--dev`` installs both (then run ``.venv/bin/python examples/two_nodes.py``), or ``apt-get install
+redis-server`` and ``pip install -e '.[transformers]'`` with ``torch==2.13.0`` in your own environment.
+
 Starts a private ``redis-server`` on a unix socket in a temporary directory and two daemons,
 ``node-a`` and ``node-b``, each with ``--redis-url <that redis> --node <name>`` (and its own socket, L2
 and state directory, as two hosts would have). The head asks the cluster's warm-prefix table

@@ -10,18 +10,36 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 import click
 
 from . import __version__
-from .config import FIELDS, human_size, load_config
+from .config import (
+    FIELDS,
+    Config,
+    LoadedConfig,
+    config_from_values,
+    config_values,
+    derived_settings,
+    embedded_redis_url,
+    human_size,
+    load_config,
+)
+from .display import human_age, human_us, plural
 from .errors import ConfigError, ConnectionLost, SkippydError, Timeout
+from .locate import resolve_socket_path
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _SERVE_FLAGS = list(FIELDS)  # every configuration key is a flag of serve
+
+
+TOKENS_HELP = (
+    "token ids: a file of integers separated by white space or commas, or a JSON array; - is standard input"
+)
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -43,10 +61,18 @@ def _config_options(names: list[str]) -> Callable[[F], F]:
             elif name in ("allowed_uids", "allowed_gids"):
                 fn = click.option(flag, name, default=None, help=spec.help + " (comma-separated)")(fn)
             else:
-                fn = click.option(flag, name, default=None, help=f"{spec.help} [env {spec.env}]")(fn)
+                says = "(default" in spec.help or "by default" in spec.help
+                default = "" if says else f"default: {_default_text(spec.default)}; "
+                fn = click.option(flag, name, default=None, help=f"{spec.help} [{default}env {spec.env}]")(fn)
         return fn
 
     return decorate
+
+
+def _default_text(default: Any) -> str:
+    if default in ("", (), None):
+        return "unset"
+    return str(default)
 
 
 def _socket_options(fn: F) -> F:
@@ -56,6 +82,14 @@ def _socket_options(fn: F) -> F:
     return click.option("--socket", "socket", default=None, help="daemon socket [env SKIPPYD_SOCKET]")(fn)
 
 
+def _socket_of(loaded: LoadedConfig) -> str:
+    """The socket a command talks to: the one it was given (flag, env, file), else the daemon of the
+    checkout it runs in, else the system's (see :mod:`skippyd.locate`)."""
+    if loaded.sources.get("socket", "default") != "default":
+        return loaded.config.socket
+    return resolve_socket_path(None)
+
+
 def _client(socket: str | None, config_file: str | None, timeout: float = 10.0) -> Any:
     try:
         loaded = load_config({"socket": socket}, config_file=config_file)
@@ -63,18 +97,57 @@ def _client(socket: str | None, config_file: str | None, timeout: float = 10.0) 
         _fail(str(exc), 2)
     from .client import Client
 
-    return Client(loaded.config.socket, timeout=timeout, connect_timeout=min(timeout, 5.0))
+    return Client(_socket_of(loaded), timeout=timeout, connect_timeout=min(timeout, 5.0))
 
 
-def human_age(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+@dataclass(frozen=True)
+class _Settings:
+    config: Config
+    sources: dict[str, str]
+    daemon: str | None  # the socket of the daemon whose settings these are, or None (this command's own)
+    socket: str
+
+
+def _settings(flags: dict[str, Any], config_file: str | None, *, local: bool = False) -> _Settings:
+    """The settings a command works with: those of the daemon answering on the socket (flags given on
+    this command line still win), or, with no daemon there or with ``local``, this command's own
+    (flags > environment > file > defaults). Says which on stderr."""
+    try:
+        loaded = load_config(flags, config_file=config_file)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    socket = _socket_of(loaded)
+    reply: dict[str, Any] | None = None
+    if not local:
+        from .client import Client
+
+        try:
+            with Client(socket, timeout=3.0, connect_timeout=1.0) as client:
+                reply = client.config()
+        except SkippydError:
+            reply = None
+    if reply is None:
+        if not local:
+            click.echo(f"skippyd: no daemon answers on {socket}: using this command's own settings", err=True)
+        return _Settings(loaded.config, dict(loaded.sources), None, socket)
+    values = dict(reply.get("values", {}))
+    sources = {name: f"daemon: {source}" for name, source in dict(reply.get("sources", {})).items()}
+    for name, source in loaded.sources.items():
+        if source == "flag":  # what this command line says explicitly wins over the daemon
+            values[name] = config_values(loaded.config)[name]
+            sources[name] = "flag"
+    try:
+        config = config_from_values(values)
+    except (TypeError, ValueError) as exc:
+        _fail(f"the daemon on {socket} sent settings this version cannot read: {exc}", 1)
+    pid = reply.get("pid", "?")
+    click.echo(f"skippyd: using the settings of the daemon on {socket} (pid {pid})", err=True)
+    return _Settings(config, sources, socket, socket)
+
+
+def _version_of(server: Any) -> str:
+    """``skippyd/0.1.0`` (what hello says) as ``0.1.0``."""
+    return str(server or "?").removeprefix("skippyd/")
 
 
 class _Main(click.Group):
@@ -160,21 +233,23 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
         return
     l2 = stats["l2"]
     redis = stats.get("redis", {})
-    click.echo(
-        f"skippyd {info.get('server', '?')} on {client.socket_path}: up {human_age(stats['uptime_s'])}"
-    )
+    version, uptime = _version_of(info.get("server")), human_age(stats["uptime_s"])
+    click.echo(f"skippyd {version} on {client.socket_path}: up {uptime}")
     click.echo(f"  node       {stats['node']}")
+    hits, misses = plural(l2["hits"], "hit"), plural(l2["misses"], "miss", "misses")
     click.echo(
-        f"  L2         {l2['entries']} entries, {human_size(l2['bytes'])} of {human_size(l2['budget_bytes'])}"
-        f", {l2['hits']} hits / {l2['misses']} misses"
+        f"  L2         {plural(l2['entries'], 'entry')}, {human_size(l2['bytes'])} of "
+        f"{human_size(l2['budget_bytes'])}, {hits} / {misses}"
     )
     l3 = stats.get("l3")
     if l3:
         flags = " READ-ONLY (disk below its free-space floor)" if l3["readonly"] else ""
         used = f"{human_size(l3['bytes'])} of {human_size(l3['budget_bytes'])}"
+        durable = stats.get("durable") or {}
+        waiting = durable.get("queue_depth", 0) + durable.get("backlog", 0)
         click.echo(
-            f"  L3         {l3['entries']} entries, {used}, {l3['corrupt']} quarantined, "
-            f"queue {stats.get('durable', {}).get('queue_depth', 0)}{flags}"
+            f"  L3         {plural(l3['entries'], 'entry')}, {used}, {l3['corrupt']} quarantined, "
+            f"{plural(waiting, 'write')} waiting{flags}"
         )
     else:
         click.echo("  L3         off")
@@ -200,25 +275,32 @@ def stats(socket: str | None, config_file: str | None, as_json: bool) -> None:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
     latency = data.get("server", {}).pop("latency", {})
-    for section in ("l2", "l3", "ops", "server", "redis"):
+    for section in ("l2", "l3", "durable", "ops", "server", "redis", "threads"):
         values = data.get(section)
         if not isinstance(values, dict):
             continue
         click.echo(f"[{section}]")
         for key, value in sorted(values.items()):
-            shown = value
-            if isinstance(value, dict):
-                shown = ", ".join(f"{k}={v}" for k, v in sorted(value.items()))
-            elif isinstance(value, int) and key.endswith("bytes"):
-                shown = f"{value} ({human_size(value)})"
-            click.echo(f"  {key:22} {shown}")
+            click.echo(f"  {key:22} {_stat(key, value)}")
     if latency:
         click.echo("[latency]")
         for op, summary in sorted(latency.items()):
             click.echo(
-                f"  {op:22} count={summary['count']} p50<={summary['p50_us']:.0f}us "
-                f"p99<={summary['p99_us']:.0f}us mean={summary['mean_us']:.0f}us"
+                f"  {op:22} count={summary['count']} p50={human_us(summary['p50_us'])} "
+                f"p99={human_us(summary['p99_us'])} mean={human_us(summary['mean_us'])}"
             )
+
+
+def _stat(key: str, value: Any) -> str:
+    """One counter as ``stats`` prints it: byte counts in binary units, maps as ``k=v`` pairs."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_stat(str(k), v)}" for k, v in sorted(value.items()))
+    sized = key == "bytes" or key.endswith(("_bytes", "_budget")) or key.startswith("bytes_")
+    if sized and isinstance(value, int) and not isinstance(value, bool) and value >= 1024:
+        return f"{value} ({human_size(value)})"
+    if isinstance(value, float):
+        return f"{value:.3f}".rstrip("0").rstrip(".")
+    return str(value)
 
 
 @main.command(name="ls")
@@ -236,26 +318,52 @@ def ls_command(socket: str | None, config_file: str | None, as_json: bool, limit
         click.echo("no entries")
         return
     click.echo(
-        f"{'TIER':5}  {'DIGEST':16}  {'TOKENS':>8}  {'KIND':14}  {'SIZE':>10}  {'AGE':>8}  {'IDLE':>8}"
+        f"{'DIGEST':16}  {'IDENTITY':8}  {'TOKENS':>8}  {'KIND':14}  {'TIER':5}  {'SIZE':>9}  {'AGE':>7}"
     )
     for e in entries:
         click.echo(
-            f"{e['tier']:5}  {e['digest'][:16]}  {e['token_count']:>8}  {e['kind']:14}  "
-            f"{human_size(e['nbytes']):>10}  {human_age(e['age_s']):>8}  {human_age(e['idle_s']):>8}"
+            f"{e['digest'][:16]}  {str(e.get('identity', ''))[:8]:8}  {e['token_count']:>8}  {e['kind']:14}  "
+            f"{e['tier']:5}  {human_size(e['nbytes']):>9}  {human_age(e['age_s']):>7}"
         )
 
 
 @main.command()
 @_socket_options
-@click.option("--digest", default=None, help="remove every entry with this payload digest")
+@click.option(
+    "--digest", default=None, help="remove every entry with this payload digest (or a unique prefix: 8+ hex)"
+)
 @click.option("--all", "everything", is_flag=True, help="remove every entry")
-def evict(socket: str | None, config_file: str | None, digest: str | None, everything: bool) -> None:
-    """Remove entries by payload digest, or all of them."""
-    if (digest is None) == (not everything):
-        _fail("give exactly one of --digest D or --all", 2)
+@click.option("--model", default=None, help="with --state and --tokens: remove the entry of this key")
+@click.option("--state", default=None, help="the entry's state (with --model)")
+@click.option("--namespace", default="", help="the entry's namespace (with --model)")
+@click.option("--tokens", "tokens_file", default=None, help="with --model: " + TOKENS_HELP)
+def evict(
+    *,
+    socket: str | None,
+    config_file: str | None,
+    digest: str | None,
+    everything: bool,
+    model: str | None,
+    state: str | None,
+    namespace: str,
+    tokens_file: str | None,
+) -> None:
+    """Remove entries: by payload digest (a prefix of at least 8 hex digits, as `ls` prints, will do),
+    by key (--model, --state, [--namespace,] --tokens), or all of them."""
+    by_key = model is not None or state is not None or tokens_file is not None
+    if sum((digest is not None, everything, by_key)) != 1:
+        _fail("give exactly one of --digest D, --all, or --model M --state S --tokens FILE", 2)
+    if by_key and (model is None or state is None or tokens_file is None):
+        _fail("evicting by key needs --model, --state and --tokens", 2)
+    tokens = read_tokens(tokens_file) if tokens_file is not None else None
     with _client(socket, config_file) as client:
-        removed = client.evict(digest=digest) if digest else client.evict(all=True)
-    click.echo(f"removed {removed} entr{'y' if removed == 1 else 'ies'}")
+        if everything:
+            removed = client.evict(all=True)
+        elif digest is not None:
+            removed = client.evict(digest=digest.lower())
+        else:
+            removed = client.evict(model=model, state=state, namespace=namespace, tokens=tokens)
+    click.echo(f"removed {plural(removed, 'entry')}")
 
 
 # ----------------------------------------------------------------------------- Redis-side commands
@@ -265,6 +373,7 @@ def _redis_options(fn: F) -> F:
     for option in reversed(
         [
             click.option("--redis-url", default=None, help="Redis URL [env SKIPPYD_REDIS_URL]"),
+            click.option("--socket", default=None, help="the daemon whose Redis to use [env SKIPPYD_SOCKET]"),
             click.option(
                 "--state-dir", default=None, help="where the embedded Redis lives [env SKIPPYD_STATE_DIR]"
             ),
@@ -279,15 +388,11 @@ def _redis_options(fn: F) -> F:
 
 
 def _table(redis_url: str | None, state_dir: str | None, redis_prefix: str | None, config_file: str | None,
-           **table: Any) -> Any:  # fmt: skip
-    try:
-        config = load_config(
-            {"redis_url": redis_url, "state_dir": state_dir, "redis_prefix": redis_prefix},
-            config_file=config_file,
-        ).config
-    except ConfigError as exc:
-        _fail(str(exc), 2)
-    url = config.redis_url or f"unix://{config.state_dir}/redis/redis.sock"
+           socket: str | None = None, **table: Any) -> Any:  # fmt: skip
+    """The warm table of the Redis the daemon on the socket uses (or of these flags, with none there)."""
+    flags = {"redis_url": redis_url, "state_dir": state_dir, "redis_prefix": redis_prefix, "socket": socket}
+    config = _settings(flags, config_file).config
+    url = config.redis_url or embedded_redis_url(config.state_dir)
     if url == "none":
         _fail("this configuration runs without Redis (redis_url = none)", 2)
     from .coordination import WarmTable
@@ -296,17 +401,52 @@ def _table(redis_url: str | None, state_dir: str | None, redis_prefix: str | Non
 
 
 def read_tokens(source: str) -> list[int]:
-    """Integers separated by white space or commas, or a JSON array; ``-`` is standard input."""
-    text = (sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")).strip()
-    try:
-        values = (
-            json.loads(text) if text.startswith("[") else [int(t) for t in text.replace(",", " ").split()]
-        )
-    except ValueError as exc:
-        raise click.BadParameter(f"not a list of integers: {exc}", param_hint="--tokens") from exc
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-        raise click.BadParameter("tokens must be integers", param_hint="--tokens")
-    return list(values)
+    """Integers separated by white space or commas, or a JSON array; ``-`` is standard input.
+
+    A missing file, a directory or bad content is one clear line and exit 2 (naming the file and the
+    first token that is not a token id)."""
+    name = "standard input" if source == "-" else source
+    if source == "-":
+        if sys.stdin.isatty():
+            click.echo("skippyd: reading token ids from standard input (end with Ctrl-D)", err=True)
+        text = sys.stdin.read()
+    else:
+        path = Path(source)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            _fail(f"--tokens: {source}: no such file", 2)
+        except IsADirectoryError:
+            _fail(f"--tokens: {source} is a directory, not a token file", 2)
+        except UnicodeDecodeError:
+            _fail(f"--tokens: {source} is not a text file of token ids", 2)
+        except OSError as exc:
+            _fail(f"--tokens: {source}: {exc.strerror}", 2)
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except ValueError as exc:
+            _fail(f"--tokens: {name} is not a JSON array of token ids: {exc}", 2)
+        if not isinstance(values, list):
+            _fail(f"--tokens: {name} is not a JSON array of token ids", 2)
+        items: list[Any] = values
+    else:
+        items = text.replace(",", " ").split()
+    tokens: list[int] = []
+    for position, item in enumerate(items, start=1):
+        value = item
+        if isinstance(item, str):
+            try:
+                value = int(item, 10)
+            except ValueError:
+                value = None
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 32:
+            shown = item if isinstance(item, str) else json.dumps(item)
+            problem = f"token {position} is {shown[:40]!r}"
+            _fail(f"--tokens: {name}: {problem}; token ids are integers, 0 to 2**32-1", 2)
+        tokens.append(value)
+    return tokens
 
 
 @main.group()
@@ -318,7 +458,7 @@ def warm() -> None:
 @_redis_options
 @click.option("--model", required=True, help="model identity")
 @click.option("--node", required=True, help="the node that ran the prompt")
-@click.option("--tokens", "tokens_file", default="-", show_default=True, help="token file, or - for stdin")
+@click.option("--tokens", "tokens_file", default="-", show_default=True, help=TOKENS_HELP)
 @click.option("--block", default=64, show_default=True, help="tokens per block")
 def warm_ran(model: str, node: str, tokens_file: str, block: int, **redis: Any) -> None:
     """Record that NODE ran this prompt."""
@@ -330,7 +470,7 @@ def warm_ran(model: str, node: str, tokens_file: str, block: int, **redis: Any) 
 @warm.command(name="warmest")
 @_redis_options
 @click.option("--model", required=True, help="model identity")
-@click.option("--tokens", "tokens_file", default="-", show_default=True, help="token file, or - for stdin")
+@click.option("--tokens", "tokens_file", default="-", show_default=True, help=TOKENS_HELP)
 @click.option("--block", default=64, show_default=True, help="tokens per block")
 @click.option("--min-blocks", default=2, show_default=True, help="shorter answers are no answer")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document")
@@ -484,32 +624,34 @@ def _shown(name: str, value: Any) -> str:
 @config_group.command(name="show")
 @click.option("--config", "config_file", default=None, help="TOML config file [env SKIPPYD_CONFIG]")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+@click.option(
+    "--local", is_flag=True, help="what `skippyd serve` would use with these flags, not the running daemon's"
+)
 @_config_options(_SERVE_FLAGS)
-def config_show(config_file: str | None, as_json: bool, **flags: Any) -> None:
-    """Print every setting `skippyd serve` would use with these flags, and where each came from."""
-    try:
-        loaded = load_config(flags, config_file=config_file)
-    except ConfigError as exc:
-        _fail(str(exc), 2)
-    config = loaded.config
-    derived = {
-        "node (effective)": config.node_name,
-        "shm_dir (effective)": str(config.shm_path),
-        "l3_dir (effective)": str(config.l3_path) if config.l3_path else "off",
-        "promotion scope (effective)": config.scope,
-    }
+def config_show(config_file: str | None, as_json: bool, local: bool, **flags: Any) -> None:
+    """Every setting and where it came from: the running daemon's when one answers on the socket (flags
+    given here still win), else what `skippyd serve` would use with these flags (--local: always that)."""
+    settings = _settings(flags, config_file, local=local)
+    config = settings.config
+    derived = derived_settings(config)
     if as_json:
-        values = {name: getattr(config, name) for name in FIELDS}
-        click.echo(
-            json.dumps({"values": values, "sources": dict(loaded.sources), "derived": derived}, indent=2)
-        )
+        doc = {
+            "values": config_values(config),
+            "sources": settings.sources,
+            "derived": derived,
+            "daemon": settings.daemon,
+        }
+        click.echo(json.dumps(doc, indent=2))
         return
+    click.echo(
+        f"# the daemon on {settings.daemon}" if settings.daemon else "# what `skippyd serve` would use here"
+    )
     width = max(len(name) for name in FIELDS)
     for name in FIELDS:
         value = _shown(name, getattr(config, name))
-        click.echo(f"{name:<{width}}  {value:<28}  # {loaded.sources[name]}")
+        click.echo(f"{name:<{width}}  {value:<28}  # {settings.sources.get(name, 'default')}")
     for name, value in derived.items():
-        click.echo(f"# {name}: {value}")
+        click.echo(f"# {name} (effective): {value}")
 
 
 @main.command()
@@ -517,13 +659,14 @@ def config_show(config_file: str | None, as_json: bool, **flags: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document")
 @_config_options(_SERVE_FLAGS)
 def doctor(config_file: str | None, as_json: bool, **flags: Any) -> None:
-    """Check this host's setup; one line per finding, with the fix. Exit 1 if anything is wrong."""
+    """Check this host's setup; one line per finding, with the fix. Exit 1 if anything is wrong.
+
+    With a daemon answering on the socket, its own settings are checked (flags given here still win).
+    """
     from .doctor import FAIL, diagnose
 
-    try:
-        config = load_config(flags, config_file=config_file).config
-    except ConfigError as exc:
-        _fail(str(exc), 2)
+    settings = _settings(flags, config_file)
+    config = replace(settings.config, socket=settings.socket)
     from .client import Client
 
     daemon = None

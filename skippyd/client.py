@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import __version__
 from .errors import BadFrame, ConnectionLost, InvalidArgument, SkippydError, Timeout, error_from_wire
 from .keys import encode_tokens
+from .locate import DEFAULT_SOCKET, resolve_socket_path
 from .payload import TensorSpec, plan_layout
 from .protocol import (
     DEFAULT_MAX_FRAME,
@@ -53,15 +54,6 @@ __all__ = [
     "Restored",
     "resolve_socket_path",
 ]
-
-DEFAULT_SOCKET = "/run/skippyd/skippyd.sock"
-
-
-def resolve_socket_path(path: str | os.PathLike[str] | None = None) -> str:
-    """The socket to use: the argument, else ``$SKIPPYD_SOCKET``, else /run/skippyd/skippyd.sock."""
-    if path is not None:
-        return os.fspath(path)
-    return os.environ.get("SKIPPYD_SOCKET") or DEFAULT_SOCKET
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +111,21 @@ class Restored:
 
 def _identity_body(model: str, state: str, namespace: str, tokens: Any) -> dict[str, Any]:
     return {"model": model, "state": state, "namespace": namespace, "tokens": encode_tokens(tokens)}
+
+
+def _evict_body(  # noqa: PLR0917 - the evict() keywords, passed through
+    digest: str | None, everything: bool, model: str | None, state: str | None, namespace: str, tokens: Any
+) -> dict[str, Any]:
+    by_key = model is not None or state is not None or tokens is not None
+    if sum((digest is not None, everything, by_key)) != 1:
+        raise InvalidArgument("evict takes exactly one of digest=, all=True, or model=/state=/tokens=")
+    if everything:
+        return {"op": "evict", "all": True}
+    if digest is not None:
+        return {"op": "evict", "digest": digest}
+    if model is None or state is None or tokens is None:
+        raise InvalidArgument("evict by key needs model=, state= and tokens=")
+    return {"op": "evict", **_identity_body(model, state, namespace, tokens)}
 
 
 def _skt() -> Any:
@@ -469,16 +476,29 @@ class Client:
         reply, _ = self._call({"op": "stats"})
         return reply
 
+    def config(self) -> dict[str, Any]:
+        """The daemon's effective settings: ``values``, their ``sources``, ``derived`` paths, ``pid``."""
+        reply, _ = self._call({"op": "config"})
+        return reply
+
     def ls(self, limit: int = 0) -> list[dict[str, Any]]:
         reply, _ = self._call({"op": "ls", "limit": limit})
         return list(reply["entries"])
 
-    def evict(self, *, digest: str | None = None, all: bool = False) -> int:
-        """Removes entries by payload digest, or every entry with ``all=True``; returns how many."""
-        if (digest is None) == (not all):
-            raise InvalidArgument("evict takes exactly one of digest= or all=True")
-        body: dict[str, Any] = {"op": "evict", "all": True} if all else {"op": "evict", "digest": digest}
-        reply, _ = self._call(body)
+    def evict(
+        self,
+        *,
+        digest: str | None = None,
+        all: bool = False,
+        model: str | None = None,
+        state: str | None = None,
+        namespace: str = "",
+        tokens: Any = None,
+    ) -> int:
+        """Removes entries: by payload ``digest`` (or a unique prefix of it, at least 8 hex digits), the
+        one entry of ``model``/``state``/``namespace``/``tokens`` (its cache key), or every entry with
+        ``all=True``; returns how many cache keys were removed."""
+        reply, _ = self._call(_evict_body(digest, all, model, state, namespace, tokens))
         return int(reply["removed"])
 
     def close(self) -> None:
@@ -772,11 +792,17 @@ class AsyncClient:
         reply, _ = await self._call({"op": "ls", "limit": limit})
         return list(reply["entries"])
 
-    async def evict(self, *, digest: str | None = None, all: bool = False) -> int:
-        if (digest is None) == (not all):
-            raise InvalidArgument("evict takes exactly one of digest= or all=True")
-        body: dict[str, Any] = {"op": "evict", "all": True} if all else {"op": "evict", "digest": digest}
-        reply, _ = await self._call(body)
+    async def evict(
+        self,
+        *,
+        digest: str | None = None,
+        all: bool = False,
+        model: str | None = None,
+        state: str | None = None,
+        namespace: str = "",
+        tokens: Any = None,
+    ) -> int:
+        reply, _ = await self._call(_evict_body(digest, all, model, state, namespace, tokens))
         return int(reply["removed"])
 
     async def close(self) -> None:

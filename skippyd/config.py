@@ -20,6 +20,7 @@ from typing import Any
 from blake3 import blake3
 
 from .errors import ConfigError
+from .locate import DEFAULT_SOCKET
 
 __all__ = [
     "FIELDS",
@@ -34,7 +35,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "SKIPPYD_"
-DEFAULT_SOCKET = "/run/skippyd/skippyd.sock"
 DEFAULT_STATE_DIR = "/var/lib/skippyd"
 #: The smallest budget that holds one entry: its header page and one page of data.
 MIN_BUDGET = 8 << 10
@@ -185,7 +185,9 @@ FIELDS: dict[str, ConfigField] = {
     for f in [
         ConfigField("socket", _parse_path, DEFAULT_SOCKET, "Unix socket the daemon listens on"),
         ConfigField("state_dir", _parse_path, DEFAULT_STATE_DIR, "embedded Redis data, default L3 dir"),
-        ConfigField("shm_dir", _parse_path, "", "L2 tmpfs directory (default /dev/shm/skippyd-<node>)"),
+        ConfigField(
+            "shm_dir", _parse_path, "", "L2 tmpfs directory (default: under /dev/shm, by node and state dir)"
+        ),
         ConfigField("l2_budget", parse_size, "4GiB", "bytes the L2 tier may hold in tmpfs"),
         ConfigField("max_entry", parse_size, 0, "largest entry accepted (0: the L2 budget)"),
         ConfigField("staging_budget", parse_size, "2GiB", "shared memory lent to clients for captures"),
@@ -293,6 +295,13 @@ class Config:
         return Path(self.l3_dir) if self.l3_dir else Path(self.state_dir) / "l3"
 
     @property
+    def socket_mode(self) -> int:
+        """0660 (owner and the socket's group), or 0666 when ``allowed_uids``/``allowed_gids`` name who
+        may connect: the kernel then lets any local user reach the socket, and the daemon serves only
+        the peers those lists allow (and root and its own user), by their credentials (SO_PEERCRED)."""
+        return 0o666 if self.allowed_uids or self.allowed_gids else 0o660
+
+    @property
     def entry_limit(self) -> int:
         return min(self.max_entry or self.l2_budget, self.l2_budget)
 
@@ -393,3 +402,38 @@ def _check(config: Config) -> None:
 
 def as_dict(config: Config) -> dict[str, Any]:
     return {f.name: getattr(config, f.name) for f in fields(config)}
+
+
+def config_values(config: Config) -> dict[str, Any]:
+    """Every setting as plain JSON/msgpack values (what the daemon's ``config`` request answers)."""
+    return {name: list(v) if isinstance(v := getattr(config, name), tuple) else v for name in FIELDS}
+
+
+def config_from_values(values: Mapping[str, Any]) -> Config:
+    """A :class:`Config` from :func:`config_values` (a daemon's answer), checked like any other."""
+    known = {name: values[name] for name in FIELDS if name in values}
+    for name in ("allowed_uids", "allowed_gids"):
+        if name in known:
+            known[name] = tuple(known[name])
+    return Config(**known)
+
+
+def embedded_redis_socket(state_dir: str | os.PathLike[str]) -> Path:
+    """Where the embedded redis-server of a state directory listens (the one place this is built)."""
+    return Path(state_dir) / "redis" / "redis.sock"
+
+
+def embedded_redis_url(state_dir: str | os.PathLike[str]) -> str:
+    """The unix:// URL of the embedded redis-server of a state directory."""
+    return f"unix://{embedded_redis_socket(state_dir)}"
+
+
+def derived_settings(config: Config) -> dict[str, str]:
+    """What the settings imply: the node, the directories and the Redis actually used."""
+    return {
+        "node": config.node_name,
+        "shm_dir": str(config.shm_path),
+        "l3_dir": str(config.l3_path) if config.l3_path else "off",
+        "redis_url": config.redis_url or embedded_redis_url(config.state_dir),
+        "promotion_scope": config.scope,
+    }

@@ -11,10 +11,11 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from . import __version__
 from .config import Config, human_size
 from .coordination import Coordinator, LocalPromotions
 from .errors import ConfigError
@@ -22,6 +23,7 @@ from .handlers import Handlers
 from .keys import Identity
 from .l2 import L2Entry, L2Tier
 from .l3 import L3Store
+from .locate import remove_runtime, write_runtime
 from .logs import setup_logging
 from .redis_embedded import EmbeddedRedis
 from .server import Server, check_socket_free, notify
@@ -33,7 +35,13 @@ __all__ = ["run"]
 log = logging.getLogger("skippyd.daemon")
 
 
-def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_signals: bool = True) -> int:
+def run(
+    config: Config,
+    *,
+    sources: Mapping[str, str] | None = None,
+    on_ready: Callable[[], None] | None = None,
+    install_signals: bool = True,
+) -> int:
     """Runs the daemon until SIGTERM/SIGINT; returns the process exit code.
 
     Everything that can be checked without touching the tiers is checked first (the configuration
@@ -116,13 +124,18 @@ def run(config: Config, *, on_ready: Callable[[], None] | None = None, install_s
             stats.adopt_dropped,
             config.l2_budget,
         )
-        handlers = Handlers(config, tiers, coordinator, health=health)
+        handlers = Handlers(config, tiers, coordinator, health=health, sources=sources)
         server = Server(config, handlers, health=health)
         late.update(handlers=handlers, server=server)
 
         def serving() -> None:
             if coordinator is not None:  # the node is announced only once its socket serves
                 coordinator.start(health)
+            state = Path(config.state_dir)
+            with contextlib.suppress(OSError):  # how `skippyd` commands in a checkout find this daemon
+                write_runtime(state, {"socket": config.socket, "pid": os.getpid(), "node": config.node_name,
+                                      "version": __version__, "state_dir": config.state_dir})  # fmt: skip
+                stack.callback(remove_runtime, state, os.getpid())
             if on_ready is not None:
                 on_ready()
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import Config, human_size
+from .config import Config, embedded_redis_url, human_size
 from .errors import SkippydError
 
 __all__ = ["Finding", "diagnose"]
@@ -80,7 +80,7 @@ def check_redis(config: Config, daemon: dict[str, Any] | None) -> Iterator[Findi
                 "apt-get install redis-server, or set redis_url / --redis-url",
             )
             return
-        url = f"unix://{config.state_dir}/redis/redis.sock"
+        url = embedded_redis_url(config.state_dir)
         if daemon is None and not Path(url.removeprefix("unix://")).exists():
             yield Finding(INFO, "embedded Redis is not running (the daemon starts it with itself)")
             return
@@ -241,14 +241,16 @@ def check_socket(config: Config, answering: bool) -> Iterator[Finding]:
         return
     mode = stat.S_IMODE(st.st_mode)
     owner = f"uid {st.st_uid} gid {st.st_gid}"
-    if mode != 0o660:
+    want = config.socket_mode
+    if mode != want:
         yield Finding(
             FAIL,
             f"socket {path} has mode {mode:o} ({owner})",
-            "restart the daemon (it publishes 0660); do not loosen it by hand",
+            f"restart the daemon (it publishes {want:o}); do not loosen it by hand",
         )
     else:
-        yield Finding(OK, f"socket {path}: mode 660, {owner}")
+        why = ", access by allowed_uids/allowed_gids" if want != 0o660 else ""
+        yield Finding(OK, f"socket {path}: mode {mode:o}{why}, {owner}")
     if not answering:
         yield Finding(
             FAIL,

@@ -304,17 +304,21 @@ class DurableWriter:
             self._defer_locked(key, digest)
             self._cond.notify()
 
-    def forget(self, digest: str | None) -> None:
-        """An eviction: drops deferred writes and markers of ``digest`` (every one with None). Queued
-        jobs are cancelled by the eviction clock when their turn comes."""
+    def forget(self, digest: str | None, *, key: str | None = None) -> None:
+        """An eviction: drops deferred writes and markers of ``digest`` (of ``key``; of everything with
+        neither). Queued jobs are cancelled by the eviction clock when their turn comes."""
+
+        def evicted(k: str, d: str) -> bool:
+            return k == key if key is not None else digest is None or d == digest
+
         with self._cond:
-            for key, pending in list(self._backlog.items()):
-                if digest is None or pending == digest:
-                    self._drop_backlog_locked(key)
-                    self.marks.clear(key, pending)
-        for key, marked in self.marks.load().items():
-            if digest is None or marked == digest:
-                self._clear_mark(key, marked)
+            for pending_key, pending in list(self._backlog.items()):
+                if evicted(pending_key, pending):
+                    self._drop_backlog_locked(pending_key)
+                    self.marks.clear(pending_key, pending)
+        for marked_key, marked in self.marks.load().items():
+            if evicted(marked_key, marked):
+                self._clear_mark(marked_key, marked)
 
     def stats(self) -> DurableStats:
         with self._cond:
@@ -426,7 +430,7 @@ class DurableWriter:
         entry = job.entry
         with self._cond:
             newest = self._newest.get(entry.key, entry.digest)
-        return newest == entry.digest and not self.clock.cancelled(entry.digest, job.seq)
+        return newest == entry.digest and not self.clock.cancelled(entry.digest, job.seq, entry.key)
 
     def _write(self, job: _Job) -> bool:
         entry = job.entry
@@ -464,9 +468,10 @@ class DurableWriter:
             with self._cond:  # markers change under the lock: intend() of a newer capture cannot interleave
                 newer = self._newest.get(entry.key, entry.digest) != entry.digest
                 redo = False
-                if written:
+                if written:  # L3 has room (again): the backlog need not wait any longer
                     self._stats.written += 1
                     self._retry_wait = _RETRY_AFTER_NO_SPACE_S[0]
+                    self._retry_backlog_at = 0.0
                 elif not self._stop:
                     redo = entry.key in self._backlog  # deferred again after a failure
                     if not redo:

@@ -25,7 +25,7 @@ class EvictionClock:
         self._lock = threading.Lock()
         self._seq = 0
         self._all_at = 0  # the number of the last evict-everything
-        self._marks: dict[str, int] = {}  # digest -> number of its last eviction
+        self._marks: dict[str, int] = {}  # digest or "key:<cache key>" -> number of its last eviction
         self._outstanding = 0
 
     def begin(self) -> int:
@@ -41,19 +41,24 @@ class EvictionClock:
                 self._outstanding = 0
                 self._marks.clear()  # no work that predates these marks is left to ask about them
 
-    def evict(self, digest: str | None) -> None:
-        """Cancels the work begun before now: of ``digest``, or of every digest with None."""
+    def evict(self, digest: str | None, *, key: str | None = None) -> None:
+        """Cancels the work begun before now: of ``digest``, of one cache ``key``, or of everything
+        when both are None."""
         with self._lock:
             self._seq += 1
-            if digest is None:
+            if key is not None:
+                self._marks["key:" + key] = self._seq
+            elif digest is None:
                 self._all_at = self._seq
             else:
                 self._marks[digest] = self._seq
 
-    def cancelled(self, digest: str, seq: int) -> bool:
-        """Whether work begun at ``seq`` on ``digest`` was overtaken by an eviction."""
+    def cancelled(self, digest: str, seq: int, key: str | None = None) -> bool:
+        """Whether work begun at ``seq`` on ``digest`` (under ``key``) was overtaken by an eviction."""
         with self._lock:
-            return self._all_at > seq or self._marks.get(digest, -1) > seq
+            if self._all_at > seq or self._marks.get(digest, -1) > seq:
+                return True
+            return key is not None and self._marks.get("key:" + key, -1) > seq
 
     @property
     def outstanding(self) -> int:

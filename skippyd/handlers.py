@@ -12,14 +12,14 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import __version__
-from .config import Config
+from .config import FIELDS, Config, config_values, derived_settings
 from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMismatch, describe
-from .keys import Identity, identity, is_hex_digest
+from .keys import Identity, cache_key, identity
 from .payload import MAX_TENSORS, check_decl, check_kind
 from .protocol import PROTOCOL_VERSION
 from .shm import PAGE, memfd
@@ -111,8 +111,10 @@ class Handlers:
         coordinator: Coordinator | None = None,
         *,
         health: Health | None = None,
+        sources: Mapping[str, str] | None = None,
     ) -> None:
         self.config = config
+        self.sources = dict(sources or {})
         self.tiers = tiers
         self.coordinator = coordinator
         self.health = health or tiers.health
@@ -130,6 +132,7 @@ class Handlers:
             "stats": self.stats,
             "ls": self.ls,
             "evict": self.evict,
+            "config": self.config_op,
         }
         self.server_stats: Callable[[], dict[str, Any]] = dict
 
@@ -315,6 +318,17 @@ class Handlers:
         result["healthy"] = self.health.healthy
         return result
 
+    def config_op(self, session: Session, body: dict[str, Any]) -> Reply:
+        """The daemon's effective settings, where each came from, and what follows from them."""
+        return Reply(
+            {
+                "values": config_values(self.config),
+                "sources": {name: self.sources.get(name, "default") for name in FIELDS},
+                "derived": derived_settings(self.config),
+                "pid": os.getpid(),
+            }
+        )
+
     def ls(self, session: Session, body: dict[str, Any]) -> Reply:
         limit = body.get("limit", 0)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
@@ -326,13 +340,28 @@ class Handlers:
         return Reply({"entries": entries, "total": total})
 
     def evict(self, session: Session, body: dict[str, Any]) -> Reply:
+        """By payload digest (or a unique prefix of one, at least 8 hex digits), by cache key (identity +
+        tokens), or everything."""
         if _bool(body, "all", False):
             return Reply({"removed": self.tiers.evict_all()})
         digest = body.get("digest")
-        if not is_hex_digest(digest):
-            raise InvalidArgument("evict takes a 64-character hex digest, or all=true")
-        assert isinstance(digest, str)
-        return Reply({"removed": self.tiers.evict_digest(digest)})
+        if digest is not None:
+            if not isinstance(digest, str) or not 8 <= len(digest) <= 64 or not _is_hex(digest):
+                raise InvalidArgument("digest must be 8 to 64 lowercase hex digits (a digest or its prefix)")
+            full = digest if len(digest) == 64 else self.tiers.resolve_digest(digest)
+            return Reply({"removed": self.tiers.evict_digest(full), "digest": full})
+        if "tokens" in body:
+            ident = _identity(body)
+            tokens = _tokens(body)
+            if not tokens:
+                raise InvalidArgument("tokens must hold at least one token")
+            return Reply({"removed": self.tiers.evict_key(cache_key(ident, tokens))})
+        raise InvalidArgument("evict takes a digest (or a prefix of at least 8 hex digits), a key "
+                              "(model, state, namespace, tokens), or all=true")  # fmt: skip
+
+
+def _is_hex(text: str) -> bool:
+    return all(c in "0123456789abcdef" for c in text)
 
 
 def _identity(body: dict[str, Any]) -> Identity:

@@ -767,6 +767,11 @@ class L2Tier:
         with self._lock:
             return sorted(self._by_digest.get(digest, ()))
 
+    def digests(self) -> list[str]:
+        """Every payload digest held (once each)."""
+        with self._lock:
+            return list(self._by_digest)
+
     # ----------------------------------------------------------------- removal
 
     def remove(self, key: str) -> bool:

@@ -183,7 +183,7 @@ def decode_manifest(raw: bytes) -> L3Entry:
         raise CorruptEntry("manifest checksum does not match")
     try:
         doc = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CorruptEntry(f"manifest is not JSON: {exc}") from exc
     return L3Entry.from_json(doc)
 
@@ -577,8 +577,10 @@ class L3Store:
                 raise TooLarge(f"an entry of {need} bytes does not fit the L3 budget ({self.budget_bytes})")
             if free - need < self.min_free_bytes:
                 self._stats.refused_writes += 1
+                if free < need:
+                    raise NoSpace(f"the L3 disk is full: {free} bytes free, the write needs {need}")
                 self._stats.readonly = True
-                raise NoSpace("L3 is read-only: the disk is below its minimum free space")
+                raise NoSpace("L3 is read-only: the write would take the disk below its minimum free space")
             self._make_room(need)
             self._inflight += need
         added_object = False
@@ -740,6 +742,11 @@ class L3Store:
     def keys_by_digest(self, digest: str) -> list[str]:
         with self._lock:
             return sorted(self._by_digest.get(digest, ()))
+
+    def digests(self) -> list[str]:
+        """Every payload digest held (once each)."""
+        with self._lock:
+            return list(self._by_digest)
 
     def remove_by_digest(self, digest: str) -> int:
         with self._lock:

@@ -281,7 +281,11 @@ class EntryHeader:
     def from_json(cls, raw: bytes) -> EntryHeader:
         try:
             doc = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (
+            UnicodeDecodeError,
+            json.JSONDecodeError,
+            RecursionError,
+        ) as exc:  # (deep meta of old versions)
             raise CorruptEntry(f"entry header is not JSON: {exc}") from exc
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_VERSION:
             raise CorruptEntry("entry header has an unknown format")

@@ -15,6 +15,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from .config import embedded_redis_socket, embedded_redis_url
 from .errors import ConfigError, SkippydError
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]
@@ -38,14 +39,14 @@ class EmbeddedRedis:
     """Starts and stops one private redis-server; ``url`` is its ``unix://`` address."""
 
     def __init__(self, state_dir: Path, *, appendonly: bool = True) -> None:
-        self.dir = state_dir / "redis"
-        self.socket = self.dir / "redis.sock"
+        self.socket = embedded_redis_socket(state_dir)
+        self.dir = self.socket.parent
         self.appendonly = appendonly
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"unix://{self.socket}"
+        return embedded_redis_url(self.dir.parent)
 
     @property
     def pidfile(self) -> Path:

@@ -93,8 +93,8 @@ class PublishedSocket:
             os.close(self.lock_fd)
 
 
-def publish_socket(path: Path, *, group: str = "", backlog: int = 512) -> PublishedSocket:
-    """Binds, chmods 0660 and renames the listening socket into place; refuses if a live daemon answers."""
+def publish_socket(path: Path, *, group: str = "", mode: int = 0o660, backlog: int = 512) -> PublishedSocket:
+    """Binds, chmods (0660) and renames the listening socket into place; refuses if a live daemon answers."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lock_path = path.with_name(path.name + ".lock")
     lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -109,7 +109,7 @@ def publish_socket(path: Path, *, group: str = "", backlog: int = 512) -> Publis
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         try:
             sock.bind(os.fspath(temp))
-            os.chmod(temp, 0o660)
+            os.chmod(temp, mode)
             if group:
                 os.chown(temp, -1, grp.getgrnam(group).gr_gid)
             sock.listen(backlog)
@@ -517,7 +517,12 @@ class Server:
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
-        published = publish_socket(Path(self.config.socket), group=self.config.socket_group)
+        mode = self.config.socket_mode
+        published = publish_socket(Path(self.config.socket), group=self.config.socket_group, mode=mode)
+        if mode != 0o660:
+            log.info(
+                "socket mode %o: allowed_uids/allowed_gids decide who is served (peer credentials)", mode
+            )
         self._published = published
         socket_gid = os.stat(published.path).st_gid
         self.policy = PeerPolicy(self.config, socket_gid)

@@ -496,7 +496,9 @@ class Tiers:
         reservation, fill.reservation = fill.reservation, None
         fd, fill.fd = fill.fd, -1
         with self._lock:
-            promote = fill.resolution == "commit" and not self.clock.cancelled(fill.ref.digest, fill.seq)
+            promote = fill.resolution == "commit" and not self.clock.cancelled(
+                fill.ref.digest, fill.seq, fill.key
+            )
         if promote and self.l3 is not None:  # a newer capture of the key may have retired these bytes
             durable = self.l3.get(fill.key)
             promote = durable is not None and durable.digest == fill.ref.digest
@@ -512,7 +514,7 @@ class Tiers:
                 with self._lock:
                     # an eviction that marked this digest after the check above may have swept L2
                     # before the commit: take the promoted entry back out
-                    withdraw = self.clock.cancelled(fill.ref.digest, fill.seq)
+                    withdraw = self.clock.cancelled(fill.ref.digest, fill.seq, fill.key)
                 if withdraw:
                     current = self.l2.peek(committed.key)
                     if current is not None and current.digest == committed.digest:
@@ -593,11 +595,35 @@ class Tiers:
                 self.l3.remove_by_digest(digest)
         return len(keys)
 
-    def _mark_evicted(self, digest: str | None) -> None:
-        """Cancels the work begun before now: of this digest, or of every digest with None."""
-        self.clock.evict(digest)
+    def _mark_evicted(self, digest: str | None, *, key: str | None = None) -> None:
+        """Cancels the work begun before now: of this digest, this key, or of everything."""
+        self.clock.evict(digest, key=key)
         if self.writer is not None:
-            self.writer.forget(digest)
+            self.writer.forget(digest, key=key)
+
+    def evict_key(self, key: str) -> int:
+        """Removes the entry under one cache key from both tiers; returns 1 if there was one, else 0."""
+        with self._lock:
+            self.counters.evictions_requested += 1
+        found = False
+        for _ in range(2):  # as in evict_digest
+            self._mark_evicted(None, key=key)
+            found = self.l2.remove(key) or found
+            if self.l3 is not None:
+                found = self.l3.remove(key) or found
+        return int(found)
+
+    def resolve_digest(self, prefix: str) -> str:
+        """The one payload digest either tier holds that starts with ``prefix`` (8 to 64 hex digits)."""
+        digests = set(self.l2.digests())
+        if self.l3 is not None:
+            digests.update(self.l3.digests())
+        matches = sorted(d for d in digests if d.startswith(prefix))
+        if not matches:
+            raise NotFound(f"no entry's digest starts with {prefix}")
+        if len(matches) > 1:
+            raise InvalidArgument(f"{len(matches)} digests start with {prefix}: give more of it")
+        return matches[0]
 
     def evict_all(self) -> int:
         """Removes every entry from both tiers (and every durable write still queued)."""
@@ -688,6 +714,7 @@ def _listing(tier: str, entry: L2Entry | L3Ref, size: int, last_use: int, now: i
     return {
         "tier": tier,
         "digest": entry.digest,
+        "identity": entry.identity,
         "token_count": entry.token_count,
         "kind": entry.kind,
         "nbytes": entry.nbytes,

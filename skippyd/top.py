@@ -1,14 +1,15 @@
-"""The view behind ``skippyd top``: rates from two snapshots of the daemon's counters."""
+"""The view behind ``skippyd top``: rates from two snapshots of the daemon's counters, in 80 columns."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from .config import human_size
+from .display import human_age, human_size, human_us, plural
 
 __all__ = ["render"]
 
@@ -16,7 +17,7 @@ __all__ = ["render"]
 def _rate(now: dict[str, Any], before: dict[str, Any] | None, key: str, seconds: float) -> str:
     if before is None:
         return "-"
-    return f"{(now.get(key, 0) - before.get(key, 0)) / seconds:.1f}/s"
+    return f"{(now.get(key, 0) - before.get(key, 0)) / seconds:.1f}"
 
 
 def _hit_rate(now: dict[str, Any], before: dict[str, Any] | None) -> str:
@@ -28,15 +29,21 @@ def _hit_rate(now: dict[str, Any], before: dict[str, Any] | None) -> str:
     return f"{100 * hits / total:.1f}%" if total else "-"
 
 
+def _table(title: str, columns: list[str]) -> Table:
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+    for index, column in enumerate(columns):
+        table.add_column(column, justify="left" if index == 0 else "right", no_wrap=True)
+    return table
+
+
 def render(now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -> Group:
+    server = now.get("server", {})
     header = Text(
-        f"skippyd {now.get('version')}  node {now.get('node')}  up {now.get('uptime_s', 0):.0f}s  "
-        f"clients {now['server'].get('connections', 0)}  in flight {now['server'].get('inflight', 0)}",
+        f"skippyd {now.get('version')}  node {now.get('node')}  up {human_age(now.get('uptime_s', 0))}  "
+        f"{plural(server.get('connections', 0), 'client')}  {server.get('inflight', 0)} in flight",
         style="bold",
     )
-    tiers = Table(title="tiers", expand=True)
-    for column in ("tier", "entries", "bytes", "budget", "hit rate", "hits/s", "evictions/s", "notes"):
-        tiers.add_column(column, justify="right" if column != "tier" else "left")
+    tiers = _table("tiers", ["tier", "entries", "used", "budget", "hit%", "hits/s", "evict/s", "notes"])
     l2, l2_before = now["l2"], (before or {}).get("l2")
     tiers.add_row(
         "L2",
@@ -46,12 +53,14 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -
         _hit_rate(l2, l2_before),
         _rate(l2, l2_before, "hits", seconds),
         _rate(l2, l2_before, "evictions", seconds),
-        f"recycled {human_size(l2.get('free_bytes', 0))}",
+        f"{human_size(l2.get('free_bytes', 0))} free",
     )
     l3 = now.get("l3")
     if l3:
         l3_before = (before or {}).get("l3")
-        notes = "READ-ONLY" if l3.get("readonly") else f"queue {now.get('durable', {}).get('queue_depth', 0)}"
+        durable = now.get("durable") or {}
+        waiting = durable.get("queue_depth", 0) + durable.get("backlog", 0)
+        notes = "READ-ONLY" if l3.get("readonly") else f"{waiting} to write"
         tiers.add_row(
             "L3",
             str(l3["entries"]),
@@ -62,20 +71,18 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -
             _rate(l3, l3_before, "evictions", seconds),
             notes,
         )
-    ops = Table(title="operations", expand=True)
-    for column in ("op", "count", "rate", "p50", "p99", "mean"):
-        ops.add_column(column, justify="right" if column != "op" else "left")
-    counts = now["server"].get("ops", {})
+    ops = _table("operations", ["op", "count", "per s", "p50", "p99", "mean"])
+    counts = server.get("ops", {})
     previous = (before or {}).get("server", {}).get("ops", {}) if before else None
-    for op, latency in sorted(now["server"].get("latency", {}).items()):
-        rate = "-" if previous is None else f"{(counts.get(op, 0) - previous.get(op, 0)) / seconds:.1f}/s"
+    for op, latency in sorted(server.get("latency", {}).items()):
+        rate = "-" if previous is None else f"{(counts.get(op, 0) - previous.get(op, 0)) / seconds:.1f}"
         ops.add_row(
             op,
             str(counts.get(op, 0)),
             rate,
-            f"≤{latency['p50_us']:.0f} µs",
-            f"≤{latency['p99_us']:.0f} µs",
-            f"{latency['mean_us']:.0f} µs",
+            human_us(latency["p50_us"]),
+            human_us(latency["p99_us"]),
+            human_us(latency["mean_us"]),
         )
     redis = now.get("redis", {})
     if not redis.get("configured", True):
@@ -83,5 +90,9 @@ def render(now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -
     elif redis.get("degraded"):
         footer = Text(f"redis: DEGRADED ({redis.get('cause')})", style="bold red")
     else:
-        footer = Text(f"redis: ok, {redis.get('ran_sent', 0)} warm-table updates sent")
-    return Group(header, tiers, ops, footer)
+        footer = Text(f"redis: ok, {plural(redis.get('ran_sent', 0), 'warm-table update')} sent")
+    dead = sorted(name for name, t in (now.get("threads") or {}).items() if not t.get("alive", True))
+    parts: list[Any] = [header, tiers, ops, footer]
+    if dead:
+        parts.append(Text(f"UNHEALTHY: {', '.join(dead)} died", style="bold red"))
+    return Group(*parts)

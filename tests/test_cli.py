@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,6 +222,49 @@ def test_bad_token_files_are_rejected_with_a_usage_error(tmp_short: Path, redis_
     assert code == 2 and "integers" in err
 
 
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        (None, "no such file"),
+        ("dir", "is a directory"),
+        ("1, 2, 3\n4 5 x7 8", "token 6 is 'x7'"),
+        ("[1, 2, -3]", "token 3 is '-3'"),
+        ("[1, 2.5]", "token 2 is '2.5'"),
+        ("1 4294967296", "token 2 is '4294967296'"),
+        ("[1, 2", "not a JSON array"),
+    ],
+)
+def test_a_token_file_that_cannot_be_read_is_one_line_naming_the_file_and_the_first_bad_token(
+    tmp_short: Path, redis_url: str, content: str | None, needle: str
+) -> None:
+    path = tmp_short / "tokens.txt"
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_text(content)
+    for args in (["warm", "warmest", "--model", "m"], ["evict", "--model", "m", "--state", "s"]):
+        code, out, err = (
+            run(*args, "--tokens", str(path), "--redis-url", redis_url)
+            if args[0] == "warm"
+            else run(*args, "--tokens", str(path), "--socket", str(tmp_short / "none.sock"))
+        )
+        assert code == 2 and out == "", (args, err)
+        assert len(err.strip().splitlines()) == 1 and needle in err and str(path) in err, err
+        assert "Traceback" not in err
+
+
+def test_token_files_hold_white_space_or_comma_separated_integers_or_a_json_array(
+    tmp_short: Path, redis_url: str
+) -> None:
+    from skippyd.cli import read_tokens
+
+    (tmp_short / "a").write_text("1, 2,3\n 4\t5  \n")
+    (tmp_short / "b").write_text("[1, 2, 3, 4, 5]")
+    assert read_tokens(str(tmp_short / "a")) == read_tokens(str(tmp_short / "b")) == [1, 2, 3, 4, 5]
+    _, out, _ = run("warm", "ran", "--help")
+    assert "white space or commas" in " ".join(out.split()) and "JSON array" in out
+
+
 def test_l3_fsck_reports_a_clean_store_and_repairs_a_damaged_one(tmp_path: Path) -> None:
     from l2util import IDENT, key_of
 
@@ -253,3 +297,71 @@ def test_l3_fsck_reports_a_clean_store_and_repairs_a_damaged_one(tmp_path: Path)
 def test_l3_fsck_refuses_a_store_the_daemon_owns(daemon: DaemonProcess) -> None:
     code, _, err = run("l3", "fsck", "--state-dir", str(daemon.state_dir))
     assert code == 1 and "stop the daemon first" in err
+
+
+def test_ls_shows_digest_identity_tokens_kind_tier_size_and_age_in_80_columns(daemon: DaemonProcess) -> None:
+    from skippyd.keys import Identity
+
+    with daemon.client() as client:
+        one = client.capture(model="m", state="s", tokens=[1, 2, 3], tensors={"x": torch.ones(1000)})
+        client.capture(model="m", state="other", tokens=[4], tensors={"x": torch.ones(10)}, kind="full-state")
+    code, out, _ = run("ls", "--socket", str(daemon.socket))
+    lines = out.splitlines()
+    assert code == 0 and lines[0].split() == ["DIGEST", "IDENTITY", "TOKENS", "KIND", "TIER", "SIZE", "AGE"]
+    row = next(line for line in lines if line.startswith(one.digest[:16]))
+    assert Identity("m", "s").digest[:8] in row and " 3 " in row and "kv" in row and "3.9 KiB" in row
+    assert any("full-state" in line for line in lines)
+    assert max(len(line) for line in lines) <= 80
+    doc = json.loads(run("ls", "--json", "--socket", str(daemon.socket))[1])
+    assert {e["identity"] for e in doc} == {Identity("m", "s").digest, Identity("m", "other").digest}
+
+
+def test_evict_takes_a_unique_digest_prefix_or_a_key(daemon: DaemonProcess, tmp_short: Path) -> None:
+    with daemon.client() as client:
+        one = client.capture(model="m", state="s", tokens=[1, 2], tensors={"x": torch.ones(100)})
+        two = client.capture(model="m", state="s", tokens=[3, 4], tensors={"x": torch.zeros(100)})
+        client.capture(model="m", state="s", tokens=[5], tensors={"x": torch.zeros(100)})  # two's bytes
+    sock = str(daemon.socket)
+    code, _, err = run("evict", "--digest", one.digest[:7], "--socket", sock)
+    assert code == 1 and "8 to 64" in err, "shorter than 8 hex digits is refused"
+    assert run("evict", "--digest", one.digest[:16], "--socket", sock)[1].strip() == "removed 1 entry"
+    code, _, err = run("evict", "--digest", "0123456789abcdef", "--socket", sock)
+    assert code == 1 and "no entry" in err
+    tokens = tmp_short / "t.txt"
+    tokens.write_text("3 4")
+    code, out, _ = run("evict", "--model", "m", "--state", "s", "--tokens", str(tokens), "--socket", sock)
+    assert code == 0 and out.strip() == "removed 1 entry"
+    with daemon.client() as client:
+        assert client.lookup(model="m", state="s", tokens=[3, 4]) is None
+        hit = client.lookup(model="m", state="s", tokens=[5])
+        assert hit is not None and hit.digest == two.digest, "the same bytes under another key stay"
+    code, _, err = run("evict", "--model", "m", "--socket", sock)
+    assert code == 2 and "--state" in err
+
+
+def test_status_names_the_version_once_and_counts_in_words(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        client.capture(model="m", state="s", tokens=[1], tensors={"x": torch.ones(3)})
+    code, out, _ = run("status", "--socket", str(daemon.socket))
+    first = out.splitlines()[0]
+    assert code == 0 and first.startswith("skippyd 0.1.0 on ") and "skippyd/" not in first
+    assert "1 entry," in out and "1 entries" not in out
+
+
+def test_stats_prints_byte_counts_in_units_and_latencies_as_durations(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        client.capture(model="m", state="s", tokens=[1], tensors={"x": torch.ones(1 << 18)})
+        client.restore(model="m", state="s", tokens=[1])
+    code, out, _ = run("stats", "--socket", str(daemon.socket))
+    lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
+    assert code == 0 and "GiB)" in lines["budget_bytes"] and "(1.0 MiB)" in lines["capture_bytes"]
+    restore = lines["restore"]
+    assert re.search(r"p50=\d+(\.\d+)? (µs|ms|s) ", restore), restore
+    assert "<=" not in out
+
+
+def test_serve_help_shows_the_default_of_every_option() -> None:
+    _, out, _ = run("serve", "--help")
+    text = " ".join(out.split())
+    for needle in ("[default: 4GiB;", "[default: 64GiB;", "[default: /var/lib/skippyd;", "[default: 250ms;"):
+        assert needle in text, needle

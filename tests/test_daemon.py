@@ -445,6 +445,46 @@ def test_peers_outside_the_allowed_users_are_refused_even_if_the_socket_is_opene
     assert proc.client().ping(), "root (and the daemon's own user) stay allowed"
 
 
+def _as_user(uid: int, socket_path: Path) -> bytes:
+    """Runs a stats call as ``uid`` (gid the same, no supplementary groups) in a forked child."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                with skippyd.Client(socket_path, timeout=5.0) as client:
+                    client.stats()
+                code = b"allowed"
+            except PermissionDenied:
+                code = b"denied"
+            except Exception as exc:
+                code = type(exc).__name__.encode()
+            os.write(write_end, code)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    outcome = os.read(read_end, 100)
+    os.close(read_end)
+    return outcome
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as other users")
+def test_a_uid_in_allowed_uids_connects_without_being_in_the_sockets_group(make_daemon: Any) -> None:
+    proc = make_daemon("--allowed-uids", "4242").start()
+    assert stat.S_IMODE(os.lstat(proc.socket).st_mode) == 0o666, "access is decided by the credentials"
+    for parent in (proc.socket.parent, proc.socket.parent.parent):
+        os.chmod(parent, 0o711)
+    assert _as_user(4242, proc.socket) == b"allowed"
+    assert _as_user(4243, proc.socket) == b"denied"
+    plain = make_daemon().start()
+    assert stat.S_IMODE(os.lstat(plain.socket).st_mode) == 0o660, "without the lists: owner and group"
+
+
 def test_the_client_reconnects_after_the_daemon_restarts(daemon: DaemonProcess) -> None:
     client = daemon.client()
     client.capture(model=MODEL, state=STATE, tokens=[9], tensors={"x": torch.ones(3)})
