@@ -153,6 +153,19 @@ class DaemonCollector(Collector):
                 True,
                 resent,
             )
+        threads = data.get("threads")
+        if isinstance(threads, dict) and threads:
+            up = GaugeMetricFamily(
+                "skippyd_background_thread_up", "1 while a background thread runs", labels=["thread"]
+            )
+            errors = CounterMetricFamily(
+                "skippyd_background_errors", "jobs of a background thread that failed", labels=["thread"]
+            )
+            for name, thread in sorted(threads.items()):
+                up.add_metric([name], 1.0 if thread.get("alive") else 0.0)
+                errors.add_metric([name], float(thread.get("errors", 0)))
+            yield up
+            yield errors
         histogram = HistogramMetricFamily(
             "skippyd_request_duration_seconds", "request latency in the daemon, by operation", labels=["op"]
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -84,6 +85,9 @@ def test_metrics_scraped_over_http_after_a_workload_show_the_right_counts(make_d
     assert value('skippyd_request_duration_seconds_bucket{le="+Inf",op="capture"}') == 5
     assert value("skippyd_l2_budget_bytes") == 256 << 20
     assert "skippyd_l3_queue_depth" in text and "skippyd_redis_degraded" in text
+    assert value('skippyd_background_thread_up{thread="skippyd-l3-writer"}') == 1
+    assert value('skippyd_background_errors_total{thread="skippyd-promoter"}') == 0
+    assert value("skippyd_l3_queued_writes_total") == 5
     assert "secret-model-name" not in text, "no model names in labels"
     assert not re.search(r"[0-9a-f]{32}", text), "no keys or digests in labels"
 
@@ -228,3 +232,51 @@ def test_doctor_reports_what_l3_reconciliation_repaired_at_start(daemon: DaemonP
     code, lines = doctor(*daemon.args)
     assert any(line.startswith("WARN") and "temporary removed 1" in line for line in lines), lines
     assert code == 0
+
+
+def test_the_watchdog_is_fed_only_while_every_background_thread_lives(tmp_short: Path) -> None:
+    import asyncio
+    import socket as socketlib
+    import threading
+    from types import SimpleNamespace
+
+    from skippyd.config import Config
+    from skippyd.server import Server
+    from skippyd.workers import Health
+
+    listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
+    listener.bind(str(tmp_short / "notify.sock"))
+    listener.settimeout(5)
+    health = Health()
+    release = threading.Event()
+
+    def work() -> None:
+        release.wait(10)
+        raise SystemExit(1)  # not an Exception: nothing catches it, the thread dies
+
+    health.start("skippyd-test-worker", work)
+    server = Server(Config(), SimpleNamespace(), health=health)  # type: ignore[arg-type]
+
+    async def watch() -> None:
+        task = asyncio.create_task(server._watchdog(0.05))
+        await asyncio.sleep(0.2)
+        release.set()
+        await asyncio.wait_for(task, 5)  # the watchdog task gives up, so systemd restarts the daemon
+
+    old = os.environ.get("NOTIFY_SOCKET")
+    os.environ["NOTIFY_SOCKET"] = str(tmp_short / "notify.sock")
+    try:
+        asyncio.run(watch())
+    finally:
+        if old is None:
+            del os.environ["NOTIFY_SOCKET"]
+        else:
+            os.environ["NOTIFY_SOCKET"] = old
+    messages = []
+    listener.settimeout(0.2)
+    with contextlib.suppress(TimeoutError):
+        while True:
+            messages.append(listener.recv(4096).decode())
+    listener.close()
+    assert messages.count("WATCHDOG=1") >= 2
+    assert messages[-1].startswith("STATUS=unhealthy") and "skippyd-test-worker" in messages[-1]
