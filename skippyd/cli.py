@@ -176,7 +176,7 @@ def serve(config_file: str | None, **flags: Any) -> None:
 
     try:
         loaded = load_config(flags, config_file=config_file)
-        code = run(loaded.config)
+        code = run(loaded.config, sources=loaded.sources)
     except ConfigError as exc:
         _fail(str(exc), 2)
     except SkippydError as exc:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config, embedded_redis_url, human_size
+from .display import plural
 from .errors import SkippydError
 
 __all__ = ["Finding", "diagnose"]
@@ -286,7 +287,7 @@ def check_daemon(daemon: dict[str, Any] | None) -> Iterator[Finding]:
     yield Finding(
         OK,
         f"daemon {daemon.get('version')} answers: node {daemon.get('node')}, "
-        f"{daemon['l2']['entries']} L2 entries",
+        f"{plural(daemon['l2']['entries'], 'L2 entry', 'L2 entries')}",
     )
     l3 = daemon.get("l3")
     if l3 and l3.get("readonly"):

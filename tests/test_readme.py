@@ -94,6 +94,8 @@ def test_the_readme_command_lines_work_verbatim_after_run_sh(
     assert warmest.split() == [node, "960"], "the quickstart's capture fed the warm table"
     shown = next(out for line, out in outputs.items() if line.endswith("config show"))
     assert "# the daemon on" in shown and "256.0 MiB" in shown, "config show reads the running daemon's"
+    budget = next(line for line in shown.splitlines() if line.startswith("l2_budget"))
+    assert budget.endswith("# daemon: flag"), "and says where each of its settings came from"
     listing = next(out for line, out in outputs.items() if line.endswith("skippyd ls"))
     assert len(listing.splitlines()) == 2, listing
 
