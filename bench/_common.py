@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import platform
 import re
@@ -14,11 +15,40 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
+from skippyd.keys import Identity
+from skippyd.l2 import L2Tier, copy_into
+from skippyd.payload import Entry, TensorDecl
 from skippyd.redis_embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"
+
+
+def admit(tier: L2Tier, key: str, identity: Identity, decls: list[TensorDecl], data: list[Any]) -> Entry:
+    """What a capture does to L2 (reserve, copy each tensor in, hash and commit), without the socket."""
+    with tier.reserve(key=key, identity=identity, token_count=1, tensors=decls) as reservation:
+        for spec, source in zip(reservation.tensors, data, strict=True):
+            copy_into(reservation.data, spec.offset, spec.nbytes, source, threads=2)
+        return reservation.commit()
+
+
+@contextlib.contextmanager
+def borrow(tier: L2Tier, key: str) -> Iterator[tuple[Entry, memoryview]]:
+    """A leased read-only view of an entry's data region for the duration of the block."""
+    held = tier.hold(key, hit=False)
+    assert held is not None
+    try:
+        mapping = mmap.mmap(held.fd, held.data_offset + held.entry.data_len, prot=mmap.PROT_READ)
+    finally:
+        os.close(held.fd)
+    view = memoryview(mapping)[held.data_offset :]
+    try:
+        yield held.entry, view
+    finally:
+        view.release()
+        mapping.close()
 
 
 def timed(fn: Callable[[], object], *, reps: int, setup: Callable[[], object] | None = None) -> list[float]:

@@ -19,6 +19,7 @@ import numpy as np
 import redis
 import torch
 
+from bench._common import admit as admit_entry
 from bench._common import fmt_rate, fmt_time, machine, median, redis_server, table, timed, write_section
 from skippyd import tensors as skt
 from skippyd.keys import Identity, cache_key, encode_tokens
@@ -43,12 +44,12 @@ def bench_size(size_mib: int, workdir: Path, redis_url: str) -> list[list[str]]:
 
     decls = [TensorDecl("kv", "uint8", (nbytes,))]
     budget = 4 * L2Tier.file_size_for(token_count=1, tensors=decls)
-    tier = L2Tier(workdir / f"l2-{size_mib}", budget)
+    tier = L2Tier.open(workdir / f"l2-{size_mib}", budget)
     counter = iter(range(10**9))
 
     def admit() -> None:
         key = cache_key(IDENT, encode_tokens([next(counter)]))
-        tier.admit(key=key, identity=IDENT, token_count=1, tensors=decls, data=[source])
+        admit_entry(tier, key, IDENT, decls, [source])
 
     for _ in range(5):  # fill past the budget so every timed admission evicts and recycles
         admit()
@@ -56,14 +57,13 @@ def bench_size(size_mib: int, workdir: Path, redis_url: str) -> list[list[str]]:
     assert tier.stats().reused_files >= reps
     admit_cold = median(timed(admit, reps=max(3, reps // 4), setup=tier.clear))
     admit()
-    entry = tier.entries()[-1]
+    entry = tier.entries()[-1].entry
 
     def zero_copy() -> None:
-        opened = tier.open_reader(entry.key)
-        assert opened is not None
-        fd, found = opened
-        out = skt.map_entry(fd, found.data_offset, found.data_len, found.tensors)
-        os.close(fd)
+        held = tier.hold(entry.key)
+        assert held is not None
+        out = skt.map_entry(held.fd, held.data_offset, held.entry.data_len, held.entry.tensors)
+        os.close(held.fd)
         del out
 
     # The destination is allocated like the memcpy reference's (numpy, so transparent huge pages alike),
@@ -71,17 +71,16 @@ def bench_size(size_mib: int, workdir: Path, redis_url: str) -> list[list[str]]:
     into = {"kv": torch.from_numpy(np.ones(nbytes, dtype=np.uint8))}
 
     def copy_restore() -> None:
-        opened = tier.open_reader(entry.key)
-        assert opened is not None
-        fd, found = opened
-        skt.copy_entry(fd, found.data_offset, found.data_len, found.tensors, out=into)
-        os.close(fd)
+        held = tier.hold(entry.key)
+        assert held is not None
+        skt.copy_entry(held.fd, held.data_offset, held.entry.data_len, held.entry.tensors, out=into)
+        os.close(held.fd)
 
     zc = median(timed(zero_copy, reps=max(reps, 50)))
     cp = median(timed(copy_restore, reps=reps))
-    check = tier.open_reader(entry.key)
+    check = tier.hold(entry.key)
     assert check is not None
-    os.close(check[0])
+    os.close(check.fd)
     assert np.array_equal(into["kv"].numpy(), source), "restored bytes differ"
     tier.close()
 

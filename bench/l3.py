@@ -23,6 +23,8 @@ import numpy as np
 
 from bench._common import (
     BenchDaemon,
+    admit,
+    borrow,
     fmt_rate,
     fmt_time,
     machine,
@@ -62,16 +64,16 @@ def plain_read(path: Path, buffer: memoryview) -> None:
 def load_rows(sizes: list[int], workdir: Path) -> list[list[str]]:
     rows = []
     with (
-        L2Tier(workdir / "shm", 2 * max(sizes) * MiB + 64 * MiB) as l2,
-        L3Store(workdir / "l3", 1 << 40) as l3,
+        L2Tier.open(workdir / "shm", 2 * max(sizes) * MiB + 64 * MiB) as l2,
+        L3Store.open(workdir / "l3", 1 << 40) as l3,
     ):
         for size in sizes:
             n = size * MiB
             key = cache_key(IDENT, encode_tokens([size]))
             data = np.random.default_rng(size).integers(0, 255, n, dtype=np.uint8)
             table_ = [TensorDecl("kv", "uint8", (n,))]
-            l2.admit(key=key, identity=IDENT, token_count=1, tensors=table_, data=[data])
-            with l2.borrow(key) as (e, view):
+            admit(l2, key, IDENT, table_, [data])
+            with borrow(l2, key) as (e, view):
                 l3.write(e, view)
             l2.remove(key)
             stored = l3.get(key)

@@ -217,49 +217,51 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
             else:
                 click.echo(f"skippyd on {client.socket_path} refused: {exc} [{exc.code}]", err=True)
             sys.exit(1)
-    doc = {
-        "up": True,
-        "socket": client.socket_path,
-        "server": info.get("server"),
-        "node": stats["node"],
-        "uptime_s": stats["uptime_s"],
-        "l2": stats["l2"],
-        "l3": stats.get("l3"),
-        "redis": stats.get("redis", {}),
-        "connections": stats["server"].get("connections", 0),
-    }
+    from .stats import Snapshot
+
+    snap = Snapshot.from_wire(stats)
     if as_json:
+        doc = {
+            "up": True,
+            "socket": client.socket_path,
+            "server": info.get("server"),
+            "node": snap.node,
+            "uptime_s": snap.uptime_s,
+            "healthy": snap.healthy,
+            "l2": stats["l2"],
+            "l3": stats.get("l3"),
+            "redis": stats.get("redis", {}),
+            "connections": snap.server.connections,
+        }
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
         return
-    l2 = stats["l2"]
-    redis = stats.get("redis", {})
-    version, uptime = _version_of(info.get("server")), human_age(stats["uptime_s"])
+    l2 = snap.l2
+    version, uptime = _version_of(info.get("server")), human_age(snap.uptime_s)
     click.echo(f"skippyd {version} on {client.socket_path}: up {uptime}")
-    click.echo(f"  node       {stats['node']}")
-    hits, misses = plural(l2["hits"], "hit"), plural(l2["misses"], "miss", "misses")
+    click.echo(f"  node       {snap.node}")
+    hits, misses = plural(l2.hits, "hit"), plural(l2.misses, "miss", "misses")
     click.echo(
-        f"  L2         {plural(l2['entries'], 'entry')}, {human_size(l2['bytes'])} of "
-        f"{human_size(l2['budget_bytes'])}, {hits} / {misses}"
+        f"  L2         {plural(l2.entries, 'entry')}, {human_size(l2.bytes)} of "
+        f"{human_size(l2.budget_bytes)}, {hits} / {misses}"
     )
-    l3 = stats.get("l3")
-    if l3:
-        flags = " READ-ONLY (disk below its free-space floor)" if l3["readonly"] else ""
-        used = f"{human_size(l3['bytes'])} of {human_size(l3['budget_bytes'])}"
-        durable = stats.get("durable") or {}
-        waiting = durable.get("queue_depth", 0) + durable.get("backlog", 0)
+    l3 = snap.l3
+    if l3 is not None:
+        flags = " READ-ONLY (disk below its free-space floor)" if l3.readonly else ""
+        used = f"{human_size(l3.bytes)} of {human_size(l3.budget_bytes)}"
+        durable = snap.durable
+        waiting = durable.queue_depth + durable.backlog if durable is not None else 0
         click.echo(
-            f"  L3         {plural(l3['entries'], 'entry')}, {used}, {l3['corrupt']} quarantined, "
+            f"  L3         {plural(l3.entries, 'entry')}, {used}, {l3.corrupt} quarantined, "
             f"{plural(waiting, 'write')} waiting{flags}"
         )
     else:
         click.echo("  L3         off")
-    if redis.get("configured") is False:
+    if not snap.redis.configured:
         click.echo("  redis      not configured")
-    elif redis:
-        state = "degraded: " + str(redis.get("cause")) if redis.get("degraded") else "ok"
-        click.echo(f"  redis      {state}")
-    click.echo(f"  clients    {doc['connections']} connected")
-    died = sorted(name for name, t in (stats.get("threads") or {}).items() if not t.get("alive", True))
+    else:
+        click.echo(f"  redis      {'degraded: ' + snap.redis.cause if snap.redis.degraded else 'ok'}")
+    click.echo(f"  clients    {snap.server.connections} connected")
+    died = sorted(name for name, thread in snap.threads.items() if not thread.alive)
     if died:
         click.echo(f"  UNHEALTHY  background thread(s) {', '.join(died)} died: restart the daemon")
 
@@ -570,19 +572,13 @@ def l3_fsck(
         store = L3Store(path, config.l3_budget, min_free_bytes=0)
     except SkippydError as exc:
         _fail(f"{exc}; stop the daemon first (or read `skippyd stats` for the live store)", 1)
-    with store:
-        report = store.last_reconciliation
-        if verify:
-            with Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as progress:
-                task = progress.add_task("verifying objects", total=None)
+    with store, Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as progress:
+        task = progress.add_task("verifying objects" if verify else "reconciling", total=None)
 
-                def advance(done: int, total: int) -> None:
-                    progress.update(task, completed=done, total=total)
+        def advance(done: int, total: int) -> None:
+            progress.update(task, completed=done, total=total)
 
-                verified = store.reconcile(verify_objects=True, progress=advance)
-            report.verified = verified.verified
-            report.objects_quarantined = verified.objects_quarantined
-            report.problems.extend(verified.problems)
+        report = store.reconcile(verify_objects=verify, progress=advance)  # once, with or without hashing
     doc = report.as_dict()
     repairs = [k for k in _REPAIRS if doc[k]]
     clean = not report.problems and not repairs
@@ -672,7 +668,9 @@ def doctor(config_file: str | None, as_json: bool, **flags: Any) -> None:
     daemon = None
     with Client(config.socket, timeout=5.0, connect_timeout=2.0) as client:
         try:
-            daemon = client.stats()
+            from .stats import Snapshot
+
+            daemon = Snapshot.from_wire(client.stats())
         except (ConnectionLost, Timeout):
             daemon = None
         except SkippydError as exc:
@@ -695,13 +693,13 @@ def top(socket: str | None, config_file: str | None, interval: float, once: bool
     from rich.console import Console
     from rich.live import Live
 
+    from .stats import Snapshot
     from .top import render
 
     client = _client(socket, config_file, timeout=5.0)
     console = Console()
-    previous: dict[str, Any] | None = None
     with client:
-        current = client.stats()
+        current = Snapshot.from_wire(client.stats())
         if once:
             console.print(render(current, None, interval))
             return
@@ -709,7 +707,7 @@ def top(socket: str | None, config_file: str | None, interval: float, once: bool
             try:
                 while True:
                     time.sleep(interval)
-                    previous, current = current, client.stats()
+                    previous, current = current, Snapshot.from_wire(client.stats())
                     live.update(render(current, previous, interval))
             except KeyboardInterrupt:
                 pass

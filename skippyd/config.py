@@ -221,7 +221,10 @@ FIELDS: dict[str, ConfigField] = {
             "512MiB",
             "request bytes buffered (half-sent or queued), all clients",
         ),
-        ConfigField("workers", _parse_int, 0, "worker threads for copies and hashing (0: automatic)"),
+        ConfigField(
+            "workers", _parse_int, 0, "threads serving requests that copy, hash or read the disk (0: auto)"
+        ),
+        ConfigField("copy_threads", _parse_int, 2, "threads one large copy or hash is split over"),
         ConfigField("allowed_uids", _parse_ids, (), "peer uids allowed (default: owner, root, socket group)"),
         ConfigField("allowed_gids", _parse_ids, (), "peer gids allowed (default: owner, root, socket group)"),
         ConfigField("socket_group", _parse_str, "", "group the socket is handed to (mode 0660)"),
@@ -261,6 +264,7 @@ class Config:
     max_frame: int = 16 << 20
     max_buffered: int = 512 << 20
     workers: int = 0
+    copy_threads: int = 2
     allowed_uids: tuple[int, ...] = ()
     allowed_gids: tuple[int, ...] = ()
     socket_group: str = ""

@@ -422,6 +422,30 @@ class Promotions:
             self.client.close()
 
 
+@dataclass(slots=True)
+class RedisStatus:
+    """The daemon's Redis link as ``stats`` reports it."""
+
+    configured: bool = False
+    degraded: bool = False
+    cause: str = ""
+    degraded_for_s: float = 0.0
+    node: str = ""
+    incarnation: int = 0
+    buffered: int = 0
+    last_heartbeat_age_s: float | None = None
+    ran_sent: int = 0
+    ran_dropped: int = 0
+    batches: int = 0
+    batches_resent: int = 0
+    batches_applied_before: int = 0
+    failures: int = 0
+    heartbeats: int = 0
+    promotions_local: int = 0
+    promotions_redis: int = 0
+    superseded: int = 0
+
+
 class Coordinator:
     """The daemon's link to Redis; nothing here ever makes a client request wait on Redis.
 
@@ -506,21 +530,21 @@ class Coordinator:
             except SkippydError as exc:
                 self._degrade(str(exc))
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> RedisStatus:
         with self._cond:
             retry = self._retry
             buffered = len(self._buffer) + (len(retry[1]) if retry is not None else 0)
-        return {
-            "configured": True,
-            "degraded": self.degraded,
-            "cause": self.cause,
-            "degraded_for_s": time.monotonic() - self.degraded_since if self.degraded else 0.0,
-            "node": self.node,
-            "incarnation": self.incarnation,
-            "buffered": buffered,
-            "last_heartbeat_age_s": time.monotonic() - self._last_heartbeat if self._last_heartbeat else None,
+        return RedisStatus(
+            configured=True,
+            degraded=self.degraded,
+            cause=self.cause,
+            degraded_for_s=time.monotonic() - self.degraded_since if self.degraded else 0.0,
+            node=self.node,
+            incarnation=self.incarnation,
+            buffered=buffered,
+            last_heartbeat_age_s=time.monotonic() - self._last_heartbeat if self._last_heartbeat else None,
             **self.counters,
-        }
+        )
 
     # ------------------------------------------------------------- background side
     def start(self, health: Health | None = None) -> None:

@@ -1,8 +1,9 @@
 """The composition root: builds the tiers, coordination and server from a Config and runs them.
 
-Start-up order: embedded Redis (when no ``redis_url``), L2 tier (adopts what tmpfs still holds), the
-handlers, then the socket. Shutdown runs the same list backwards, so committed entries and the warm
-table are always left consistent.
+Start-up order: the checks that need no tier (:func:`preflight`), the metrics port, the embedded Redis
+(when no ``redis_url``), L2 (re-adopting what tmpfs still holds), L3 (reconciled), the tiers and
+handlers, then the socket; the node is announced to Redis only once the socket serves. Shutdown runs the
+same list backwards, so committed entries and the warm table are always left consistent.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 from . import __version__
 from .config import Config, human_size
@@ -21,12 +21,15 @@ from .coordination import Coordinator, LocalPromotions
 from .errors import ConfigError
 from .handlers import Handlers
 from .keys import Identity
-from .l2 import L2Entry, L2Tier
+from .l2 import L2Tier
 from .l3 import L3Store
 from .locate import remove_runtime, write_runtime
 from .logs import setup_logging
+from .payload import Entry
 from .redis_embedded import EmbeddedRedis
-from .server import Server, check_socket_free, notify
+from .server import Server, check_socket_free
+from .stats import ServerState, Snapshot
+from .systemd import extend_start_timeout
 from .tiers import PromotionPolicy, Tiers
 from .workers import Health
 
@@ -51,19 +54,16 @@ def run(
     setup_logging(config.log_level, config.log_format)
     preflight(config)
     with contextlib.ExitStack() as stack:
-        late: dict[str, Any] = {}
+        late: dict[str, Handlers] = {}
+        state = ServerState()
         if config.metrics_addr:
             from .metrics import DaemonCollector, MetricsServer
 
-            def snapshot() -> dict[str, Any]:
+            def snapshot() -> Snapshot | None:
                 handlers = late.get("handlers")
-                return handlers.snapshot() if handlers is not None else {"starting": True}
+                return handlers.snapshot() if handlers is not None else None  # None: still starting
 
-            def latency() -> dict[str, Any]:
-                server = late.get("server")
-                return server.latency.snapshot() if server is not None else {}
-
-            metrics = MetricsServer(config.metrics_addr, DaemonCollector(snapshot, latency))
+            metrics = MetricsServer(config.metrics_addr, DaemonCollector(snapshot, state.latency.snapshot))
             metrics.start()  # bound before the tiers start: a port in use fails now
             stack.callback(metrics.stop)
         redis_url = config.redis_url
@@ -86,15 +86,20 @@ def run(
             )
             stack.callback(coordinator.close)
             promotions = coordinator
-        _extend_start_timeout(config.shm_path)
-        l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=2)
-        l3 = None
-        if config.l3_path is not None:
-            try:
-                l3 = L3Store(config.l3_path, config.l3_budget, min_free_bytes=config.l3_min_free)
-            except BaseException:
-                l2.close()
-                raise
+        l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=config.copy_threads)
+        try:
+            held = l2.bytes_to_verify(config.shm_path)
+            if held:  # adoption hashes every byte still on tmpfs: tell systemd how long that may take
+                seconds = 30 + held / 300e6  # a conservative 300 MB/s of hashing, on top of the usual start
+                extend_start_timeout(seconds, f"verifying {held >> 20} MiB of L2 entries")
+            l2.adopt()
+            l3 = None
+            if config.l3_path is not None:
+                l3 = L3Store.open(config.l3_path, config.l3_budget, min_free_bytes=config.l3_min_free)
+        except BaseException:
+            l2.close()
+            raise
+        if l3 is not None:
             report = l3.last_reconciliation
             log.info(
                 "L3 at %s: %d entries; reconciliation removed %d temporary file(s), quarantined %d, "
@@ -106,7 +111,7 @@ def run(
             l2,
             l3=l3,
             promotions=promotions,
-            copy_threads=2,
+            copy_threads=config.copy_threads,
             max_entry=config.entry_limit,
             l3_queue=config.l3_queue,
             fill_budget=config.fill_budget,
@@ -124,18 +129,22 @@ def run(
             stats.adopt_dropped,
             config.l2_budget,
         )
-        handlers = Handlers(config, tiers, coordinator, health=health, sources=sources)
-        server = Server(config, handlers, health=health)
-        late.update(handlers=handlers, server=server)
+        handlers = Handlers(config, tiers, coordinator, health=health, sources=sources, server=state)
+        server = Server(
+            config, handlers, health=health, state=state, housekeeping=tiers.housekeeping,
+            before_forced_exit=l2.flush_recency,
+        )  # fmt: skip
+        late["handlers"] = handlers
 
         def serving() -> None:
             if coordinator is not None:  # the node is announced only once its socket serves
                 coordinator.start(health)
-            state = Path(config.state_dir)
+            state_dir = Path(config.state_dir)
             with contextlib.suppress(OSError):  # how `skippyd` commands in a checkout find this daemon
-                write_runtime(state, {"socket": config.socket, "pid": os.getpid(), "node": config.node_name,
-                                      "version": __version__, "state_dir": config.state_dir})  # fmt: skip
-                stack.callback(remove_runtime, state, os.getpid())
+                info = {"socket": config.socket, "pid": os.getpid(), "node": config.node_name,
+                        "version": __version__, "state_dir": config.state_dir}  # fmt: skip
+                write_runtime(state_dir, info)
+                stack.callback(remove_runtime, state_dir, os.getpid())
             if on_ready is not None:
                 on_ready()
 
@@ -167,22 +176,10 @@ def preflight(config: Config) -> None:
         )  # fmt: skip
 
 
-def _feed_warm_table(coordinator: Coordinator) -> Callable[[Identity, bytes, L2Entry], None]:
+def _feed_warm_table(coordinator: Coordinator) -> Callable[[Identity, bytes, Entry], None]:
     """A capture is this node running that prompt: the warm table hears of it (in a batch, later)."""
 
-    def hook(identity: Identity, tokens: bytes, entry: L2Entry) -> None:
-        del entry
+    def hook(identity: Identity, tokens: bytes, entry: Entry) -> None:  # noqa: ARG001 - the hook's signature
         coordinator.ran(identity.model, tokens)
 
     return hook
-
-
-def _extend_start_timeout(shm: Path) -> None:
-    """Adopting L2 hashes every byte still on tmpfs: tell systemd how long that may take."""
-    held = 0
-    entries = shm / "entries"
-    if entries.is_dir():
-        held = sum(p.stat().st_size for p in entries.iterdir() if p.is_file())
-    if held:
-        seconds = 30 + held / 300e6  # a conservative 300 MB/s of hashing, on top of the usual start
-        notify(f"STATUS=verifying {held >> 20} MiB of L2 entries\nEXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")

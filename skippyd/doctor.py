@@ -13,11 +13,11 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .config import Config, embedded_redis_url, human_size
 from .display import plural
 from .errors import SkippydError
+from .stats import Snapshot
 
 __all__ = ["Finding", "diagnose"]
 
@@ -69,7 +69,7 @@ def _total_ram() -> int:
     return 0
 
 
-def check_redis(config: Config, daemon: dict[str, Any] | None) -> Iterator[Finding]:
+def check_redis(config: Config, daemon: Snapshot | None) -> Iterator[Finding]:
     if config.redis_url == "none":
         yield Finding(INFO, "running without Redis: no warm table, promotions counted locally")
         return
@@ -103,11 +103,10 @@ def check_redis(config: Config, daemon: dict[str, Any] | None) -> Iterator[Findi
         yield Finding(FAIL, f"Redis {version} at {url} is too old", "use Redis 6.2 or newer")
     else:
         yield Finding(OK, f"Redis {version} reachable at {url}")
-    redis_state = (daemon or {}).get("redis", {})
-    if redis_state.get("degraded"):
+    if daemon is not None and daemon.redis.degraded:
         yield Finding(
             FAIL,
-            f"the daemon's Redis link is degraded: {redis_state.get('cause')}",
+            f"the daemon's Redis link is degraded: {daemon.redis.cause}",
             "check Redis load and network; the daemon retries with backoff",
         )
 
@@ -281,64 +280,66 @@ def check_budgets(config: Config) -> Iterator[Finding]:
         )
 
 
-def check_daemon(daemon: dict[str, Any] | None) -> Iterator[Finding]:
+def check_daemon(daemon: Snapshot | None) -> Iterator[Finding]:
     if daemon is None:
         return
     yield Finding(
         OK,
-        f"daemon {daemon.get('version')} answers: node {daemon.get('node')}, "
-        f"{plural(daemon['l2']['entries'], 'L2 entry', 'L2 entries')}",
+        f"daemon {daemon.version} answers: node {daemon.node}, "
+        f"{plural(daemon.l2.entries, 'L2 entry', 'L2 entries')}",
     )
-    l3 = daemon.get("l3")
-    if l3 and l3.get("readonly"):
+    l3 = daemon.l3
+    if l3 is not None and l3.readonly:
         yield Finding(FAIL, "the daemon's L3 is read-only (disk below its floor)", "free disk space")
-    if l3 and l3.get("corrupt"):
+    if l3 is not None and l3.corrupt:
         yield Finding(
             WARN,
-            f"{l3['corrupt']} L3 entries failed verification since start",
+            f"{l3.corrupt} L3 entries failed verification since start",
             "check the disk (SMART, dmesg); skippyd l3 fsck after stopping the daemon",
         )
-    report = daemon.get("l3_reconciliation") or {}
-    repaired = {
-        k: v for k, v in report.items() if k not in ("manifests", "objects", "verified", "problems") and v
-    }
-    if repaired:
-        details = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(repaired.items()))
-        yield Finding(
-            WARN,
-            f"L3 start-up reconciliation repaired: {details}",
-            "usually a crash mid-write; if it repeats, check the disk and run skippyd l3 fsck",
-        )
-    for name, thread in sorted((daemon.get("threads") or {}).items()):
-        if not thread.get("alive", True):
-            yield Finding(
-                FAIL,
-                f"background thread {name} died (last error: {thread.get('last_error') or 'none'})",
-                "restart the daemon (under systemd its watchdog does); the log has the traceback",
-            )
-        elif thread.get("errors"):
+    report = daemon.reconciliation
+    if report is not None:
+        repaired = {
+            k: v
+            for k, v in report.as_dict().items()
+            if k not in ("manifests", "objects", "verified", "problems") and v
+        }
+        if repaired:
+            details = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in sorted(repaired.items()))
             yield Finding(
                 WARN,
-                f"background thread {name}: {thread['errors']} job(s) failed, the last with "
-                f"{thread.get('last_error')}",
+                f"L3 start-up reconciliation repaired: {details}",
+                "usually a crash mid-write; if it repeats, check the disk and run skippyd l3 fsck",
+            )
+    for name, thread in sorted(daemon.threads.items()):
+        if not thread.alive:
+            yield Finding(
+                FAIL,
+                f"background thread {name} died (last error: {thread.last_error or 'none'})",
+                "restart the daemon (under systemd its watchdog does); the log has the traceback",
+            )
+        elif thread.errors:
+            yield Finding(
+                WARN,
+                f"background thread {name}: {thread.errors} job(s) failed, the last with {thread.last_error}",
                 "the log has each failure; a full disk or tmpfs, or Redis away, explains most",
             )
-    durable = daemon.get("durable") or {}
-    if durable.get("lost"):
+    durable = daemon.durable
+    if durable is not None and durable.lost:
         yield Finding(
             WARN,
-            f"{durable['lost']} deferred durable writes were lost (their entries left L2 before L3 had room)",
+            f"{durable.lost} deferred durable writes were lost (their entries left L2 before L3 had room)",
             "raise --l3-queue, use a faster disk, or give L3 more room (it may be read-only)",
         )
-    if durable.get("backlog"):
+    if durable is not None and durable.backlog:
         yield Finding(
             INFO,
-            f"{durable['backlog']} durable writes are waiting for L3 (queue full, or L3 out of room)",
+            f"{durable.backlog} durable writes are waiting for L3 (queue full, or L3 out of room)",
             "they are written once L3 can take them; a backlog that keeps growing needs a faster disk",
         )
 
 
-def diagnose(config: Config, daemon: dict[str, Any] | None) -> list[Finding]:
+def diagnose(config: Config, daemon: Snapshot | None) -> list[Finding]:
     findings: list[Finding] = []
     for check in (
         check_socket(config, daemon is not None),

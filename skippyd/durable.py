@@ -45,8 +45,9 @@ from .errors import NoSpace, NotFound, SkippydError, TooLarge
 from .evictions import EvictionClock
 from .files import private_dirs, remove
 from .keys import is_hex_digest
-from .l2 import L2Entry, L2Tier
+from .l2 import L2Tier
 from .l3 import L3Store
+from .payload import Entry
 from .shm import new_name
 from .workers import Health
 
@@ -136,8 +137,9 @@ class DurableStats:
 
 @dataclass(slots=True)
 class _Job:
-    entry: L2Entry
+    entry: Entry
     fd: int  # a lease on the entry's bytes (closed when the job ends)
+    data_offset: int  # where they start in that file
     seq: int  # its eviction-clock number; the clock counts it outstanding until the job ends
     waiters: list[Future[bool]] = field(default_factory=list)
 
@@ -188,7 +190,11 @@ class DurableWriter:
         for key, digest in self.marks.load(clean=True).items():
             entry = self.l2.peek(key)
             stored = self.l3.get(key)
-            if entry is None or entry.digest != digest or (stored is not None and stored.digest == digest):
+            if (
+                entry is None
+                or entry.digest != digest
+                or (stored is not None and stored.entry.digest == digest)
+            ):
                 self.marks.clear(key, digest)
                 continue
             with self._cond:
@@ -237,7 +243,7 @@ class DurableWriter:
             else:
                 self.marks.clear(key)
 
-    def submit(self, entry: L2Entry, seq: int, *, sync: bool = False, timeout: float = 20.0) -> str:
+    def submit(self, entry: Entry, seq: int, *, sync: bool = False, timeout: float = 20.0) -> str:
         """Queues the durable write of a committed entry; returns its durability (see module doc).
 
         ``seq`` is the eviction-clock number the capture began under. With ``sync`` it returns once the
@@ -245,7 +251,7 @@ class DurableWriter:
         """
         deadline = time.monotonic() + timeout
         present = self.l3.get(entry.key)
-        if present is not None and present.digest == entry.digest:
+        if present is not None and present.entry.digest == entry.digest:
             self._clear_mark(entry.key, entry.digest)
             return "written"
         if not self.alive or self.l3.readonly:
@@ -262,13 +268,13 @@ class DurableWriter:
                 self._defer_locked(entry.key, entry.digest)
                 self._cond.notify()
                 return "deferred"
-        opened = self.l2.open_reader(entry.key)  # the lease keeps the bytes even if L2 evicts the entry
-        if opened is None or opened[1].digest != entry.digest:
-            if opened is not None:
-                os.close(opened[0])
+        held = self.l2.hold(entry.key, hit=False)  # the lease keeps the bytes even if L2 evicts the entry
+        if held is None or held.entry.digest != entry.digest:
+            if held is not None:
+                os.close(held.fd)
             return "none"  # replaced or evicted already: a newer capture (or an eviction) decided
-        fd, current = opened
-        job = _Job(current, fd, self.clock.begin())
+        current = held.entry
+        job = _Job(current, held.fd, held.data_offset, self.clock.begin())
         job.seq = min(job.seq, seq)  # an eviction since the capture began cancels it too
         if waiter is not None:
             job.waiters.append(waiter)
@@ -415,16 +421,16 @@ class DurableWriter:
         return True
 
     def _open_deferred(self, key: str, digest: str) -> _Job | None:
-        opened = self.l2.open_reader(key)
-        if opened is None or opened[1].digest != digest:
-            if opened is not None:
-                os.close(opened[0])
+        held = self.l2.hold(key, hit=False)
+        if held is None or held.entry.digest != digest:
+            if held is not None:
+                os.close(held.fd)
             self._clear_mark(key, digest)
             with self._cond:
                 self._stats.lost += 1
             log.warning("a deferred durable write was lost: its entry left L2 before L3 could take it")
             return None
-        return _Job(opened[1], opened[0], self.clock.begin())
+        return _Job(held.entry, held.fd, held.data_offset, self.clock.begin())
 
     def _wanted(self, job: _Job) -> bool:
         entry = job.entry
@@ -440,7 +446,7 @@ class DurableWriter:
             if entry.data_len == 0:
                 return self.l3.write(entry, memoryview(b""), wanted=lambda: self._wanted(job))
             with mmap.mmap(
-                job.fd, entry.data_len, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=entry.data_offset
+                job.fd, entry.data_len, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ, offset=job.data_offset
             ) as mapping:
                 view = memoryview(mapping)
                 try:
@@ -481,7 +487,7 @@ class DurableWriter:
                     self.marks.clear(entry.key, entry.digest)
             if newer:  # captured again while this write ran: the newer one wins
                 stale = self.l3.get(entry.key)
-                if stale is not None and stale.digest == entry.digest:
+                if stale is not None and stale.entry.digest == entry.digest:
                     self.l3.remove(entry.key)
         except (OSError, SkippydError) as exc:
             self.health.failed(THREAD, "finishing a durable write failed", exc)

@@ -1,8 +1,19 @@
-"""One function per operation: a request map in, a reply map (and descriptors to send) out.
+"""One function per operation, and one table that says which runs where.
 
-No sockets here: the server hands each request over with the connection's :class:`Session` and sends
-what comes back. Every field of every request is validated here, so a malformed request is an
-``invalid_argument`` error naming the field, never an exception deeper down.
+A request map comes in, a :class:`Reply` (a map and descriptors to send) goes out; no sockets here.
+Every field of every request is validated here, so a malformed request is an ``invalid_argument``
+error naming the field, never an exception deeper down.
+
+:data:`OPERATIONS` is the only list of operations: the dispatcher, the ``hello`` reply's features and
+docs/protocol.md follow it. Each says where it runs:
+
+* ``inline``: on the event loop (cheap and bounded: no disk, no payload-sized work);
+* ``worker``: on a worker thread (copies, hashing of payloads, disk);
+* ``by_prompt``: inline, unless the prompt is long enough that hashing it would hold the loop up.
+
+An inline handler that finds it needs the disk after all (a restore whose longest prefix is only in
+L3) returns :class:`Deferred`: the server runs its continuation on a worker thread, and that
+continuation goes on from where the handler stopped, with what it already resolved.
 """
 
 from __future__ import annotations
@@ -19,51 +30,66 @@ from typing import Any, Protocol
 from . import __version__
 from .config import FIELDS, Config, config_values, derived_settings
 from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMismatch, describe
+from .fills import FillStats
 from .keys import Identity, cache_key, identity
 from .payload import MAX_TENSORS, check_decl, check_kind
 from .protocol import PROTOCOL_VERSION
 from .shm import PAGE, memfd
-from .tiers import RunOnWorker, Tiers
+from .stats import RedisStatus, ServerState, Snapshot
+from .tiers import Opened, Tiers
 from .workers import Health
 
 __all__ = [
-    "Coordinator",
+    "INLINE",
+    "OPERATIONS",
+    "WORKER",
+    "Deferred",
     "Handlers",
+    "Operation",
     "Reply",
-    "RunOnWorker",
     "Session",
     "Staging",
-    "on_worker",
-    "run_on_worker",
+    "WarmFeed",
 ]
 
 _MAX_TOKENS_BYTES = 8 << 20  # 2M tokens
 _INLINE_TOKEN_BYTES = 32 * 1024  # prompts above 8k tokens are hashed off the event loop
 
-
-_worker = threading.local()
-
-
-def on_worker() -> bool:
-    """Whether the current request runs on a worker thread (where disk I/O is allowed)."""
-    return bool(getattr(_worker, "active", False))
+INLINE, WORKER, BY_PROMPT = "inline", "worker", "by_prompt"
 
 
-def run_on_worker(handler: Operation, session: Session, body: dict[str, Any]) -> Reply:
-    """How the server calls a handler on its thread pool."""
-    _worker.active = True
-    try:
-        return handler(session, body)
-    finally:
-        _worker.active = False
+@dataclass(frozen=True, slots=True)
+class Operation:
+    name: str
+    runs: str  # INLINE, WORKER or BY_PROMPT
+    advertised: bool = True  # named in hello's features (hello itself is not)
 
 
-class Coordinator(Protocol):
-    """What the handlers need from the coordination layer (see :mod:`skippyd.coordination`)."""
+#: Every operation of protocol version 1, and where it runs.
+OPERATIONS: dict[str, Operation] = {
+    op.name: op
+    for op in (
+        Operation("hello", INLINE, advertised=False),
+        Operation("ping", INLINE),
+        Operation("stage", WORKER),
+        Operation("capture", WORKER),
+        Operation("lookup", BY_PROMPT),
+        Operation("restore", BY_PROMPT),
+        Operation("ran", WORKER),
+        Operation("stats", INLINE),
+        Operation("ls", WORKER),
+        Operation("evict", WORKER),
+        Operation("config", INLINE),
+    )
+}
+
+
+class WarmFeed(Protocol):
+    """What the handlers need from the daemon's Redis link (see :class:`skippyd.coordination.Coordinator`)."""
 
     def ran(self, model: str, tokens: bytes) -> None: ...
 
-    def status(self) -> dict[str, Any]: ...
+    def status(self) -> RedisStatus: ...
 
 
 @dataclass(slots=True)
@@ -83,7 +109,7 @@ class Staging:
 
 @dataclass(slots=True)
 class Session:
-    """What the daemon knows about one connection."""
+    """What the daemon knows about one connection (its requests run one at a time, in order)."""
 
     id: int
     pid: int = 0
@@ -91,7 +117,6 @@ class Session:
     gid: int = -1
     handshaken: bool = False
     staging: Staging | None = None
-    busy: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass(slots=True)
@@ -100,7 +125,14 @@ class Reply:
     fds: list[int] = field(default_factory=list)
 
 
-Operation = Callable[[Session, dict[str, Any]], Reply]
+@dataclass(slots=True)
+class Deferred:
+    """The rest of a request, to run on a worker thread; it returns the reply."""
+
+    work: Callable[[], Reply]
+
+
+Handler = Callable[[Session, dict[str, Any]], "Reply | Deferred"]
 
 
 class Handlers:
@@ -108,54 +140,37 @@ class Handlers:
         self,
         config: Config,
         tiers: Tiers,
-        coordinator: Coordinator | None = None,
+        coordinator: WarmFeed | None = None,
         *,
         health: Health | None = None,
         sources: Mapping[str, str] | None = None,
+        server: ServerState | None = None,
     ) -> None:
         self.config = config
         self.sources = dict(sources or {})
         self.tiers = tiers
         self.coordinator = coordinator
         self.health = health or tiers.health
+        self.server = server or ServerState()
         self.started = time.time()
         self._staging_lock = threading.Lock()
         self._staging_bytes = 0
-        self._ops: dict[str, Operation] = {
-            "hello": self.hello,
-            "ping": self.ping,
-            "stage": self.stage,
-            "capture": self.capture,
-            "lookup": self.lookup,
-            "restore": self.restore,
-            "ran": self.ran,
-            "stats": self.stats,
-            "ls": self.ls,
-            "evict": self.evict,
-            "config": self.config_op,
-        }
-        self.server_stats: Callable[[], dict[str, Any]] = dict
+        self._handlers: dict[str, Handler] = {name: getattr(self, f"op_{name}") for name in OPERATIONS}
 
     # ----------------------------------------------------------------- dispatch
-    def needs_worker(self, op: str, body: dict[str, Any]) -> bool:
-        """Whether the request's cost grows with payload or prompt size (then it leaves the event loop)."""
-        if op in ("capture", "stage", "evict", "ls", "ran"):
-            return True
-        if op in ("lookup", "restore"):
-            tokens = body.get("tokens")
-            return isinstance(tokens, bytes) and len(tokens) > _INLINE_TOKEN_BYTES
-        return False
-
-    def route(self, session: Session, body: dict[str, Any]) -> tuple[str, Operation, bool]:
-        """The operation a request names, its handler, and whether it runs on a worker thread."""
+    def route(self, session: Session, body: dict[str, Any]) -> tuple[str, Handler, bool]:
+        """The operation a request names, its handler, and whether it starts on a worker thread."""
         op = body.get("op")
-        handler = self._ops.get(op) if isinstance(op, str) else None
-        if handler is None:
+        operation = OPERATIONS.get(op) if isinstance(op, str) else None
+        if operation is None:
             raise InvalidArgument(f"unknown operation {describe(op)}")
-        assert isinstance(op, str)
-        if not session.handshaken and op != "hello":
+        if not session.handshaken and operation.name != "hello":
             raise InvalidArgument("the first request on a connection must be hello")
-        return op, handler, self.needs_worker(op, body)
+        pooled = operation.runs == WORKER
+        if operation.runs == BY_PROMPT:
+            tokens = body.get("tokens")
+            pooled = isinstance(tokens, bytes) and len(tokens) > _INLINE_TOKEN_BYTES
+        return operation.name, self._handlers[operation.name], pooled
 
     def close_session(self, session: Session) -> None:
         staging, session.staging = session.staging, None
@@ -165,7 +180,7 @@ class Handlers:
                 self._staging_bytes -= staging.size
 
     # ----------------------------------------------------------------- operations
-    def hello(self, session: Session, body: dict[str, Any]) -> Reply:
+    def op_hello(self, session: Session, body: dict[str, Any]) -> Reply:
         versions = body.get("versions", [PROTOCOL_VERSION])
         if not isinstance(versions, list) or PROTOCOL_VERSION not in versions:
             raise VersionMismatch(
@@ -181,15 +196,15 @@ class Handlers:
                 "max_entry": self.config.entry_limit,
                 "staging_max": min(self.config.entry_limit, self.config.staging_budget),
                 "align": 4096,
-                "features": ["stage", "capture", "lookup", "restore", "ran", "stats", "ls", "evict"],
+                "features": [op.name for op in OPERATIONS.values() if op.advertised],
             }
         )
 
-    def ping(self, session: Session, body: dict[str, Any]) -> Reply:
+    def op_ping(self, session: Session, body: dict[str, Any]) -> Reply:
         dead = self.health.dead()
         return Reply({"pong": True, "node": self.config.node_name, "healthy": not dead, "dead_threads": dead})
 
-    def stage(self, session: Session, body: dict[str, Any]) -> Reply:
+    def op_stage(self, session: Session, body: dict[str, Any]) -> Reply:
         want = _uint(body, "size")
         limit = min(self.config.entry_limit, self.config.staging_budget)
         if want == 0 or want > limit:
@@ -218,8 +233,8 @@ class Handlers:
         session.staging = Staging(mapping, size)
         return Reply({"size": size}, [fd])
 
-    def capture(self, session: Session, body: dict[str, Any]) -> Reply:
-        identity = _identity(body)
+    def op_capture(self, session: Session, body: dict[str, Any]) -> Reply:
+        ident = _identity(body)
         tokens = _tokens(body)
         raw_tensors = body.get("tensors")
         if not isinstance(raw_tensors, list) or len(raw_tensors) > MAX_TENSORS:
@@ -235,16 +250,10 @@ class Handlers:
         staging = session.staging
         if staging is None:
             raise InvalidArgument("no staging buffer on this connection: send stage first")
-        with session.busy:
-            outcome = self.tiers.capture(
-                identity=identity,
-                tokens=tokens,
-                tensors=decls,
-                source=staging.view(staging.size),
-                kind=kind,
-                meta=meta,
-                durable=durable,
-            )
+        outcome = self.tiers.capture(
+            identity=ident, tokens=tokens, tensors=decls, source=staging.view(staging.size), kind=kind,
+            meta=meta, durable=durable,
+        )  # fmt: skip
         return Reply(
             {
                 "digest": outcome.digest,
@@ -256,7 +265,7 @@ class Handlers:
             }
         )
 
-    def lookup(self, session: Session, body: dict[str, Any]) -> Reply:
+    def op_lookup(self, session: Session, body: dict[str, Any]) -> Reply:
         found = self.tiers.lookup(_identity(body), _tokens(body))
         if found is None:
             return Reply({"found": False})
@@ -270,27 +279,14 @@ class Handlers:
             }
         )
 
-    def restore(self, session: Session, body: dict[str, Any]) -> Reply:
-        opened = self.tiers.open_restore(_identity(body), _tokens(body), may_fill=on_worker())
-        if opened is None:
-            return Reply({"found": False})
-        return Reply(
-            {
-                "found": True,
-                "token_count": opened.token_count,
-                "kind": opened.kind,
-                "digest": opened.digest,
-                "meta": dict(opened.meta),
-                "tensors": [spec.to_wire() for spec in opened.tensors],
-                "data_offset": opened.data_offset,
-                "data_len": opened.data_len,
-                "source": opened.source,
-                "timings": opened.timings,
-            },
-            [opened.fd],
-        )
+    def op_restore(self, session: Session, body: dict[str, Any]) -> Reply | Deferred:
+        plan = self.tiers.plan_restore(_identity(body), _tokens(body))
+        opened = self.tiers.restore(plan, may_fill=False)
+        if plan.needs_disk:  # the longest prefix is only in L3: the worker goes on with this plan
+            return Deferred(lambda: _restore_reply(self.tiers.restore(plan)))
+        return _restore_reply(opened)
 
-    def ran(self, session: Session, body: dict[str, Any]) -> Reply:
+    def op_ran(self, session: Session, body: dict[str, Any]) -> Reply:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise InvalidArgument("model must be a non-empty string")
@@ -300,25 +296,30 @@ class Handlers:
         self.coordinator.ran(model, tokens)
         return Reply({})
 
-    def stats(self, session: Session, body: dict[str, Any]) -> Reply:
-        return Reply(self.snapshot())
+    def op_stats(self, session: Session, body: dict[str, Any]) -> Reply:
+        return Reply(self.snapshot().to_wire())
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> Snapshot:
         """Every counter the daemon keeps (what ``stats`` answers and the metrics endpoint exports)."""
-        result = self.tiers.stats()
-        result.update(
+        tiers = self.tiers.stats()
+        return Snapshot(
             node=self.config.node_name,
             version=__version__,
             uptime_s=time.time() - self.started,
+            healthy=self.health.healthy,
             staging_bytes=self._staging_bytes,
-            server=self.server_stats(),
+            l2=tiers.l2,
+            ops=tiers.ops,
+            fills=tiers.fills or FillStats(),
+            l3=tiers.l3,
+            durable=tiers.durable,
+            reconciliation=tiers.reconciliation,
+            server=self.server.stats(),
+            redis=self.coordinator.status() if self.coordinator is not None else RedisStatus(),
+            threads=self.health.snapshot(),
         )
-        result["redis"] = self.coordinator.status() if self.coordinator is not None else {"configured": False}
-        result["threads"] = {name: th.to_wire() for name, th in self.health.snapshot().items()}
-        result["healthy"] = self.health.healthy
-        return result
 
-    def config_op(self, session: Session, body: dict[str, Any]) -> Reply:
+    def op_config(self, session: Session, body: dict[str, Any]) -> Reply:
         """The daemon's effective settings, where each came from, and what follows from them."""
         return Reply(
             {
@@ -329,7 +330,7 @@ class Handlers:
             }
         )
 
-    def ls(self, session: Session, body: dict[str, Any]) -> Reply:
+    def op_ls(self, session: Session, body: dict[str, Any]) -> Reply:
         limit = body.get("limit", 0)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise InvalidArgument("limit must be a non-negative integer")
@@ -337,9 +338,9 @@ class Handlers:
         total = len(entries)
         if limit:
             entries = entries[:limit]
-        return Reply({"entries": entries, "total": total})
+        return Reply({"entries": [item.to_wire() for item in entries], "total": total})
 
-    def evict(self, session: Session, body: dict[str, Any]) -> Reply:
+    def op_evict(self, session: Session, body: dict[str, Any]) -> Reply:
         """By payload digest (or a unique prefix of one, at least 8 hex digits), by cache key (identity +
         tokens), or everything."""
         if _bool(body, "all", False):
@@ -358,6 +359,27 @@ class Handlers:
             return Reply({"removed": self.tiers.evict_key(cache_key(ident, tokens))})
         raise InvalidArgument("evict takes a digest (or a prefix of at least 8 hex digits), a key "
                               "(model, state, namespace, tokens), or all=true")  # fmt: skip
+
+
+def _restore_reply(opened: Opened | None) -> Reply:
+    if opened is None:
+        return Reply({"found": False})
+    entry = opened.entry
+    return Reply(
+        {
+            "found": True,
+            "token_count": entry.token_count,
+            "kind": entry.kind,
+            "digest": entry.digest,
+            "meta": dict(entry.meta),
+            "tensors": [spec.to_wire() for spec in entry.tensors],
+            "data_offset": opened.data_offset,
+            "data_len": entry.data_len,
+            "source": opened.source,
+            "timings": opened.timings,
+        },
+        [opened.fd],
+    )
 
 
 def _is_hex(text: str) -> bool:

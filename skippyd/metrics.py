@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import start_http_server
@@ -23,64 +24,101 @@ from prometheus_client.registry import Collector
 
 from . import __version__
 from .config import parse_addr
+from .coordination import RedisStatus
+from .durable import DurableStats
 from .errors import ConfigError
+from .fills import FillStats
+from .l2 import L2Stats
+from .l3 import L3Stats
 from .latency import BUCKETS_US, OpLatency
+from .stats import ServerStats, Snapshot
+from .tiers import Counters
 
-__all__ = ["DaemonCollector", "MetricsServer"]
+__all__ = ["TABLES", "DaemonCollector", "MetricsServer", "Row"]
 
 log = logging.getLogger("skippyd.metrics")
 
-# (stat key, metric suffix, help, counter?) for each tier
-_L2 = [
-    ("entries", "entries", "entries held", False),
-    ("bytes", "bytes", "tmpfs bytes held by entries", False),
-    ("budget_bytes", "budget_bytes", "byte budget", False),
-    ("free_bytes", "recycled_bytes", "pre-faulted bytes kept for reuse", False),
-    ("reserved_bytes", "reserved_bytes", "bytes held by captures and fills in flight", False),
-    ("hits", "hits", "lookups that found an entry", True),
-    ("misses", "misses", "lookups that found nothing", True),
-    ("inserts", "inserts", "entries admitted", True),
-    ("evictions", "evictions", "entries evicted to make room", True),
-    ("admission_rejects", "admission_rejects", "admissions refused for a digest mismatch", True),
-    ("refused_bytes", "refused_bytes", "bytes refused as larger than the whole budget", True),
-    ("reader_held_drops", "reader_held_drops", "evicted entries still read by a client (not recycled)", True),
-]
-_L3 = [
-    ("entries", "entries", "entries held", False),
-    ("bytes", "bytes", "bytes on disk (objects, manifests, quarantine, writes in flight)", False),
-    ("budget_bytes", "budget_bytes", "byte cap", False),
-    ("free_disk_bytes", "free_disk_bytes", "free bytes on the L3 filesystem", False),
-    ("readonly", "readonly", "1 while the disk is below its free-space floor", False),
-    ("hits", "hits", "restores served from L3", True),
-    ("fills", "fills", "entries read and verified from disk", True),
-    ("writes", "writes", "entries written", True),
-    ("refused_writes", "refused_writes", "writes refused (budget, floor, full disk)", True),
-    ("evictions", "evictions", "entries evicted to stay under the cap", True),
-    ("corrupt", "corrupt", "entries quarantined after failing verification", True),
-    ("bytes_read", "read_bytes", "bytes read", True),
-    ("bytes_written", "written_bytes", "bytes written", True),
-]
-_OPS = [
-    ("promotions", "promotions", "L3 entries promoted into L2", True),
-    ("corrupt_fallbacks", "corrupt_fallbacks", "restores that fell back to a shorter prefix", True),
-    ("fills_refused", "l3_fills_refused", "L3 restores over the fill budget (a shorter prefix served)", True),
-    ("fill_bytes", "l3_fill_bytes", "memory held by L3 restores outside L2 (memfd)", False),
-    ("captures", "captures", "captures", True),
-    ("capture_bytes", "capture_bytes", "bytes captured", True),
-    ("restore_bytes", "restore_bytes", "bytes restored", True),
-]
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One exported metric: the attribute of a stats dataclass it reads, and how it is exported."""
+
+    attr: str
+    suffix: str
+    help: str
+    counter: bool
 
 
-_DURABLE = [
-    ("queue_depth", "l3_queue_depth", "durable writes queued or running", False),
-    ("backlog", "l3_backlog", "durable writes deferred until L3 can take them", False),
-    ("queued", "l3_queued_writes", "durable writes queued with a lease on their bytes", True),
-    ("deferred", "l3_deferred_writes", "durable writes deferred (queue full, L3 read-only)", True),
-    ("written", "l3_durable_writes", "durable writes completed", True),
-    ("failed", "l3_write_failures", "durable writes that failed (retried when L3 has room again)", True),
-    ("lost", "l3_lost_writes", "deferred durable writes lost: the entry left L2 first", True),
-    ("sync_timeouts", "l3_sync_timeouts", 'durable="sync" captures answered before their fsync', True),
-]
+def _rows(*rows: tuple[str, str, str, bool]) -> tuple[Row, ...]:
+    return tuple(Row(*row) for row in rows)
+
+
+#: Each table names its stats dataclass; tests/test_ops.py checks every ``attr`` is one of its fields.
+TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
+    "l2": (L2Stats, "skippyd_l2_", _rows(
+        ("entries", "entries", "L2: entries held", False),
+        ("bytes", "bytes", "L2: tmpfs bytes held by entries", False),
+        ("budget_bytes", "budget_bytes", "L2: byte budget", False),
+        ("free_bytes", "recycled_bytes", "L2: pre-faulted bytes kept for reuse", False),
+        ("reserved_bytes", "reserved_bytes", "L2: bytes held by captures and fills in flight", False),
+        ("hits", "hits", "L2: lookups that found an entry", True),
+        ("misses", "misses", "L2: lookups that found nothing", True),
+        ("inserts", "inserts", "L2: entries admitted", True),
+        ("evictions", "evictions", "L2: entries evicted to make room", True),
+        ("admission_rejects", "admission_rejects", "L2: admissions refused for a digest mismatch", True),
+        ("refused_bytes", "refused_bytes", "L2: bytes refused as larger than the whole budget", True),
+        ("reader_held_drops", "reader_held_drops", "L2: evicted entries still read by a client", True),
+    )),
+    "l3": (L3Stats, "skippyd_l3_", _rows(
+        ("entries", "entries", "L3: entries held", False),
+        ("bytes", "bytes", "L3: bytes on disk (objects, manifests, quarantine, writes in flight)", False),
+        ("budget_bytes", "budget_bytes", "L3: byte cap", False),
+        ("free_disk_bytes", "free_disk_bytes", "L3: free bytes on the L3 filesystem", False),
+        ("readonly", "readonly", "L3: 1 while the disk is below its free-space floor", False),
+        ("hits", "hits", "L3: restores served from L3", True),
+        ("fills", "fills", "L3: entries read and verified from disk", True),
+        ("writes", "writes", "L3: entries written", True),
+        ("refused_writes", "refused_writes", "L3: writes refused (budget, floor, full disk)", True),
+        ("evictions", "evictions", "L3: entries evicted to stay under the cap", True),
+        ("corrupt", "corrupt", "L3: entries quarantined after failing verification", True),
+        ("bytes_read", "read_bytes", "L3: bytes read", True),
+        ("bytes_written", "written_bytes", "L3: bytes written", True),
+    )),
+    "ops": (Counters, "skippyd_", _rows(
+        ("corrupt_fallbacks", "corrupt_fallbacks", "restores that fell back to a shorter prefix", True),
+        ("captures", "captures", "captures", True),
+        ("capture_bytes", "capture_bytes", "bytes captured", True),
+        ("restore_bytes", "restore_bytes", "bytes restored", True),
+    )),
+    "fills": (FillStats, "skippyd_", _rows(
+        ("promotions", "promotions", "L3 entries promoted into L2", True),
+        ("fills_refused", "l3_fills_refused", "L3 restores over the fill budget", True),
+        ("fill_bytes", "l3_fill_bytes", "memory held by L3 restores outside L2 (memfd)", False),
+    )),
+    "durable": (DurableStats, "skippyd_", _rows(
+        ("queue_depth", "l3_queue_depth", "durable writes queued or running", False),
+        ("backlog", "l3_backlog", "durable writes deferred until L3 can take them", False),
+        ("queued", "l3_queued_writes", "durable writes queued with a lease on their bytes", True),
+        ("deferred", "l3_deferred_writes", "durable writes deferred (queue full, L3 read-only)", True),
+        ("written", "l3_durable_writes", "durable writes completed", True),
+        ("failed", "l3_write_failures", "durable writes that failed (retried when L3 has room again)", True),
+        ("lost", "l3_lost_writes", "deferred durable writes lost: the entry left L2 first", True),
+        ("sync_timeouts", "l3_sync_timeouts", 'durable="sync" captures answered before their fsync', True),
+    )),
+    "server": (ServerStats, "skippyd_", _rows(
+        ("connections", "connections", "clients connected", False),
+        ("inflight", "requests_in_flight", "requests running", False),
+        ("errors", "request_errors", "requests answered with an error", True),
+        ("protocol_errors", "protocol_errors", "connections closed for a bad frame", True),
+    )),
+    "redis": (RedisStatus, "skippyd_redis_", _rows(
+        ("degraded", "degraded", "1 while Redis is unreachable or slow", False),
+        ("buffered", "ran_buffered", "warm-table updates waiting", False),
+        ("ran_dropped", "ran_dropped", "warm-table updates dropped (Redis away)", True),
+        ("batches_resent", "ran_batches_resent",
+         "warm-table batches sent again after a failed call (Redis applies each batch once)", True),
+    )),
+}  # fmt: skip
 
 
 def _metric(name: str, help_text: str, counter: bool, value: float, **labels: str) -> Metric:
@@ -94,76 +132,46 @@ def _metric(name: str, help_text: str, counter: bool, value: float, **labels: st
 
 
 class DaemonCollector(Collector):
-    """Turns the daemon's counters into Prometheus families on every scrape."""
+    """Turns the daemon's typed snapshot into Prometheus families on every scrape."""
 
     def __init__(
-        self, snapshot: Callable[[], dict[str, Any]], latency: Callable[[], dict[str, OpLatency]]
+        self, snapshot: Callable[[], Snapshot | None], latency: Callable[[], dict[str, OpLatency]]
     ) -> None:
         self._snapshot = snapshot
         self._latency = latency
 
     def collect(self) -> Iterator[Metric]:
-        data = self._snapshot()
         info = GaugeMetricFamily("skippyd_info", "skippyd build", labels=["version"])
         info.add_metric([__version__], 1.0)
         yield info
-        yield _metric("skippyd_uptime_seconds", "seconds since start", False, data.get("uptime_s", 0))
-        for tier, table in (("l2", _L2), ("l3", _L3)):
-            stats = data.get(tier)
-            if not isinstance(stats, dict):
+        data = self._snapshot()
+        if data is None:  # still starting: the tiers are being verified
+            return
+        yield _metric("skippyd_uptime_seconds", "seconds since start", False, data.uptime_s)
+        sections: dict[str, Any] = {
+            "l2": data.l2, "l3": data.l3, "ops": data.ops, "fills": data.fills, "durable": data.durable,
+            "server": data.server, "redis": data.redis if data.redis.configured else None,
+        }  # fmt: skip
+        for name, (_cls, prefix, rows) in TABLES.items():
+            stats = sections[name]
+            if stats is None:
                 continue
-            for key, suffix, help_text, counter in table:
-                yield _metric(
-                    f"skippyd_{tier}_{suffix}", f"{tier.upper()}: {help_text}", counter, stats.get(key, 0)
-                )
-        ops = data.get("ops", {})
-        for key, suffix, help_text, counter in _OPS:
-            yield _metric(f"skippyd_{suffix}", help_text, counter, ops.get(key, 0))
-        durable = data.get("durable", {})
-        if isinstance(durable, dict) and durable:
-            for key, suffix, help_text, counter in _DURABLE:
-                yield _metric(f"skippyd_{suffix}", help_text, counter, durable.get(key, 0))
-        server = data.get("server", {})
-        yield _metric("skippyd_connections", "clients connected", False, server.get("connections", 0))
-        yield _metric("skippyd_requests_in_flight", "requests running", False, server.get("inflight", 0))
-        yield _metric(
-            "skippyd_request_errors", "requests answered with an error", True, server.get("errors", 0)
-        )
-        protocol = server.get("protocol_errors", 0)
-        yield _metric("skippyd_protocol_errors", "connections closed for a bad frame", True, protocol)
+            for row in rows:
+                yield _metric(prefix + row.suffix, row.help, row.counter, float(getattr(stats, row.attr)))
         requests = CounterMetricFamily("skippyd_requests", "requests by operation", labels=["op"])
-        for op, count in sorted(server.get("ops", {}).items()):
+        for op, count in sorted(data.server.ops.items()):
             requests.add_metric([op], float(count))
         yield requests
-        redis = data.get("redis", {})
-        if redis.get("configured", False):
-            degraded = 1 if redis.get("degraded") else 0
-            yield _metric("skippyd_redis_degraded", "1 while Redis is unreachable or slow", False, degraded)
-            yield _metric(
-                "skippyd_redis_ran_buffered", "warm-table updates waiting", False, redis.get("buffered", 0)
-            )
-            dropped = redis.get("ran_dropped", 0)
-            yield _metric(
-                "skippyd_redis_ran_dropped", "warm-table updates dropped (Redis away)", True, dropped
-            )
-            resent = redis.get("batches_resent", 0)
-            yield _metric(
-                "skippyd_redis_ran_batches_resent",
-                "warm-table batches sent again after a failed call (Redis applies each batch once)",
-                True,
-                resent,
-            )
-        threads = data.get("threads")
-        if isinstance(threads, dict) and threads:
+        if data.threads:
             up = GaugeMetricFamily(
                 "skippyd_background_thread_up", "1 while a background thread runs", labels=["thread"]
             )
             errors = CounterMetricFamily(
                 "skippyd_background_errors", "jobs of a background thread that failed", labels=["thread"]
             )
-            for name, thread in sorted(threads.items()):
-                up.add_metric([name], 1.0 if thread.get("alive") else 0.0)
-                errors.add_metric([name], float(thread.get("errors", 0)))
+            for name, thread in sorted(data.threads.items()):
+                up.add_metric([name], 1.0 if thread.alive else 0.0)
+                errors.add_metric([name], float(thread.errors))
             yield up
             yield errors
         histogram = HistogramMetricFamily(

@@ -22,7 +22,8 @@ import json
 import math
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from blake3 import blake3
@@ -37,7 +38,8 @@ __all__ = [
     "FORMAT_VERSION",
     "KINDS",
     "MAGIC",
-    "EntryHeader",
+    "Entry",
+    "EntryRef",
     "TensorDecl",
     "TensorSpec",
     "align_up",
@@ -226,8 +228,11 @@ def payload_digest(buffer: Any, tensors: Sequence[TensorSpec], *, base: int = 0,
 
 
 @dataclass(frozen=True, slots=True)
-class EntryHeader:
-    """Everything an entry says about itself; validated on encode and on decode."""
+class Entry:
+    """Everything an entry says about itself, in L2 and L3 alike; validated on encode and on decode.
+
+    ``nbytes`` (the tensors' bytes, padding excluded) is derived once. ``meta`` is read-only.
+    """
 
     key: str
     identity: str
@@ -239,6 +244,7 @@ class EntryHeader:
     data_len: int
     created_ns: int = 0
     origin: str = "capture"
+    nbytes: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not is_hex_digest(self.key) or not is_hex_digest(self.identity):
@@ -255,11 +261,17 @@ class EntryHeader:
             end = spec.offset + spec.nbytes
         if end > self.data_len:
             raise InvalidArgument("tensor table runs past the data region")
+        if not isinstance(self.meta, MappingProxyType):
+            object.__setattr__(self, "meta", MappingProxyType(dict(self.meta)))
+        object.__setattr__(self, "nbytes", sum(spec.nbytes for spec in self.tensors))
 
-    @property
-    def nbytes(self) -> int:
-        """Logical payload size: the tensors' bytes, padding excluded."""
-        return sum(spec.nbytes for spec in self.tensors)
+    def ref(self) -> EntryRef:
+        """What an index keeps of this entry (see :class:`EntryRef`)."""
+        return EntryRef(
+            key=self.key, identity=_intern(self.identity), token_count=self.token_count,
+            kind=_intern(self.kind), digest=self.digest, data_len=self.data_len, nbytes=self.nbytes,
+            tensor_count=len(self.tensors), created_ns=self.created_ns,
+        )  # fmt: skip
 
     def to_json(self) -> bytes:
         doc = {
@@ -278,7 +290,7 @@ class EntryHeader:
         return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     @classmethod
-    def from_json(cls, raw: bytes) -> EntryHeader:
+    def from_json(cls, raw: bytes) -> Entry:
         try:
             doc = json.loads(raw)
         except (
@@ -311,7 +323,32 @@ class EntryHeader:
             raise CorruptEntry(f"entry header is invalid: {exc}") from exc
 
 
-def encode_header(header: EntryHeader) -> tuple[bytes, int]:
+@dataclass(frozen=True, slots=True)
+class EntryRef:
+    """An entry as an index keeps it when the rest stays on disk: what lookups, listings and budgets
+    need. ``Entry.ref()`` makes one; the tensor table and ``meta`` are read back when the entry is
+    loaded, so an index of these costs the same per entry whatever the entry's ``meta`` holds."""
+
+    key: str
+    identity: str
+    token_count: int
+    kind: str
+    digest: str
+    data_len: int
+    nbytes: int
+    tensor_count: int
+    created_ns: int
+
+
+_interned: dict[str, str] = {}
+
+
+def _intern(text: str) -> str:
+    """One string object per identity digest or kind, however many entries share it."""
+    return _interned.setdefault(text, text)
+
+
+def encode_header(header: Entry) -> tuple[bytes, int]:
     """The bytes that precede the data region, and the data region's file offset."""
     body = header.to_json()
     if len(body) > MAX_HEADER_BYTES:
@@ -323,7 +360,7 @@ def encode_header(header: EntryHeader) -> tuple[bytes, int]:
     return fixed + body, data_offset
 
 
-def header_span(header: EntryHeader) -> int:
+def header_span(header: Entry) -> int:
     """File offset of the data region for this header (what :func:`encode_header` will return)."""
     return align_up(FIXED_HEADER_SIZE + len(header.to_json()))
 
@@ -350,13 +387,13 @@ def decode_fixed(raw: bytes) -> FixedHeader:
     return FixedHeader(header_len, data_offset, data_len, checksum, bytes(raw[:32]))
 
 
-def decode_header(fixed: FixedHeader, body: bytes) -> EntryHeader:
+def decode_header(fixed: FixedHeader, body: bytes) -> Entry:
     """Checks the header checksum, then parses and validates the JSON."""
     if len(body) != fixed.header_len:
         raise CorruptEntry("entry header is truncated")
     if blake3(fixed.prefix + body).digest() != fixed.checksum:
         raise CorruptEntry("entry header checksum does not match")
-    header = EntryHeader.from_json(body)
+    header = Entry.from_json(body)
     if header.data_len != fixed.data_len:
         raise CorruptEntry("entry header disagrees with its fixed fields")
     return header

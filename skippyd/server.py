@@ -19,6 +19,7 @@ import collections
 import contextlib
 import errno
 import fcntl
+import functools
 import grp
 import logging
 import os
@@ -37,12 +38,13 @@ from typing import Any
 
 from .config import Config
 from .errors import Busy, PermissionDenied, ShuttingDown, SkippydError, StoreLocked, VersionMismatch
-from .handlers import Handlers, Operation, Reply, RunOnWorker, Session, run_on_worker
-from .latency import LatencyTracker
+from .handlers import Deferred, Handler, Handlers, Reply, Session
 from .protocol import MAX_REQUEST_ITEMS, Frame, FrameDecoder, FrameType, encode_frame, send_frame
+from .stats import ServerState
+from .systemd import notify, watchdog_interval
 from .workers import Health
 
-__all__ = ["Server", "check_socket_free", "notify", "publish_socket"]
+__all__ = ["Server", "check_socket_free", "publish_socket"]
 
 log = logging.getLogger("skippyd.server")
 
@@ -53,22 +55,6 @@ _MAX_QUEUED_BYTES = 32 << 20  # decoded requests waiting on one connection
 _MAX_CONNECTIONS = 2048
 _MAX_CONNECTIONS_PER_UID = 1024  # one local user cannot take every slot from the others
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
-
-
-def notify(state: str) -> bool:
-    """Sends ``state`` to systemd's ``$NOTIFY_SOCKET`` (READY=1, STOPPING=1, WATCHDOG=1…)."""
-    address = os.environ.get("NOTIFY_SOCKET")
-    if not address:
-        return False
-    if address.startswith("@"):
-        address = "\0" + address[1:]
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.sendto(state.encode(), address)
-    except OSError as exc:
-        log.warning("could not notify systemd (%s): %s", state.split("=", maxsplit=1)[0], exc)
-        return False
-    return True
 
 
 @dataclass
@@ -285,7 +271,7 @@ class Connection:
 
     def _protocol_error(self, exc: SkippydError) -> None:
         log.info("closing connection %d: %s", self.session.id, exc)
-        self.server.stats["protocol_errors"] += 1
+        self.server.state.protocol_errors += 1
         self._pause_reading()
         self.queue.clear()
         self.queued_bytes = 0
@@ -297,6 +283,7 @@ class Connection:
     # ------------------------------------------------------------- running requests
     def _run_next(self) -> None:
         server = self.server
+        state = server.state
         while not self.running and self.queue and not self.closed:
             frame = self.queue.popleft()
             self.queued_bytes -= frame.size
@@ -309,42 +296,44 @@ class Connection:
             except SkippydError as exc:
                 self._reply_error(request_id, exc)
                 continue
-            server.ops[op] = server.ops.get(op, 0) + 1
+            except Exception as exc:  # a bug in routing: answered, never an exception on the loop
+                self._reply_failure(request_id, exc, "routing a request failed")
+                continue
+            state.ops[op] += 1
             started = time.perf_counter()
+            session = self.session
             if pooled:
-                self._submit(request_id, op, started, handler, body)
+                self._submit(request_id, op, started, functools.partial(_run_pooled, handler, session, body))
                 return
             try:
-                reply = handler(self.session, body)
-            except RunOnWorker:  # it needs disk I/O after all: off the event loop with it
-                self._submit(request_id, op, started, handler, body)
-                return
+                reply = handler(session, body)
             except Exception as exc:
                 self._reply_failure(request_id, exc, f"operation {op} failed")
             else:
+                if isinstance(reply, Deferred):  # it needs the disk after all: the worker goes on with it
+                    self._submit(request_id, op, started, functools.partial(_to_end, reply))
+                    return
                 self._reply(request_id, reply)
-            server.latency.observe(op, time.perf_counter() - started)
+            state.latency.observe(op, time.perf_counter() - started)
         if not self.running and not self.reading:
             self._resume_reading_if_room()
 
-    def _submit(
-        self, request_id: int, op: str, started: float, handler: Operation, body: dict[str, Any]
-    ) -> None:
+    def _submit(self, request_id: int, op: str, started: float, work: Callable[[], Reply]) -> None:
         self.running = True
-        self.server.inflight += 1
-        future = self.server.pool.submit(run_on_worker, handler, self.session, body)
+        self.server.state.inflight += 1
+        future = self.server.pool.submit(work)
         future.add_done_callback(self._done_callback(request_id, op, started))
 
     def _done_callback(self, request_id: int, op: str, started: float) -> Callable[[Future[Reply]], None]:
         def done(future: Future[Reply]) -> None:
-            self.server.latency.observe(op, time.perf_counter() - started)
+            self.server.state.latency.observe(op, time.perf_counter() - started)
             self.server.loop.call_soon_threadsafe(self._finished, request_id, future)
 
         return done
 
     def _finished(self, request_id: int, future: Future[Reply]) -> None:
         self.running = False
-        self.server.inflight -= 1
+        self.server.state.inflight -= 1
         try:
             reply = future.result()
         except Exception as exc:
@@ -380,7 +369,7 @@ class Connection:
         self._reply_error(request_id, exc)
 
     def _reply_error(self, request_id: int, exc: SkippydError) -> None:
-        self.server.stats["errors"] += 1
+        self.server.state.errors += 1
         if isinstance(exc, VersionMismatch | PermissionDenied):
             self.close_after_flush = True
         self._send(encode_frame(FrameType.ERROR, request_id, exc.to_wire()), [])
@@ -472,6 +461,18 @@ class Connection:
             self.server.handlers.close_session(self.session)
 
 
+def _run_pooled(handler: Handler, session: Session, body: dict[str, Any]) -> Reply:
+    """How a handler runs on a worker thread: it, and its continuations, until there is a reply."""
+    return _to_end(handler(session, body))
+
+
+def _to_end(result: Reply | Deferred) -> Reply:
+    """Runs a handler's continuations (on a worker thread) until there is a reply."""
+    while isinstance(result, Deferred):
+        result = result.work()
+    return result
+
+
 def _close_fds(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -481,35 +482,34 @@ def _close_fds(fds: list[int]) -> None:
 class Server:
     """Serves :class:`Handlers` on the configured Unix socket until told to stop."""
 
-    def __init__(self, config: Config, handlers: Handlers, *, health: Health | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        handlers: Handlers,
+        *,
+        health: Health | None = None,
+        state: ServerState | None = None,
+        housekeeping: Callable[[], None] | None = None,
+        before_forced_exit: Callable[[], None] | None = None,
+    ) -> None:
+        """``housekeeping`` runs on a worker thread every few seconds (the tiers' recency and trimming);
+        ``before_forced_exit`` runs when a second signal ends the process at once."""
         self.config = config
         self.handlers = handlers
         self.health = health or Health()
+        self.state = state or handlers.server
+        self._housekeeping_job = housekeeping
+        self._before_forced_exit = before_forced_exit
         self.pool = ThreadPoolExecutor(max_workers=config.worker_threads, thread_name_prefix="skippyd-worker")
         self.connections: dict[int, Connection] = {}
         self._per_uid: collections.Counter[int] = collections.Counter()
-        self.inflight = 0
         self.partial_bytes = 0
         self.stopping = False
-        self.stats: dict[str, int] = {"accepted": 0, "refused": 0, "errors": 0, "protocol_errors": 0}
-        self.ops: dict[str, int] = {}
-        self.latency = LatencyTracker()
         self._next_session = 0
         self._stopped: asyncio.Event | None = None
         self._signals = 0
         self._published: PublishedSocket | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
-        self.periodic: list[Callable[[], None]] = []
-        handlers.server_stats = self.snapshot
-
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            **self.stats,
-            "connections": len(self.connections),
-            "inflight": self.inflight,
-            "ops": dict(self.ops),
-            "latency": self.latency.summaries(),
-        }
 
     # ------------------------------------------------------------- lifecycle
     async def serve(
@@ -531,7 +531,7 @@ class Server:
                 self.loop.add_signal_handler(signum, self._on_signal, signum)
         self.loop.add_reader(published.sock.fileno(), self._accept)
         tasks = [asyncio.create_task(self._housekeeping())]
-        watchdog = _watchdog_interval()
+        watchdog = watchdog_interval()
         if watchdog:
             tasks.append(asyncio.create_task(self._watchdog(watchdog)))
         log.info("serving on %s (node %s)", published.path, self.config.node_name)
@@ -561,7 +561,7 @@ class Server:
             return
         self.stopping = True
         notify("STOPPING=1")
-        log.info("stopping: no new connections; finishing %d in-flight request(s)", self.inflight)
+        log.info("stopping: no new connections; finishing %d in-flight request(s)", self.state.inflight)
         if self._published is not None:
             with contextlib.suppress(ValueError, OSError):
                 self.loop.remove_reader(self._published.sock.fileno())
@@ -577,8 +577,9 @@ class Server:
         self._signals += 1
         if self._signals > 1:
             log.warning("second %s: exiting now", signal.Signals(signum).name)
-            with contextlib.suppress(Exception):
-                self.handlers.tiers.l2.flush_recency()
+            if self._before_forced_exit is not None:
+                with contextlib.suppress(Exception):
+                    self._before_forced_exit()
             os._exit(128 + signum)
         self.request_stop()
 
@@ -622,7 +623,7 @@ class Server:
             conn = Connection(self, sock, session)
             crowded = len(self.connections) >= _MAX_CONNECTIONS
             if crowded or self._per_uid[session.uid] >= _MAX_CONNECTIONS_PER_UID:
-                self.stats["refused"] += 1
+                self.state.refused += 1
                 message = (
                     "too many connections" if crowded else f"too many connections from uid {session.uid}"
                 )
@@ -630,17 +631,19 @@ class Server:
                 conn.close()
                 continue
             if not self.policy.allows(session.uid, session.gid, groups):
-                self.stats["refused"] += 1
+                self.state.refused += 1
                 log.warning(
                     "refused a connection from pid %d uid %d gid %d", session.pid, session.uid, session.gid
                 )
                 error = PermissionDenied(f"uid {session.uid} is not allowed to use this daemon")
                 self.connections[conn.fd] = conn
+                self.state.connections = len(self.connections)
                 conn.close_after_flush = True
                 conn._send(encode_frame(FrameType.ERROR, 0, error.to_wire()), [])
                 continue
-            self.stats["accepted"] += 1
+            self.state.accepted += 1
             self.connections[conn.fd] = conn
+            self.state.connections = len(self.connections)
             conn.counted = True
             self._per_uid[session.uid] += 1
             log.debug("connection %d from pid %d uid %d", session.id, session.pid, session.uid)
@@ -649,6 +652,7 @@ class Server:
     def forget(self, conn: Connection) -> None:
         if self.connections.get(conn.fd) is conn:
             del self.connections[conn.fd]
+            self.state.connections = len(self.connections)
         if conn.counted:
             conn.counted = False
             self._per_uid[conn.session.uid] -= 1
@@ -675,14 +679,12 @@ class Server:
                     and now - conn.last_activity > self.config.idle_timeout
                 ):
                     conn.close()
-            if now - last_flush >= 5.0:
+            if now - last_flush >= 5.0 and self._housekeeping_job is not None:
                 last_flush = now
-                await self.loop.run_in_executor(self.pool, self.handlers.tiers.housekeeping)
-            for job in self.periodic:
-                try:
-                    job()
-                except Exception:
-                    log.exception("periodic job failed")
+                try:  # one failure never ends the housekeeping task
+                    await self.loop.run_in_executor(self.pool, self._housekeeping_job)
+                except Exception as exc:
+                    self.health.failed("skippyd-housekeeping", "housekeeping failed", exc)
 
     async def _watchdog(self, interval: float) -> None:
         """Feeds systemd's watchdog while the event loop runs and every background thread lives; once one
@@ -700,14 +702,3 @@ class Server:
                 return
             notify("WATCHDOG=1")
             await asyncio.sleep(interval)
-
-
-def _watchdog_interval() -> float:
-    usec = os.environ.get("WATCHDOG_USEC")
-    pid = os.environ.get("WATCHDOG_PID")
-    if not usec or (pid and pid != str(os.getpid())):
-        return 0.0
-    try:
-        return max(0.05, int(usec) / 1e6 / 2)
-    except ValueError:
-        return 0.0

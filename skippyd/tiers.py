@@ -1,62 +1,56 @@
 """The rules across tiers: where a capture goes, which tier answers a lookup, what a restore serves.
 
-* **capture**: copied into L2 (the daemon hashes it there) and answered at once; a durable capture is
-  then written to L3 by a background writer through a bounded queue — when the queue is full the write
-  is dropped and counted: L3 is a durability floor, not a serving dependency.
+* **capture**: copied into L2 (the daemon hashes it there) and answered at once. A durable capture's
+  intent is recorded before its entry becomes visible and its L3 copy written in the background
+  (:mod:`skippyd.durable`); ``durable="sync"`` waits for that copy's fsync. The newest capture of a key
+  wins: an older L3 copy of the key is retired before the new entry is visible.
 * **lookup/restore**: the longest captured prefix across both tiers wins. Where L3 holds that prefix
   it is the authority: an L2 entry is served only if its digest and token count match L3's (a mismatch
-  removes the L2 entry). On an L2 miss the L3 entry is read and verified into free L2 memory (never
-  evicting for it) or, when L2 has none, into a sealed memfd within the fill budget, and served from
-  there; concurrent misses for one object load it once. Corruption quarantines the L3 entry, drops every
-  L2 entry with that digest and falls back to a shorter prefix.
-* **promotion**: after each L3 fill a bounded worker asks ``consider`` (the seed's should_promote,
-  counted in Redis across the scope, or locally); yes publishes the loaded L2 memory as an entry (no
-  second copy; a memfd fill is copied into room made by LRU) and ``settle``\\ s; no gives the memory
-  back.
+  removes the L2 entry). On an L2 miss the L3 entry is loaded and verified (:mod:`skippyd.fills`: once
+  per object however many restores want it) and served from there. Corruption quarantines the L3 entry,
+  drops every L2 entry with that digest and falls back to a shorter prefix.
+* **promotion**: each fill's promotion into L2 is decided by the fill table's promoter
+  (:mod:`skippyd.fills`), by the same second-hit rules across the scope.
+* **eviction**: evicting a digest, a key or everything cancels the work that began before it
+  (:mod:`skippyd.evictions`), so nothing in flight brings an evicted entry back.
 
 Nothing here touches sockets or imports torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from .durable import DurableWriter
-from .errors import Busy, CorruptEntry, InvalidArgument, NoSpace, NotFound, SkippydError, TooLarge
+from .durable import DurableStats, DurableWriter
+from .errors import Busy, CorruptEntry, InvalidArgument, NotFound, TooLarge
 from .evictions import EvictionClock
+from .fills import PROMOTER, FillStats, FillTable, PromotionPolicy
 from .keys import Identity, cache_key, prefix_keys, token_count
-from .l2 import L2Entry, L2Tier, Reservation, copy_into
-from .l3 import L3Entry, L3Ref, L3Store
-from .payload import TensorDecl, plan_layout
-from .shm import memfd, reopen_readonly, seal_readonly
+from .l2 import Held, L2Stats, L2Tier, copy_into
+from .l3 import L3Ref, L3Stats, L3Store, Reconciliation
+from .payload import Entry, EntryRef, TensorDecl, TensorSpec, plan_layout
 from .workers import Health
 
-__all__ = ["CaptureOutcome", "Located", "Opened", "PromotionPolicy", "RunOnWorker", "Tiers"]
+__all__ = [
+    "PROMOTER",
+    "CaptureOutcome",
+    "Counters",
+    "Listing",
+    "Located",
+    "Opened",
+    "PromotionPolicy",
+    "RestorePlan",
+    "Tiers",
+    "TiersStats",
+]
 
 log = logging.getLogger("skippyd.tiers")
-
-PROMOTER = "skippyd-promoter"
-
-
-class RunOnWorker(Exception):
-    """Raised on the event loop when a request turns out to need disk I/O (an L3 fill): run it again
-    on a worker thread."""
-
-
-class PromotionPolicy(Protocol):
-    def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool: ...
-
-    def settle(self, manifest_key: str) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,16 +75,37 @@ class Located:
 class Opened:
     """What a restore sends: the entry's description and a leased read-only fd (the caller closes it)."""
 
-    token_count: int
-    kind: str
-    digest: str
-    meta: Mapping[str, Any]
-    tensors: tuple[Any, ...]
+    entry: Entry
     data_offset: int
-    data_len: int
     fd: int
     source: str
     timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """One row of ``ls``."""
+
+    tier: str  # "l2", "l3" or "l2+l3"
+    entry: Entry | EntryRef
+    size: int  # bytes it takes in its tier
+    age_s: float
+    idle_s: float
+
+    def to_wire(self) -> dict[str, Any]:
+        e = self.entry
+        return {
+            "tier": self.tier,
+            "digest": e.digest,
+            "identity": e.identity,
+            "token_count": e.token_count,
+            "kind": e.kind,
+            "nbytes": e.nbytes,
+            "file_size": self.size,
+            "age_s": self.age_s,
+            "idle_s": self.idle_s,
+            "tensors": e.tensor_count if isinstance(e, EntryRef) else len(e.tensors),
+        }
 
 
 @dataclass(slots=True)
@@ -106,45 +121,42 @@ class Counters:
     restores_l3: int = 0
     l3_vouched: int = 0
     l2_mismatches_removed: int = 0
-    fills: int = 0
-    fill_waits: int = 0
-    fills_refused: int = 0  # over the fill budget: a shorter prefix was served instead
     corrupt_fallbacks: int = 0
-    promotions: int = 0
-    promotions_declined: int = 0
-    promotions_dropped: int = 0
     evictions_requested: int = 0
 
 
-@dataclass
-class _Fill:
-    """One L3 entry loaded into reserved L2 memory, shared by every restore that wants it.
+@dataclass(frozen=True, slots=True)
+class TiersStats:
+    """Every tier's typed counters, as one snapshot."""
 
-    ``users`` counts the restores between joining and holding their own fd; the promoter's decision
-    (``resolution``: commit or abort) is carried out once the last of them is done, so no restore ever
-    finds the memory gone between the load and its fd.
-    """
-
-    ref: L3Ref  # what the restore looked up
-    key: str
-    seq: int  # the eviction sequence number when the fill began: a later eviction of its digest wins
-    entry: L3Entry | None = None  # the whole manifest, read by the leader
-    done: Future[None] = field(default_factory=Future)
-    reservation: Reservation | None = None
-    fd: int = -1  # a sealed memfd when L2 had no free room
-    memfd_bytes: int = 0  # charged to the fill budget while the memfd is held
-    fill_ms: float = 0.0
-    users: int = 0
-    resolution: str | None = None  # "commit" | "abort"
-    released: bool = False
+    l2: L2Stats
+    ops: Counters
+    fills: FillStats | None
+    l3: L3Stats | None
+    durable: DurableStats | None
+    reconciliation: Reconciliation | None
 
 
 @dataclass(slots=True)
 class _Candidate:
     key: str
     length: int
-    l2: L2Entry | None
-    l3: L3Ref | None
+
+
+@dataclass(slots=True)
+class RestorePlan:
+    """A restore in progress: the prompt's candidate keys, longest first, and how far it got.
+
+    Made once (the prompt is hashed once); :meth:`Tiers.restore` can stop where a candidate needs the disk
+    (on the event loop) and a worker thread resumes the same plan there.
+    """
+
+    identity: Identity
+    candidates: list[_Candidate]
+    started: float
+    position: int = 0
+    needs_disk: bool = False  # the candidate at ``position`` is an L3 fill
+    resolved: L3Ref | None = None  # its L3 entry, looked up on the event loop
 
 
 class Tiers:
@@ -164,28 +176,24 @@ class Tiers:
     ) -> None:
         self.l2 = l2
         self.l3 = l3
-        self.promotions = promotions
         self.health = health or Health()
         self._copy_threads = copy_threads
         self._max_entry = max_entry
         self._sync_timeout = sync_timeout
-        self._lock = threading.Lock()
         self.counters = Counters()
-        self.capture_hooks: list[Callable[[Identity, bytes, L2Entry], None]] = []
-        self._fills: dict[str, _Fill] = {}  # by L3 object: concurrent misses of the same bytes load once
-        # Evictions cancel the work begun before them (captures, restores, durable writes, fills).
-        self.clock = EvictionClock()
-        # L3 fills held in memfds (L2 had no free room) are RAM outside the L2 budget: capped here. One
-        # fill may always run, however large; past the cap a restore falls back to a shorter prefix.
-        self._fill_budget = fill_budget
-        self._fill_bytes = 0
+        self.capture_hooks: list[Callable[[Identity, bytes, Entry], None]] = []
+        self.clock = EvictionClock()  # evictions cancel the work begun before them
         self.writer: DurableWriter | None = None
+        self.fills: FillTable | None = None
         if l3 is not None:
             self.writer = DurableWriter(l2, l3, self.clock, self.health, queue_size=l3_queue)
             self.writer.recover()
             self.writer.start()
-        self._promote: queue.Queue[_Fill | None] = queue.Queue(maxsize=max(1, promotion_queue))
-        self._promoter_thread = self.health.start(PROMOTER, self._promoter)
+            self.fills = FillTable(
+                l2, l3, self.clock, self.health, promotions=promotions, budget=fill_budget,
+                queue_size=promotion_queue, copy_threads=copy_threads,
+            )  # fmt: skip
+        self._lock = threading.Lock()
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -225,38 +233,13 @@ class Tiers:
             raise TooLarge(f"an entry of {data_len} bytes exceeds the entry limit of {self._max_entry}")
         key = cache_key(identity, tokens)
         seq = self.clock.begin()  # an eviction from here on cancels this capture's durable write
-        writer = self.writer
-        intended: list[str] = []
         try:
-
-            def before_publish(digest: str) -> None:
-                """The newest capture wins over older durable copies, before it becomes visible: a restore
-                never sees the new L2 entry beside an older L3 authority (which would remove it). A
-                durable capture's intent is recorded here too, so a crash right after the commit keeps it."""
-                if writer is None or self.l3 is None:
-                    return
-                writer.intend(key, digest, durable=bool(durable))
-                intended.append(digest)
-                stale = self.l3.get(key)
-                if stale is not None and stale.digest != digest:
-                    self.l3.remove(key)
-
-            try:
-                with self.l2.reserve(
-                    key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
-                ) as reservation:
-                    for spec in specs:
-                        view = source[spec.offset : spec.offset + spec.nbytes]
-                        threads = self._copy_threads
-                        copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=threads)
-                    entry = reservation.commit(before_publish=before_publish)
-            except BaseException:
-                if writer is not None and intended and durable:
-                    writer.withdraw(key, intended[0])  # nothing was published under that intent
-                raise
+            entry = self._admit(identity, key, count, tensors, specs, source, kind, meta, bool(durable))
             durability = "none"
-            if durable and writer is not None:
-                durability = writer.submit(entry, seq, sync=durable == "sync", timeout=self._sync_timeout)
+            if durable and self.writer is not None:
+                durability = self.writer.submit(
+                    entry, seq, sync=durable == "sync", timeout=self._sync_timeout
+                )
             for hook in self.capture_hooks:
                 hook(identity, tokens, entry)
             self._count(captures=1, capture_bytes=entry.nbytes)
@@ -265,9 +248,50 @@ class Tiers:
         finally:
             self.clock.end()
 
+    def _admit(  # noqa: PLR0917 - capture's own arguments, passed on
+        self,
+        identity: Identity,
+        key: str,
+        count: int,
+        tensors: Sequence[TensorDecl],
+        specs: Sequence[TensorSpec],
+        source: memoryview,
+        kind: str,
+        meta: Mapping[str, Any] | None,
+        durable: bool,
+    ) -> Entry:
+        """Where a capture is admitted: copied into a reservation, hashed, and published."""
+        writer, l3 = self.writer, self.l3
+        intended: list[str] = []
+
+        def before_publish(digest: str) -> None:
+            """The newest capture wins over older durable copies, before it becomes visible: a restore never
+            sees the new L2 entry beside an older L3 authority (which would remove it). A durable capture's
+            intent is recorded here too, so a crash right after the commit keeps it."""
+            if writer is None or l3 is None:
+                return
+            writer.intend(key, digest, durable=durable)
+            intended.append(digest)
+            stale = l3.get(key)
+            if stale is not None and stale.entry.digest != digest:
+                l3.remove(key)
+
+        try:
+            with self.l2.reserve(
+                key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
+            ) as reservation:
+                for spec in specs:
+                    view = source[spec.offset : spec.offset + spec.nbytes]
+                    copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads)
+                return reservation.commit(before_publish=before_publish)
+        except BaseException:
+            if writer is not None and intended and durable:
+                writer.withdraw(key, intended[0])  # nothing was published under that intent
+            raise
+
     # ----------------------------------------------------------------- locating
     def _candidates(self, identity: Identity, tokens: bytes) -> list[_Candidate]:
-        """Every captured prefix length of this prompt in either tier, longest first."""
+        """Every captured prefix length of this prompt in either tier, longest first (one hashing pass)."""
         upto = token_count(tokens)
         lengths = set(self.l2.prefix_lengths(identity.digest, upto))
         if self.l3 is not None:
@@ -276,312 +300,115 @@ class Tiers:
             return []
         ordered = sorted(lengths)
         keys = prefix_keys(identity, tokens, ordered)
-        return [_Candidate(k, n, None, None) for n, k in zip(reversed(ordered), reversed(keys), strict=True)]
+        return [_Candidate(k, n) for n, k in zip(reversed(ordered), reversed(keys), strict=True)]
 
-    def _resolve(self, candidate: _Candidate) -> _Candidate | None:
-        """Which tier can serve this prefix, with L3 as the authority where it holds it."""
-        l2 = self.l2.peek(candidate.key)
-        l3 = self.l3.get(candidate.key) if self.l3 is not None else None
-        if l3 is not None:
-            if l2 is not None and (l2.digest != l3.digest or l2.token_count != l3.token_count):
-                self.l2.remove(candidate.key)
-                self._count(l2_mismatches_removed=1)
-                l2 = None
-            return _Candidate(candidate.key, candidate.length, l2, l3)
-        if l2 is not None:
-            return _Candidate(candidate.key, candidate.length, l2, None)
-        return None
+    def _authority(self, key: str, l2: Entry | None) -> tuple[Entry | None, L3Ref | None]:
+        """What may serve ``key``: L3 is the authority where it holds the key, so an L2 entry that
+        disagrees with it (another digest or token count) is removed, not served."""
+        l3 = self.l3.get(key) if self.l3 is not None else None
+        if (
+            l3 is not None
+            and l2 is not None
+            and (l2.digest != l3.entry.digest or l2.token_count != l3.entry.token_count)
+        ):
+            self.l2.remove(key)
+            self._count(l2_mismatches_removed=1)
+            return None, l3
+        return l2, l3
 
     def lookup(self, identity: Identity, tokens: bytes) -> Located | None:
         """The longest captured prefix in either tier, without loading it or touching recency."""
         for candidate in self._candidates(identity, tokens):
-            found = self._resolve(candidate)
-            if found is None:
-                continue
-            self._count(lookups=1, lookup_hits=1)
-            if found.l2 is not None:
-                return Located(found.l2.token_count, "l2", found.l2.digest, found.l2.nbytes)
-            assert found.l3 is not None
-            return Located(found.l3.token_count, "l3", found.l3.digest, found.l3.nbytes)
+            l2, l3 = self._authority(candidate.key, self.l2.peek(candidate.key))
+            if l2 is not None:
+                self._count(lookups=1, lookup_hits=1)
+                return Located(l2.token_count, "l2", l2.digest, l2.nbytes)
+            if l3 is not None:
+                self._count(lookups=1, lookup_hits=1)
+                return Located(l3.entry.token_count, "l3", l3.entry.digest, l3.entry.nbytes)
         self._count(lookups=1)
         return None
 
-    def open_restore(self, identity: Identity, tokens: bytes, *, may_fill: bool = True) -> Opened | None:
-        """The longest captured prefix opened for reading; L3 fills happen here.
+    # ----------------------------------------------------------------- restore
+    def plan_restore(self, identity: Identity, tokens: bytes) -> RestorePlan:
+        """Hashes the prompt's candidate prefixes (once); :meth:`restore` then walks them."""
+        return RestorePlan(identity, self._candidates(identity, tokens), time.perf_counter())
 
-        With ``may_fill=False`` (the event loop) a restore that needs an L3 fill raises
-        :class:`RunOnWorker` instead of reading the disk.
+    def restore(self, plan: RestorePlan, *, may_fill: bool = True) -> Opened | None:
+        """The longest captured prefix of ``plan`` opened for reading (L3 fills happen here), or None.
+
+        With ``may_fill=False`` (the event loop) it stops where a candidate needs an L3 fill and leaves
+        ``plan.needs_disk`` set: call it again with the same plan on a worker thread to go on from there.
         """
-        started = time.perf_counter()
         seq = self.clock.begin()  # an eviction from here on cancels the promotion of a fill
         try:
-            return self._open_restore(identity, tokens, may_fill, started, seq)
+            while plan.position < len(plan.candidates):
+                candidate = plan.candidates[plan.position]
+                if plan.needs_disk:  # resumed on a worker: the L3 entry looked up on the event loop
+                    opened = self._open_l3(plan, plan.resolved, seq) if plan.resolved is not None else None
+                    plan.needs_disk, plan.resolved = False, None
+                else:
+                    opened, l3 = self._open_l2(candidate, plan.started)
+                    if opened is None and l3 is not None:
+                        if not may_fill:
+                            plan.needs_disk, plan.resolved = True, l3
+                            return None
+                        opened = self._open_l3(plan, l3, seq)
+                if opened is not None:
+                    self._count(restores=1, restore_hits=1, restore_bytes=opened.entry.nbytes)
+                    return opened
+                plan.position += 1
+            self.l2.count_miss()
+            if self.l3 is not None:
+                self.l3.count_hit(False)
+            self._count(restores=1)
+            return None
         finally:
             self.clock.end()
 
-    def _open_restore(
-        self, identity: Identity, tokens: bytes, may_fill: bool, started: float, seq: int
-    ) -> Opened | None:
-        for candidate in self._candidates(identity, tokens):
-            found = self._resolve(candidate)
-            if found is None:
-                continue
-            opened = self._open_l2(found, started) if found.l2 is not None else None
-            if opened is None and found.l3 is not None:
-                if not may_fill:
-                    raise RunOnWorker
-                try:
-                    opened = self._open_l3(found.key, found.l3, started, seq)
-                except CorruptEntry:
-                    self.l2.remove_by_digest(found.l3.digest)
-                    self._count(corrupt_fallbacks=1)
-                    continue  # never served: fall back to a shorter prefix
-                except (NotFound, Busy):
-                    continue  # a shorter prefix, if any, is served instead
-            if opened is None:
-                continue
-            self._count(restores=1, restore_hits=1, restore_bytes=sum(s.nbytes for s in opened.tensors))
-            return opened
-        self.l2.count_miss()
-        if self.l3 is not None:
-            self.l3.count_hit(False)
-        self._count(restores=1)
-        return None
+    def open_restore(self, identity: Identity, tokens: bytes) -> Opened | None:
+        """:meth:`plan_restore` and :meth:`restore` in one call, disk allowed."""
+        return self.restore(self.plan_restore(identity, tokens))
 
-    def _open_l2(self, found: _Candidate, started: float) -> Opened | None:
-        entry = self.l2.get(found.key)  # counts the hit and moves recency
-        if entry is None:
-            return None
-        opened = self.l2.open_reader(found.key)
-        if opened is None:
-            return None
-        fd, entry = opened
-        if found.l3 is not None:
-            self.l3.touch(found.key)  # type: ignore[union-attr]
+    def _open_l2(self, candidate: _Candidate, started: float) -> tuple[Opened | None, L3Ref | None]:
+        """The L2 entry of ``candidate`` opened if L3 agrees with it (one L2 lookup), and L3's entry."""
+        held: Held | None = self.l2.hold(candidate.key)  # counts the hit and moves recency
+        l2, l3 = self._authority(candidate.key, held.entry if held is not None else None)
+        if held is None:
+            return None, l3
+        if l2 is None:  # L3 disagreed: that entry is gone now
+            os.close(held.fd)
+            return None, l3
+        if l3 is not None and self.l3 is not None:
+            self.l3.touch(candidate.key)
             self._count(l3_vouched=1)
         self._count(restores_l2=1)
-        return _opened(
-            entry, entry.data_offset, fd, "l2", {"lookup_ms": (time.perf_counter() - started) * 1e3}
-        )
+        timings = {"lookup_ms": (time.perf_counter() - started) * 1e3}
+        return Opened(held.entry, held.data_offset, held.fd, "l2", timings), l3
 
-    # ----------------------------------------------------------------- L3 fills
-    def _open_l3(self, key: str, ref: L3Ref, started: float, seq: int) -> Opened:
-        assert self.l3 is not None
-        lookup_ms = (time.perf_counter() - started) * 1e3
-        with self._lock:
-            fill = self._fills.get(ref.object)
-            leader = fill is None
-            if fill is None:
-                fill = self._fills[ref.object] = _Fill(ref, key, min(seq, self.clock.begin()))
-            else:
-                self.counters.fill_waits += 1
-            fill.users += 1
+    def _open_l3(self, plan: RestorePlan, ref: L3Ref, seq: int) -> Opened | None:
+        """The L3 entry ``ref`` loaded through the fill table; a corrupt, vanished or over-budget one is
+        None (the next shorter prefix is tried)."""
+        assert self.fills is not None and self.l3 is not None
+        lookup_ms = (time.perf_counter() - plan.started) * 1e3
         try:
-            if leader:
-                self._load(fill)
-            fill.done.result()  # the leader's CorruptEntry/NotFound reaches every waiter
-            fd, data_offset = self._fill_reader(fill)
-            entry = fill.entry
-            assert entry is not None
-        finally:
-            self._leave(fill)
+            loaded = self.fills.open(ref, seq)
+        except CorruptEntry:
+            self.l2.remove_by_digest(ref.entry.digest)
+            self._count(corrupt_fallbacks=1)
+            return None  # never served: fall back to a shorter prefix
+        except (NotFound, Busy):
+            return None  # a shorter prefix, if any, is served instead
         self.l2.count_miss()
         self.l3.count_hit(True)
         self._count(restores_l3=1)
-        return _opened(entry, data_offset, fd, "l3", {"lookup_ms": lookup_ms, "fill_ms": fill.fill_ms})
-
-    def _load(self, fill: _Fill) -> None:
-        """Reads and verifies the entry into free L2 memory (never evicting for it: the promoter decides
-        whether it stays), or into a sealed memfd when L2 has no free room."""
-        assert self.l3 is not None
-        key = fill.key
-        began = time.perf_counter()
-        try:
-            entry = fill.entry = self.l3.manifest(key, expected=fill.ref)
-            try:
-                fill.reservation = self.l2.reserve(
-                    key=key, identity=entry.identity, token_count=entry.token_count, tensors=_decls(entry),
-                    kind=entry.kind, meta=entry.meta, origin="l3", evict=False, replace=False,
-                )  # fmt: skip
-                if fill.reservation.header.data_len != entry.data_len:  # pragma: no cover - same layout rule
-                    raise CorruptEntry("L3 entry layout differs from L2's")
-                self.l3.load_into(key, fill.reservation.data, expected=entry)
-            except (TooLarge, NoSpace):
-                if fill.reservation is not None:
-                    fill.reservation.abort()
-                    fill.reservation = None
-                size = max(entry.data_len, 1)
-                with self._lock:
-                    if self._fill_bytes and self._fill_bytes + size > self._fill_budget:
-                        self.counters.fills_refused += 1
-                        raise Busy("L3 restores in flight hold the whole fill budget") from None
-                    self._fill_bytes += size
-                    fill.memfd_bytes = size
-                fill.fd = self._load_memfd(key, entry)
-            fill.fill_ms = (time.perf_counter() - began) * 1e3
-            self._count(fills=1)
-        except BaseException as exc:
-            if fill.reservation is not None:
-                fill.reservation.abort()
-                fill.reservation = None
-            with self._lock:
-                self._retire_locked(fill)
-                self._finish_fill_locked(fill)
-            fill.done.set_exception(exc)
-            return
-        fill.done.set_result(None)
-        try:
-            self._promote.put_nowait(fill)
-        except queue.Full:
-            self._count(promotions_dropped=1)
-            self._resolve_fill(fill, promote=False)
-
-    def _load_memfd(self, key: str, entry: L3Entry) -> int:
-        """The entry in anonymous memory, sealed read-only once loaded (clients get O_RDONLY fds)."""
-        assert self.l3 is not None
-        size = max(entry.data_len, 1)
-        fd = memfd("skippyd-l3-fill", size, seal=False)
-        try:
-            with (
-                mmap.mmap(fd, size, flags=mmap.MAP_SHARED) as mapping,
-                memoryview(mapping) as view,
-                view[: entry.data_len] as dest,  # released here even when an exception keeps the frames
-            ):
-                self.l3.load_into(key, dest, expected=entry)
-            seal_readonly(fd)  # our writable mapping is gone: from now on nobody can change a byte
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-    def _fill_reader(self, fill: _Fill) -> tuple[int, int]:
-        with self._lock:
-            if fill.reservation is not None:
-                return fill.reservation.open_reader(), fill.reservation.data_offset
-            if fill.fd >= 0:
-                return reopen_readonly(fill.fd), 0
-        raise NotFound("the loaded L3 entry was already released")  # pragma: no cover - users guard it
-
-    def _finish_fill_locked(self, fill: _Fill) -> None:
-        """The fill's memory is given back (or now L2's): its budget share and its outstanding work end."""
-        self._fill_bytes -= fill.memfd_bytes
-        fill.memfd_bytes = 0
-        self.clock.end()
-
-    def _retire_locked(self, fill: _Fill) -> None:
-        """No restore joins this fill any more (its work stays outstanding until :meth:`_release`)."""
-        fill.released = True
-        if self._fills.get(fill.ref.object) is fill:
-            del self._fills[fill.ref.object]
-
-    def _leave(self, fill: _Fill) -> None:
-        with self._lock:
-            fill.users -= 1
-            ready = fill.users == 0 and fill.resolution is not None and not fill.released
-            if ready:
-                self._retire_locked(fill)
-        if ready:
-            self._release(fill)
-
-    def _resolve_fill(self, fill: _Fill, *, promote: bool) -> None:
-        with self._lock:
-            fill.resolution = "commit" if promote else "abort"
-            ready = fill.users == 0 and not fill.released
-            if ready:
-                self._retire_locked(fill)
-        if ready:
-            self._release(fill)
-
-    def _release(self, fill: _Fill) -> None:
-        reservation, fill.reservation = fill.reservation, None
-        fd, fill.fd = fill.fd, -1
-        with self._lock:
-            promote = fill.resolution == "commit" and not self.clock.cancelled(
-                fill.ref.digest, fill.seq, fill.key
-            )
-        if promote and self.l3 is not None:  # a newer capture of the key may have retired these bytes
-            durable = self.l3.get(fill.key)
-            promote = durable is not None and durable.digest == fill.ref.digest
-        try:
-            committed: L2Entry | None = None
-            if promote and reservation is not None:
-                committed = reservation.commit_if_absent(expected_digest=fill.ref.digest)
-                reservation = None
-            elif promote and fd >= 0:
-                committed = self._promote_copy(fill, fd)
-            if committed is not None:
-                self._count(promotions=1)
-                with self._lock:
-                    # an eviction that marked this digest after the check above may have swept L2
-                    # before the commit: take the promoted entry back out
-                    withdraw = self.clock.cancelled(fill.ref.digest, fill.seq, fill.key)
-                if withdraw:
-                    current = self.l2.peek(committed.key)
-                    if current is not None and current.digest == committed.digest:
-                        self.l2.remove(committed.key)
-        except Exception as exc:  # never escapes into the restore (or the promoter) that released the fill
-            if isinstance(exc, SkippydError):
-                reservation = None  # a failed commit gave its memory back
-            self.health.failed(PROMOTER, "promotion into L2 failed", exc)
-        finally:
-            if reservation is not None:
-                reservation.abort()
-            if fd >= 0:
-                os.close(fd)
-            with self._lock:
-                self._finish_fill_locked(fill)
-
-    def _promote_copy(self, fill: _Fill, fd: int) -> L2Entry | None:
-        """Promotes a fill that L2 had no free room for: now room is made (LRU) and the bytes copied."""
-        entry = fill.entry
-        assert entry is not None  # a fill that loaded has its manifest
-        size = max(entry.data_len, 1)
-        with (
-            mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) as mapping,
-            self.l2.reserve(
-                key=fill.key, identity=entry.identity, token_count=entry.token_count, tensors=_decls(entry),
-                kind=entry.kind, meta=entry.meta, origin="l3", replace=False,
-            ) as reservation,
-        ):  # fmt: skip
-            with memoryview(mapping) as view:
-                for spec in entry.tensors:
-                    with view[spec.offset : spec.offset + spec.nbytes] as part:
-                        threads = self._copy_threads
-                        copy_into(reservation.data, spec.offset, spec.nbytes, part, threads=threads)
-            return reservation.commit_if_absent(expected_digest=entry.digest)
-
-    def _promoter(self) -> None:
-        """Decides each fill's promotion; one decision's failure never stops the thread."""
-        while True:
-            fill = self._promote.get()
-            if fill is None:
-                return
-            resolved = False
-            try:
-                entry = fill.ref
-                promote = False
-                with self.health.guard(PROMOTER, "promotion check failed"):
-                    if self.promotions is not None:
-                        promote = self.promotions.consider(entry.digest, entry.token_count, entry.nbytes)
-                if not promote:
-                    self._count(promotions_declined=1)
-                resolved = True
-                self._resolve_fill(fill, promote=promote)
-                if promote and self.promotions is not None:
-                    with self.health.guard(PROMOTER, "settling a promotion failed"):
-                        self.promotions.settle(entry.digest)
-            except Exception as exc:
-                self.health.failed(PROMOTER, "a promotion failed", exc)
-            finally:
-                if not resolved:  # the fill's memory always goes back
-                    with contextlib.suppress(Exception):
-                        self._resolve_fill(fill, promote=False)
+        timings = {"lookup_ms": lookup_ms, "fill_ms": loaded.fill_ms}
+        return Opened(loaded.manifest.entry, loaded.data_offset, loaded.fd, "l3", timings)
 
     # ----------------------------------------------------------------- admin
     def evict_digest(self, digest: str) -> int:
         """Removes every entry with this payload digest from both tiers; returns how many cache keys."""
-        with self._lock:
-            self.counters.evictions_requested += 1
+        self._count(evictions_requested=1)
         keys: set[str] = set()
         # Twice: the first mark cancels the work begun before this call; work that began while the tiers
         # were being swept (a fill of the L3 copy, a capture's durable write) is cancelled by the second
@@ -595,16 +422,9 @@ class Tiers:
                 self.l3.remove_by_digest(digest)
         return len(keys)
 
-    def _mark_evicted(self, digest: str | None, *, key: str | None = None) -> None:
-        """Cancels the work begun before now: of this digest, this key, or of everything."""
-        self.clock.evict(digest, key=key)
-        if self.writer is not None:
-            self.writer.forget(digest, key=key)
-
     def evict_key(self, key: str) -> int:
         """Removes the entry under one cache key from both tiers; returns 1 if there was one, else 0."""
-        with self._lock:
-            self.counters.evictions_requested += 1
+        self._count(evictions_requested=1)
         found = False
         for _ in range(2):  # as in evict_digest
             self._mark_evicted(None, key=key)
@@ -612,6 +432,25 @@ class Tiers:
             if self.l3 is not None:
                 found = self.l3.remove(key) or found
         return int(found)
+
+    def evict_all(self) -> int:
+        """Removes every entry from both tiers (and every durable write still waiting)."""
+        self._count(evictions_requested=1)
+        keys: set[str] = set()
+        for _ in range(2):  # as in evict_digest
+            self._mark_evicted(None)
+            keys.update(item.entry.key for item in self.l2.entries())
+            self.l2.clear()
+            if self.l3 is not None:
+                keys.update(ref.entry.key for ref, _ in self.l3.entries())
+                self.l3.clear()
+        return len(keys)
+
+    def _mark_evicted(self, digest: str | None, *, key: str | None = None) -> None:
+        """Cancels the work begun before now: of this digest, this key, or of everything."""
+        self.clock.evict(digest, key=key)
+        if self.writer is not None:
+            self.writer.forget(digest, key=key)
 
     def resolve_digest(self, prefix: str) -> str:
         """The one payload digest either tier holds that starts with ``prefix`` (8 to 64 hex digits)."""
@@ -625,50 +464,35 @@ class Tiers:
             raise InvalidArgument(f"{len(matches)} digests start with {prefix}: give more of it")
         return matches[0]
 
-    def evict_all(self) -> int:
-        """Removes every entry from both tiers (and every durable write still queued)."""
-        with self._lock:
-            self.counters.evictions_requested += 1
-        keys: set[str] = set()
-        for _ in range(2):  # as in evict_digest
-            self._mark_evicted(None)
-            keys.update(e.key for e in self.l2.entries())
-            self.l2.clear()
-            if self.l3 is not None:
-                keys.update(e.key for e, _ in self.l3.entries())
-                self.l3.clear()
-        return len(keys)
-
-    def entries(self) -> list[dict[str, Any]]:
+    def entries(self) -> list[Listing]:
+        """Every entry of both tiers, most recently used first."""
         now = time.time_ns()
-        out = []
-        durable = {e.key: e.digest for e, _ in self.l3.entries()} if self.l3 is not None else {}
-        seen = set()
-        for e, last_use in reversed(self.l2.entries_with_last_use()):
-            tier = "l2+l3" if durable.get(e.key) == e.digest else "l2"
+        durable = {ref.entry.key: ref.entry.digest for ref, _ in self.l3.entries()} if self.l3 else {}
+        out: list[Listing] = []
+        seen: set[str] = set()
+        for item in reversed(self.l2.entries()):
+            e = item.entry
             seen.add(e.key)
-            out.append(_listing(tier, e, e.file_size, last_use, now))
+            tier = "l2+l3" if durable.get(e.key) == e.digest else "l2"
+            out.append(_listing(tier, e, item.file_size, item.last_use, now))
         if self.l3 is not None:
-            for e3, last_use in sorted(self.l3.entries(), key=lambda item: -item[1]):
-                if e3.key not in seen:
-                    out.append(_listing("l3", e3, e3.data_len, last_use, now))
+            for ref, last_use in reversed(self.l3.entries()):
+                if ref.entry.key not in seen:
+                    out.append(_listing("l3", ref.entry, ref.entry.data_len, last_use, now))
         return out
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> TiersStats:
         with self._lock:
-            ops = {name: getattr(self.counters, name) for name in self.counters.__slots__}
-            ops["fills_in_flight"] = len(self._fills)
-            ops["fill_bytes"] = self._fill_bytes
-            ops["fill_budget"] = self._fill_budget
-        result: dict[str, Any] = {"l2": self.l2.stats().as_dict(), "ops": ops}
-        if self.l3 is not None:
-            result["l3"] = self.l3.stats().as_dict()
-            report = self.l3.last_reconciliation.as_dict()
-            report["problems"] = report["problems"][:20]
-            result["l3_reconciliation"] = report
-        if self.writer is not None:
-            result["durable"] = self.writer.stats().as_dict()
-        return result
+            ops = Counters(**{name: getattr(self.counters, name) for name in Counters.__slots__})
+        l3 = self.l3
+        return TiersStats(
+            l2=self.l2.stats(),
+            ops=ops,
+            fills=self.fills.stats() if self.fills is not None else None,
+            l3=l3.stats() if l3 is not None else None,
+            durable=self.writer.stats() if self.writer is not None else None,
+            reconciliation=l3.last_reconciliation if l3 is not None else None,
+        )
 
     def housekeeping(self) -> None:
         self.l2.flush_recency()
@@ -681,45 +505,14 @@ class Tiers:
         Durable writes left undone keep their markers and are written by the next start."""
         if self.writer is not None:
             self.writer.close(timeout)
-        with contextlib.suppress(queue.Full):
-            self._promote.put(None, timeout=max(0.1, timeout))
-        if self._promoter_thread.is_alive():
-            self._promoter_thread.join(timeout=max(1.0, timeout))
-        while True:
-            try:
-                fill = self._promote.get_nowait()
-            except queue.Empty:
-                break
-            if fill is not None:
-                self._resolve_fill(fill, promote=False)
+        if self.fills is not None:
+            self.fills.close(timeout)
         if self.l3 is not None:
             self.l3.close()
         self.l2.close()
 
 
-def _opened(
-    entry: L2Entry | L3Entry, data_offset: int, fd: int, source: str, timings: dict[str, float]
-) -> Opened:
-    return Opened(
-        entry.token_count, entry.kind, entry.digest, entry.meta, entry.tensors, data_offset, entry.data_len,
-        fd, source, timings,
-    )  # fmt: skip
-
-
-def _decls(entry: L3Entry) -> list[TensorDecl]:
-    return [TensorDecl(s.name, s.dtype, s.shape) for s in entry.tensors]
-
-
-def _listing(tier: str, entry: L2Entry | L3Ref, size: int, last_use: int, now: int) -> dict[str, Any]:
-    return {
-        "tier": tier,
-        "digest": entry.digest,
-        "identity": entry.identity,
-        "token_count": entry.token_count,
-        "kind": entry.kind,
-        "nbytes": entry.nbytes,
-        "file_size": size,
-        "age_s": max(0.0, (now - entry.created_ns) / 1e9),
-        "idle_s": max(0.0, (now - last_use) / 1e9),
-        "tensors": entry.tensor_count if isinstance(entry, L3Ref) else len(entry.tensors),
-    }
+def _listing(tier: str, entry: Entry | EntryRef, size: int, last_use: int, now: int) -> Listing:
+    return Listing(
+        tier, entry, size, max(0.0, (now - entry.created_ns) / 1e9), max(0.0, (now - last_use) / 1e9)
+    )

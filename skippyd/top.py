@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from .display import human_age, human_size, human_us, plural
+from .stats import Snapshot
 
 __all__ = ["render"]
 
 
-def _rate(now: dict[str, Any], before: dict[str, Any] | None, key: str, seconds: float) -> str:
-    if before is None:
-        return "-"
-    return f"{(now.get(key, 0) - before.get(key, 0)) / seconds:.1f}"
+def _rate(now: float, before: float | None, seconds: float) -> str:
+    return "-" if before is None else f"{(now - before) / seconds:.1f}"
 
 
-def _hit_rate(now: dict[str, Any], before: dict[str, Any] | None) -> str:
-    hits, misses = now.get("hits", 0), now.get("misses", 0)
-    if before is not None:
-        hits -= before.get("hits", 0)
-        misses -= before.get("misses", 0)
+def _hit_rate(hits: int, misses: int) -> str:
     total = hits + misses
     return f"{100 * hits / total:.1f}%" if total else "-"
 
@@ -36,63 +29,58 @@ def _table(title: str, columns: list[str]) -> Table:
     return table
 
 
-def render(now: dict[str, Any], before: dict[str, Any] | None, seconds: float) -> Group:
-    server = now.get("server", {})
+def render(now: Snapshot, before: Snapshot | None, seconds: float) -> Group:
+    server = now.server
     header = Text(
-        f"skippyd {now.get('version')}  node {now.get('node')}  up {human_age(now.get('uptime_s', 0))}  "
-        f"{plural(server.get('connections', 0), 'client')}  {server.get('inflight', 0)} in flight",
+        f"skippyd {now.version}  node {now.node}  up {human_age(now.uptime_s)}  "
+        f"{plural(server.connections, 'client')}  {server.inflight} in flight",
         style="bold",
     )
     tiers = _table("tiers", ["tier", "entries", "used", "budget", "hit%", "hits/s", "evict/s", "notes"])
-    l2, l2_before = now["l2"], (before or {}).get("l2")
+    l2, l2_before = now.l2, before.l2 if before is not None else None
+    hits = l2.hits - (l2_before.hits if l2_before else 0)
+    misses = l2.misses - (l2_before.misses if l2_before else 0)
     tiers.add_row(
         "L2",
-        str(l2["entries"]),
-        human_size(l2["bytes"]),
-        human_size(l2["budget_bytes"]),
-        _hit_rate(l2, l2_before),
-        _rate(l2, l2_before, "hits", seconds),
-        _rate(l2, l2_before, "evictions", seconds),
-        f"{human_size(l2.get('free_bytes', 0))} free",
+        str(l2.entries),
+        human_size(l2.bytes),
+        human_size(l2.budget_bytes),
+        _hit_rate(hits, misses),
+        _rate(l2.hits, l2_before.hits if l2_before else None, seconds),
+        _rate(l2.evictions, l2_before.evictions if l2_before else None, seconds),
+        f"{human_size(l2.free_bytes)} free",
     )
-    l3 = now.get("l3")
-    if l3:
-        l3_before = (before or {}).get("l3")
-        durable = now.get("durable") or {}
-        waiting = durable.get("queue_depth", 0) + durable.get("backlog", 0)
-        notes = "READ-ONLY" if l3.get("readonly") else f"{waiting} to write"
+    l3 = now.l3
+    if l3 is not None:
+        l3_before = before.l3 if before is not None else None
+        durable = now.durable
+        waiting = durable.queue_depth + durable.backlog if durable is not None else 0
         tiers.add_row(
             "L3",
-            str(l3["entries"]),
-            human_size(l3["bytes"]),
-            human_size(l3["budget_bytes"]),
+            str(l3.entries),
+            human_size(l3.bytes),
+            human_size(l3.budget_bytes),
             "-",
-            _rate(l3, l3_before, "hits", seconds),
-            _rate(l3, l3_before, "evictions", seconds),
-            notes,
+            _rate(l3.hits, l3_before.hits if l3_before else None, seconds),
+            _rate(l3.evictions, l3_before.evictions if l3_before else None, seconds),
+            "READ-ONLY" if l3.readonly else f"{waiting} to write",
         )
     ops = _table("operations", ["op", "count", "per s", "p50", "p99", "mean"])
-    counts = server.get("ops", {})
-    previous = (before or {}).get("server", {}).get("ops", {}) if before else None
-    for op, latency in sorted(server.get("latency", {}).items()):
-        rate = "-" if previous is None else f"{(counts.get(op, 0) - previous.get(op, 0)) / seconds:.1f}"
-        ops.add_row(
-            op,
-            str(counts.get(op, 0)),
-            rate,
-            human_us(latency["p50_us"]),
-            human_us(latency["p99_us"]),
-            human_us(latency["mean_us"]),
-        )
-    redis = now.get("redis", {})
-    if not redis.get("configured", True):
+    previous = before.server.ops if before is not None else None
+    for op, latency in sorted(server.latency.items()):
+        count = server.ops.get(op, 0)
+        rate = _rate(count, previous.get(op, 0) if previous is not None else None, seconds)
+        ops.add_row(op, str(count), rate, human_us(latency.p50_us), human_us(latency.p99_us),
+                    human_us(latency.mean_us))  # fmt: skip
+    redis = now.redis
+    if not redis.configured:
         footer = Text("redis: not configured")
-    elif redis.get("degraded"):
-        footer = Text(f"redis: DEGRADED ({redis.get('cause')})", style="bold red")
+    elif redis.degraded:
+        footer = Text(f"redis: DEGRADED ({redis.cause})", style="bold red")
     else:
-        footer = Text(f"redis: ok, {plural(redis.get('ran_sent', 0), 'warm-table update')} sent")
-    dead = sorted(name for name, t in (now.get("threads") or {}).items() if not t.get("alive", True))
-    parts: list[Any] = [header, tiers, ops, footer]
+        footer = Text(f"redis: ok, {plural(redis.ran_sent, 'warm-table update')} sent")
+    dead = sorted(name for name, thread in now.threads.items() if not thread.alive)
+    parts: list[Text | Table] = [header, tiers, ops, footer]
     if dead:
         parts.append(Text(f"UNHEALTHY: {', '.join(dead)} died", style="bold red"))
     return Group(*parts)

@@ -27,7 +27,7 @@ log = logging.getLogger("skippyd.workers")
 class ThreadHealth:
     """One background thread as ``stats`` reports it."""
 
-    alive: bool
+    alive: bool = True
     errors: int = 0
     last_error: str = ""
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from daemonutil import DaemonProcess
+from l2util import admit, borrow
 
 from skippyd.cli import main
 
@@ -273,13 +274,18 @@ def test_l3_fsck_reports_a_clean_store_and_repairs_a_damaged_one(tmp_path: Path)
     from skippyd.payload import TensorDecl
 
     root = tmp_path / "l3"
-    with L2Tier(tmp_path / "shm", 64 << 20) as tier, L3Store(root, 1 << 30) as store:
+    with L2Tier.open(tmp_path / "shm", 64 << 20) as tier, L3Store.open(root, 1 << 30) as store:
         for i, name in enumerate(["a", "bb"]):
             table = [TensorDecl("x", "uint8", (5000,))]
-            entry = tier.admit(
-                key=key_of(name), identity=IDENT, token_count=i + 1, tensors=table, data=[bytes([i]) * 5000]
+            entry = admit(
+                tier,
+                key=key_of(name),
+                identity=IDENT,
+                token_count=i + 1,
+                tensors=table,
+                data=[bytes([i]) * 5000],
             )
-            with tier.borrow(entry.key) as (e, view):
+            with borrow(tier, entry.key) as (e, view):
                 store.write(e, view)
     code, out, _ = run("l3", "fsck", "--l3-dir", str(root), "--json")
     doc = json.loads(out)

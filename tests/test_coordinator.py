@@ -72,14 +72,14 @@ def test_a_warm_batch_whose_answer_timed_out_is_sent_again_and_applied_once(
         time.sleep(0.1)
         with pytest.raises(CoordinationTimeout):
             c._tick()
-        assert c.status()["buffered"] == 1, "kept to be sent again"
+        assert c.status().buffered == 1, "kept to be sent again"
         busy.join(timeout=30)
         time.sleep(0.2)
         assert clock(server) == 2, "the timed-out call did run, once Redis came back to it"
         c._tick()
         assert c.counters["batches_resent"] == 1 and c.counters["batches_applied_before"] == 1
         assert clock(server) == 2, "the re-send changed nothing"
-        assert c.status()["buffered"] == 0
+        assert c.status().buffered == 0
     finally:
         c.close()
 
@@ -92,10 +92,10 @@ def test_a_warm_batch_that_never_reached_redis_is_kept_and_sent_later(server: Re
         with pytest.raises(CoordinationUnavailable) as caught:
             c._tick()
         assert not isinstance(caught.value, CoordinationTimeout)
-        assert c.status()["buffered"] == 1
+        assert c.status().buffered == 1
         server.start()
         c._tick()
-        assert c.status()["buffered"] == 0 and clock(server) == 1
+        assert c.status().buffered == 0 and clock(server) == 1
         assert c.counters["batches_resent"] == 1 and c.counters["batches_applied_before"] == 0
     finally:
         c.close()

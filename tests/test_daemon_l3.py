@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from daemonutil import DaemonProcess, eventually
+from l2util import admit
 
 import skippyd
 
@@ -60,11 +61,11 @@ def test_a_non_durable_capture_stays_out_of_l3(daemon: DaemonProcess) -> None:
 
 
 def _corrupt_object(daemon: DaemonProcess, digest: str) -> None:
-    from skippyd.l3 import decode_manifest
+    from skippyd.l3.manifest import decode_manifest
 
     found = (daemon.state_dir / "l3" / "manifests").rglob("*.man")
     manifests = [decode_manifest(p.read_bytes()) for p in found]
-    name = next(m.object for m in manifests if m.digest == digest)
+    name = next(m.object for m in manifests if m.entry.digest == digest)
     obj = next((daemon.state_dir / "l3" / "objects").rglob(f"{name}.obj"))
     with open(obj, "r+b") as f:
         f.seek(100)
@@ -109,8 +110,8 @@ def test_an_l2_entry_that_disagrees_with_l3_is_removed_not_served(daemon: Daemon
     from skippyd.payload import TensorDecl
 
     ident = Identity(MODEL, STATE)
-    with L2Tier(daemon.shm_dir, 256 << 20) as tier:
-        tier.admit(
+    with L2Tier.open(daemon.shm_dir, 256 << 20) as tier:
+        admit(tier,
             key=cache_key(ident, encode_tokens(tokens)), identity=ident, token_count=300,
             tensors=[TensorDecl("x", "float32", (8,))], data=[torch.ones(8).numpy().tobytes()],
         )  # fmt: skip

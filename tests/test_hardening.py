@@ -42,7 +42,7 @@ def staged(fill: int, n: int) -> tuple[list[TensorDecl], memoryview]:
 
 @pytest.fixture
 def tiers(shm_dir: Path, tmp_path: Path) -> Iterator[Tiers]:
-    t = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30))
+    t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30))
     try:
         yield t
     finally:
@@ -256,11 +256,13 @@ def _fill(t: Tiers, times: int, policy: _Raising) -> None:
         opened = t.open_restore(IDENT, encode_tokens([1, 2]))
         assert opened is not None and opened.source == "l3"
         os.close(opened.fd)
-        assert eventually(lambda i=i: policy.calls > i and not t._fills, timeout=10)  # type: ignore[misc]
+        fills = t.fills
+        assert fills is not None
+        assert eventually(lambda i=i, f=fills: policy.calls > i and not f.in_flight, timeout=10)  # type: ignore[misc]
 
 
 def _tiers_with(shm_dir: Path, tmp_path: Path, policy: _Raising) -> Tiers:
-    t = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30), promotions=policy)
+    t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30), promotions=policy)
     decls, source = staged(9, 50_000)
     t.capture(identity=IDENT, tokens=encode_tokens([1, 2]), tensors=decls, source=source, durable="sync")
     return t
@@ -314,7 +316,7 @@ def test_health_counts_each_failure_and_tells_a_stopped_thread_from_a_dead_one()
 
 
 def test_closing_the_tiers_never_waits_long_for_a_writer_that_is_gone(shm_dir: Path, tmp_path: Path) -> None:
-    t = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30), l3_queue=2)
+    t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30), l3_queue=2)
     decls, source = staged(1, 4096)
     for i in range(8):
         t.capture(identity=IDENT, tokens=encode_tokens([i]), tensors=decls, source=source)
@@ -325,7 +327,7 @@ def test_closing_the_tiers_never_waits_long_for_a_writer_that_is_gone(shm_dir: P
 
 def test_writes_left_at_shutdown_keep_their_intent_for_the_next_start(shm_dir: Path, tmp_path: Path) -> None:
     gate = threading.Event()
-    l3 = L3Store(tmp_path / "l3", 1 << 30)
+    l3 = L3Store.open(tmp_path / "l3", 1 << 30)
     real = l3.write
 
     def slow(*args: Any, **kwargs: Any) -> bool:
@@ -333,7 +335,7 @@ def test_writes_left_at_shutdown_keep_their_intent_for_the_next_start(shm_dir: P
         return real(*args, **kwargs)
 
     l3.write = slow  # type: ignore[method-assign]
-    t = Tiers(L2Tier(shm_dir, 64 << 20), l3=l3)
+    t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=l3)
     decls, source = staged(1, 4096)
     for i in range(3):
         t.capture(identity=IDENT, tokens=encode_tokens([i]), tensors=decls, source=source)
@@ -345,7 +347,7 @@ def test_writes_left_at_shutdown_keep_their_intent_for_the_next_start(shm_dir: P
     gate.set()
     assert old_thread is not None
     old_thread.join(10)  # the stuck write finishes (a real shutdown would just exit)
-    again = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30))
+    again = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30))
     try:
         assert again.writer is not None and again.writer.stats().recovered >= 2
         assert again.writer.wait_idle()
@@ -358,18 +360,18 @@ def test_writes_left_at_shutdown_keep_their_intent_for_the_next_start(shm_dir: P
 
 def test_an_l3_write_mapping_is_released_even_when_the_write_fails(tmp_path: Path, shm_dir: Path) -> None:
     """The writer maps an entry's bytes and closes the mapping after the write; it must be closable."""
-    store = L3Store(tmp_path / "l3", 1 << 30)
-    tier = L2Tier(shm_dir, 64 << 20)
+    store = L3Store.open(tmp_path / "l3", 1 << 30)
+    tier = L2Tier.open(shm_dir, 64 << 20)
     try:
         decls, source = staged(5, 100_000)
         with tier.reserve(key=cache_key(IDENT, b"\x01\x00\x00\x00"), identity=IDENT, token_count=1,
                           tensors=decls) as reservation:  # fmt: skip
             reservation.data[: len(source)] = source[: len(reservation.data)]
             entry = reservation.commit()
-        opened = tier.open_reader(entry.key)
-        assert opened is not None
-        fd = opened[0]
-        mapping = mmap.mmap(fd, entry.data_len, prot=mmap.PROT_READ, offset=entry.data_offset)
+        held = tier.hold(entry.key, hit=False)
+        assert held is not None
+        fd = held.fd
+        mapping = mmap.mmap(fd, entry.data_len, prot=mmap.PROT_READ, offset=held.data_offset)
         view = memoryview(mapping)
         real = os.pwrite
 
@@ -394,9 +396,17 @@ def test_an_l3_write_mapping_is_released_even_when_the_write_fails(tmp_path: Pat
 
 
 def _keep_full(directory: Path, stop: threading.Event, made: list[Path]) -> None:
-    """Keeps ``directory``'s filesystem full until ``stop``: 64 KiB files, taking any room that frees up."""
+    """Keeps ``directory``'s filesystem full until ``stop``: 64 KiB files, taking any room that frees up.
+
+    Only ever writes on the small mount it was started on (the same device, at most that mount's size),
+    so a test that fails and unmounts it never turns this into a filler of the real disk."""
     chunk = os.urandom(64 << 10)
-    while not stop.is_set():
+    device = os.stat(directory).st_dev
+    limit = os.statvfs(directory).f_blocks * os.statvfs(directory).f_frsize
+    written = 0
+    while not stop.is_set() and written <= limit:
+        if os.stat(directory).st_dev != device:
+            return
         path = directory / f"filler-{len(made)}"
         try:
             with path.open("wb") as handle:
@@ -404,10 +414,11 @@ def _keep_full(directory: Path, stop: threading.Event, made: list[Path]) -> None
                 handle.flush()
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
-                raise
+                return
             path.unlink(missing_ok=True)
             time.sleep(0.0005)
             continue
+        written += len(chunk)
         made.append(path)
 
 
@@ -429,18 +440,20 @@ def test_l2_and_l3_filling_up_mid_write_leave_every_thread_alive_and_captures_re
         """Captures of ``sizes`` different sizes (a size class L2 has not recycled needs fresh pages)."""
         nonlocal refused
         stop = threading.Event()
-        filler = threading.Thread(target=_keep_full, args=(fs, stop, fillers))
+        filler = threading.Thread(target=_keep_full, args=(fs, stop, fillers), daemon=True)
         filler.start()
-        for i in tokens:
-            data = torch.randint(0, 255, ((1 + i % sizes) << 20,), dtype=torch.uint8)
-            try:
-                result = client.capture(model=MODEL, state=STATE, tokens=[i, 1], tensors={"x": data})
-            except NoSpace:
-                refused += 1
-                continue
-            stored[i] = (result.digest, data)
-        stop.set()
-        filler.join()
+        try:
+            for i in tokens:
+                data = torch.randint(0, 255, ((1 + i % sizes) << 20,), dtype=torch.uint8)
+                try:
+                    result = client.capture(model=MODEL, state=STATE, tokens=[i, 1], tensors={"x": data})
+                except NoSpace:
+                    refused += 1
+                    continue
+                stored[i] = (result.digest, data)
+        finally:
+            stop.set()
+            filler.join()
 
     with proc.client(timeout=30.0) as client:
         capture_while_filling(client, l3_fs, range(40), 1)  # the disk fills under the L3 writer
@@ -465,6 +478,6 @@ def test_l2_and_l3_filling_up_mid_write_leave_every_thread_alive_and_captures_re
         assert client.health()["healthy"]
     proc.stop()
     assert not any((l3_fs / "l3" / "tmp").iterdir()), "no torn write left behind"
-    with L3Store(l3_fs / "l3", 1 << 30) as store:
+    with L3Store.open(l3_fs / "l3", 1 << 30) as store:
         report = store.last_reconciliation
         assert report.manifests_quarantined == 0 and report.orphans_collected == 0, report

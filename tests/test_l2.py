@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,26 +11,27 @@ from typing import Any
 
 import pytest
 from blake3 import blake3
-from l2util import IDENT, admit_bytes, key_of, size_of
+from l2util import IDENT, admit, admit_bytes, borrow, get, key_of, keys_lru_first, lookup, size_of
 
 from skippyd.errors import DigestMismatch, NoSpace, SkippydError, StoreLocked, TooLarge
 from skippyd.keys import Identity, cache_key, encode_tokens
 from skippyd.l2 import L2Tier
-from skippyd.payload import TensorDecl
+from skippyd.payload import TensorDecl, header_span
+from skippyd.shm import size_class
 
 KB = 1024
 
 
 def _keys_in_lru_order(tier: L2Tier) -> list[str]:
-    return [e.key for e in tier.entries()]
+    return keys_lru_first(tier)
 
 
 def test_budget_is_kept_by_evicting_the_oldest_use_first(shm_dir: Path) -> None:
     one = size_of(5 * KB)
-    with L2Tier(shm_dir, 3 * one) as tier:  # exactly three entries fit
+    with L2Tier.open(shm_dir, 3 * one) as tier:  # exactly three entries fit
         for name in "abc":
             admit_bytes(tier, name, 5 * KB)
-        assert tier.get(key_of("a")) is not None  # a is now the most recent
+        assert get(tier, key_of("a")) is not None  # a is now the most recent
         admit_bytes(tier, "d", 5 * KB)
         assert _keys_in_lru_order(tier) == [key_of("c"), key_of("a"), key_of("d")]
         stats = tier.stats()
@@ -38,7 +40,7 @@ def test_budget_is_kept_by_evicting_the_oldest_use_first(shm_dir: Path) -> None:
 
 
 def test_an_entry_larger_than_the_whole_budget_is_refused_before_anything_is_evicted(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 64 * KB) as tier:
+    with L2Tier.open(shm_dir, 64 * KB) as tier:
         admit_bytes(tier, "small", 4 * KB)
         with pytest.raises(TooLarge):
             admit_bytes(tier, "huge", 200 * KB)
@@ -50,20 +52,20 @@ def test_an_entry_larger_than_the_whole_budget_is_refused_before_anything_is_evi
 
 
 def test_get_moves_recency_only_on_a_real_hit_and_peek_never(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         for name in "abc":
             admit_bytes(tier, name, 1 * KB)
         assert tier.peek(key_of("a")) is not None
-        assert tier.get(key_of("zzz")) is None
+        assert get(tier, key_of("zzz")) is None
         assert _keys_in_lru_order(tier) == [key_of("a"), key_of("b"), key_of("c")]
-        tier.get(key_of("b"))
+        get(tier, key_of("b"))
         assert _keys_in_lru_order(tier) == [key_of("a"), key_of("c"), key_of("b")]
         stats = tier.stats()
         assert (stats.hits, stats.misses) == (1, 1)
 
 
 def test_readmitting_a_key_replaces_it_with_exact_accounting(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         admit_bytes(tier, "a", 2 * KB, fill=1)
         admit_bytes(tier, "b", 2 * KB)
         first = tier.stats().bytes
@@ -78,7 +80,7 @@ def test_readmitting_a_key_replaces_it_with_exact_accounting(shm_dir: Path) -> N
 
 
 def test_remove_remove_by_digest_and_clear(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         shared = admit_bytes(tier, "a", 3 * KB, fill=9)
         admit_bytes(tier, "b", 3 * KB, fill=9)  # same bytes, same digest
         admit_bytes(tier, "c", 3 * KB, fill=1)
@@ -94,7 +96,7 @@ def test_remove_remove_by_digest_and_clear(shm_dir: Path) -> None:
 
 
 def test_a_digest_mismatch_at_admission_stores_nothing_and_counts_a_reject(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         with pytest.raises(DigestMismatch):
             admit_bytes(tier, "a", 4 * KB, expected=blake3(b"something else").hexdigest())
         good = admit_bytes(tier, "b", 4 * KB, expected=blake3(b"\x07" * 4 * KB).hexdigest())
@@ -107,9 +109,9 @@ def test_a_digest_mismatch_at_admission_stores_nothing_and_counts_a_reject(shm_d
 
 
 def test_stats_report_every_seed_counter(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         admit_bytes(tier, "a", 1 * KB)
-        fields = tier.stats().as_dict()
+        fields = dataclasses.asdict(tier.stats())
     for name in [
         "entries",
         "bytes",
@@ -128,7 +130,8 @@ def test_stats_report_every_seed_counter(shm_dir: Path) -> None:
 def _admit_prefix(tier: L2Tier, ident: Identity, tokens: list[int], fill: int = 1) -> str:
     toks = encode_tokens(tokens)
     key = cache_key(ident, toks)
-    tier.admit(
+    admit(
+        tier,
         key=key,
         identity=ident,
         token_count=len(tokens),
@@ -140,15 +143,15 @@ def _admit_prefix(tier: L2Tier, ident: Identity, tokens: list[int], fill: int = 
 
 def test_lookup_finds_the_longest_captured_prefix_of_the_query(shm_dir: Path) -> None:
     prompt = list(range(1000, 1300))
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         _admit_prefix(tier, IDENT, prompt[:64])
         k200 = _admit_prefix(tier, IDENT, prompt[:200])
         _admit_prefix(tier, IDENT, [*prompt[:199], 5])  # same length as a prefix, different tokens
         _admit_prefix(tier, IDENT, [*prompt[:250], 9])  # longer than the query's prefix: diverges
-        hit = tier.lookup(IDENT, encode_tokens(prompt[:240]))
+        hit = lookup(tier, IDENT, encode_tokens(prompt[:240]))
         assert hit is not None and hit.key == k200 and hit.token_count == 200
-        assert tier.lookup(IDENT, encode_tokens(prompt[:63])) is None
-        assert tier.lookup(IDENT, encode_tokens([1, 2, 3])) is None
+        assert lookup(tier, IDENT, encode_tokens(prompt[:63])) is None
+        assert lookup(tier, IDENT, encode_tokens([1, 2, 3])) is None
         stats = tier.stats()
         assert (stats.hits, stats.misses) == (1, 2)
 
@@ -163,46 +166,48 @@ def test_lookup_finds_the_longest_captured_prefix_of_the_query(shm_dir: Path) ->
 )
 def test_lookup_never_crosses_model_state_or_namespace(shm_dir: Path, other: Identity) -> None:
     prompt = list(range(500))
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         _admit_prefix(tier, IDENT, prompt[:100])
-        assert tier.lookup(other, encode_tokens(prompt)) is None
-        assert tier.lookup(IDENT, encode_tokens(prompt)) is not None
+        assert lookup(tier, other, encode_tokens(prompt)) is None
+        assert lookup(tier, IDENT, encode_tokens(prompt)) is not None
 
 
 def test_lookup_cost_does_not_grow_with_entries_of_other_identities(
     shm_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import skippyd.l2 as l2mod
+    import l2util
 
     computed: list[int] = []
-    real = l2mod.prefix_keys  # type: ignore[attr-defined]
+    real = l2util.prefix_keys  # type: ignore[attr-defined]
 
     def counting(ident, toks, lengths):  # type: ignore[no-untyped-def]
         computed.append(len(lengths))
         return real(ident, toks, lengths)
 
     prompt = list(range(300))
-    with L2Tier(shm_dir, 64 << 20) as tier:
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
         for n in (10, 20, 30):
             _admit_prefix(tier, IDENT, prompt[:n])
         for i in range(300):
             _admit_prefix(tier, Identity(f"other-{i}", "s"), prompt[: 1 + i % 200])
-        monkeypatch.setattr(l2mod, "prefix_keys", counting)
-        assert tier.lookup(IDENT, encode_tokens(prompt)) is not None
+        monkeypatch.setattr(l2util, "prefix_keys", counting)
+        assert lookup(tier, IDENT, encode_tokens(prompt)) is not None
+        assert tier.prefix_lengths(IDENT.digest, 300) == [10, 20, 30]
     assert computed == [3], "only this identity's three captured lengths are candidates"
 
 
 def test_a_new_process_readopts_committed_entries_with_lru_order_and_stats(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         for name in "abcd":
             admit_bytes(tier, name, 2 * KB, fill=ord(name))
-        tier.get(key_of("b"))
+        get(tier, key_of("b"))
         order = _keys_in_lru_order(tier)
         before = tier.stats()
     code = (
         "import sys, json; from skippyd.l2 import L2Tier\n"
-        "t = L2Tier(sys.argv[1], 1 << 20)\n"
-        "print(json.dumps([[e.key for e in t.entries()], t.stats().as_dict()]))\n"
+        "t = L2Tier.open(sys.argv[1], 1 << 20)\n"
+        "import dataclasses\n"
+        "print(json.dumps([[e.entry.key for e in t.entries()], dataclasses.asdict(t.stats())]))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(shm_dir)], check=True, capture_output=True, text=True
@@ -214,24 +219,24 @@ def test_a_new_process_readopts_committed_entries_with_lru_order_and_stats(shm_d
     assert stats_after["entries"] == before.entries == 4
     assert stats_after["bytes"] == before.bytes
     assert stats_after["adopted"] == 4
-    with L2Tier(shm_dir, 4 * size_of(2 * KB)) as again:  # full: the next admission evicts the LRU
+    with L2Tier.open(shm_dir, 4 * size_of(2 * KB)) as again:  # full: the next admission evicts the LRU
         admit_bytes(again, "f", 2 * KB)
         assert again.peek(key_of("a")) is None, "a was least recently used before the restart"
         assert again.peek(key_of("b")) is not None
 
 
 def test_restart_breaks_recency_ties_by_key(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         for name in "xyz":
             admit_bytes(tier, name, 1 * KB)
     for path in (shm_dir / "entries").iterdir():
         os.utime(path, ns=(10**18, 10**18))
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         assert _keys_in_lru_order(tier) == sorted(key_of(n) for n in "xyz")
 
 
 def test_restart_removes_partial_leftovers_and_entries_that_fail_verification(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         good = admit_bytes(tier, "good", 8 * KB)
         flipped_data = admit_bytes(tier, "data", 8 * KB)
         flipped_head = admit_bytes(tier, "head", 8 * KB)
@@ -239,19 +244,19 @@ def test_restart_removes_partial_leftovers_and_entries_that_fail_verification(sh
         renamed = admit_bytes(tier, "renamed", 8 * KB)
     entries = shm_dir / "entries"
     with open(entries / f"{flipped_data.key}.skp", "r+b") as f:
-        f.seek(flipped_data.data_offset + 100)
+        f.seek(header_span(flipped_data) + 100)
         f.write(b"\x00")
     with open(entries / f"{flipped_head.key}.skp", "r+b") as f:
         f.seek(80)
         byte = f.read(1)
         f.seek(80)
         f.write(bytes([byte[0] ^ 0x20]))
-    os.truncate(entries / f"{truncated.key}.skp", truncated.data_offset + 10)
+    os.truncate(entries / f"{truncated.key}.skp", header_span(truncated) + 10)
     os.rename(entries / f"{renamed.key}.skp", entries / f"{'0' * 64}.skp")
     (entries / "notes.txt").write_text("stray")
     (shm_dir / "tmp" / "half-written.part").write_bytes(b"x" * 100)
-    with L2Tier(shm_dir, 1 << 20) as tier:
-        assert [e.key for e in tier.entries()] == [good.key]
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
+        assert keys_lru_first(tier) == [good.key]
         stats = tier.stats()
         assert stats.adopted == 1
         assert stats.adopt_dropped == 5
@@ -260,13 +265,13 @@ def test_restart_removes_partial_leftovers_and_entries_that_fail_verification(sh
 
 
 def test_a_second_owner_of_the_same_directory_is_refused(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20), pytest.raises(StoreLocked, match="owned by another process"):
-        L2Tier(shm_dir, 1 << 20)
-    L2Tier(shm_dir, 1 << 20).close()  # released on close
+    with L2Tier.open(shm_dir, 1 << 20), pytest.raises(StoreLocked, match="owned by another process"):
+        L2Tier.open(shm_dir, 1 << 20)
+    L2Tier.open(shm_dir, 1 << 20).close()  # released on close
 
 
 def test_files_of_evicted_entries_are_reused_for_the_same_size_class(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 2 * size_of(60 * KB)) as tier:
+    with L2Tier.open(shm_dir, 2 * size_of(60 * KB)) as tier:
         admit_bytes(tier, "a", 60 * KB)
         admit_bytes(tier, "b", 60 * KB)
         for name in "cdef":
@@ -281,9 +286,10 @@ def test_a_recycled_file_never_shows_the_previous_entrys_bytes(shm_dir: Path) ->
     table = [TensorDecl("a", "uint8", (10,)), TensorDecl("b", "uint8", (49000,))]
     one = size_of(50000, "secret")
     assert L2Tier.file_size_for(token_count=4, tensors=table) == one, "same size class"
-    with L2Tier(shm_dir, one) as tier:
+    with L2Tier.open(shm_dir, one) as tier:
         admit_bytes(tier, "secret", 50000, fill=0xAB)
-        small = tier.admit(
+        small = admit(
+            tier,
             key=key_of("next"),
             identity=IDENT,
             token_count=4,
@@ -292,12 +298,12 @@ def test_a_recycled_file_never_shows_the_previous_entrys_bytes(shm_dir: Path) ->
         )
         assert tier.stats().reused_files == 1
         raw = (shm_dir / "entries" / f"{small.key}.skp").read_bytes()
-    assert len(raw) == small.file_size
+    assert len(raw) == size_class(header_span(small) + small.data_len)
     assert b"\xab" not in raw[64:], "past the fixed header (whose checksum is random bytes) nothing is stale"
 
 
 def test_an_aborted_reservation_gives_its_budget_back(shm_dir: Path) -> None:
-    with L2Tier(shm_dir, 1 << 20) as tier:
+    with L2Tier.open(shm_dir, 1 << 20) as tier:
         reservation = tier.reserve(
             key=key_of("a"), identity=IDENT, token_count=1, tensors=[TensorDecl("x", "uint8", (100,))]
         )
@@ -314,15 +320,15 @@ def tiny_tmpfs(mount_tmpfs: Any) -> Path:
 
 
 def test_a_full_tmpfs_is_a_typed_error_with_no_partial_entry_visible(tiny_tmpfs: Path) -> None:
-    with L2Tier(tiny_tmpfs / "l2", 64 << 20) as tier:
+    with L2Tier.open(tiny_tmpfs / "l2", 64 << 20) as tier:
         admit_bytes(tier, "fits", 100 * KB)
         with pytest.raises(NoSpace):
             admit_bytes(tier, "too-big-for-the-filesystem", 400 * KB)
-        assert [e.key for e in tier.entries()] == [key_of("fits")]
+        assert keys_lru_first(tier) == [key_of("fits")]
         assert not any((tiny_tmpfs / "l2" / "tmp").iterdir())
         assert tier.stats().reserved_bytes == 0
         admit_bytes(tier, "still-works", 50 * KB)
-    with L2Tier(tiny_tmpfs / "l2", 64 << 20) as tier:
+    with L2Tier.open(tiny_tmpfs / "l2", 64 << 20) as tier:
         assert tier.stats().entries == 2
 
 
@@ -352,7 +358,7 @@ def test_concurrent_admissions_recycling_files_never_cross_entries(shm_dir: Path
 
     one = size_of(20 * KB, "k0")
     errors: list[str] = []
-    with L2Tier(shm_dir, 6 * one) as tier:
+    with L2Tier.open(shm_dir, 6 * one) as tier:
 
         def worker(seed: int) -> None:
             for i in range(150):
@@ -371,14 +377,15 @@ def test_concurrent_admissions_recycling_files_never_cross_entries(shm_dir: Path
             t.start()
         for t in threads:
             t.join()
-        for entry in tier.entries():
-            with tier.borrow(entry.key) as (_e, view):
+        for item in tier.entries():
+            entry = item.entry
+            with borrow(tier, entry.key) as (_e, view):
                 assert blake3(bytes(view[: entry.nbytes])).hexdigest() == entry.digest
         stats = tier.stats()
         assert stats.bytes + stats.free_bytes + stats.reserved_bytes <= stats.budget_bytes
         assert stats.reserved_bytes == 0
     assert not errors, errors[:3]
-    with L2Tier(shm_dir, 6 * one) as again:
+    with L2Tier.open(shm_dir, 6 * one) as again:
         assert again.stats().adopt_dropped == 0, "every file on disk is the entry its name says"
 
 
@@ -392,7 +399,7 @@ def test_a_commit_racing_the_reuse_of_an_evicted_file_cannot_take_its_name(
     from blake3 import blake3
 
     one = size_of(20 * KB, "kk")
-    with L2Tier(shm_dir, 2 * one) as tier:
+    with L2Tier.open(shm_dir, 2 * one) as tier:
         admit_bytes(tier, "kk", 20 * KB, fill=1)  # the victim-to-be
         admit_bytes(tier, "zz", 20 * KB, fill=2)
         racer: list[threading.Thread] = []
@@ -411,11 +418,12 @@ def test_a_commit_racing_the_reuse_of_an_evicted_file_cannot_take_its_name(
         admit_bytes(tier, "yy", 20 * KB, fill=4)  # evicts kk (least recently used) and reuses its file
         racer[0].join(timeout=10)
         monkeypatch.setattr(os, "rename", real_rename)
-        for entry in tier.entries():
-            opened = tier.open_reader(entry.key)
-            assert opened is not None, "every indexed entry has its file"
-            os.close(opened[0])
-            with tier.borrow(entry.key) as (_e, view):
+        for item in tier.entries():
+            entry = item.entry
+            held = tier.hold(entry.key, hit=False)
+            assert held is not None, "every indexed entry has its file"
+            os.close(held.fd)
+            with borrow(tier, entry.key) as (_e, view):
                 assert blake3(bytes(view[: entry.nbytes])).hexdigest() == entry.digest
 
 
@@ -449,6 +457,6 @@ def test_a_tier_directory_owned_by_another_user_is_refused(shm_dir: Path, tmp_pa
         target.mkdir()
         os.chown(target, 65534, 65534)
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
-        L2Tier(shm_dir / "theirs", 1 << 20)
+        L2Tier.open(shm_dir / "theirs", 1 << 20)
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
-        L3Store(tmp_path / "theirs-l3", 1 << 30)
+        L3Store.open(tmp_path / "theirs-l3", 1 << 30)

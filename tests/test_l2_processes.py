@@ -100,7 +100,7 @@ def test_another_process_reads_tensors_bit_exact_from_shared_pages_without_copyi
         "mask": torch.rand(333) > 0.5,
         "ids": torch.randint(-(2**62), 2**62, (77,)),
     }
-    with L2Tier(shm_dir, 64 << 20) as tier:
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
         digest = _admit_tensors(tier, "a", tensors)
         reader = _start_reader(shm_dir / "entries" / f"{key_of('a')}.skp")
         try:
@@ -124,7 +124,7 @@ def _ask_quit(proc: subprocess.Popen[str]) -> None:
 
 def test_writing_to_restored_tensors_never_alters_the_entry(shm_dir: Path) -> None:
     tensors = {"k": torch.arange(50000, dtype=torch.float32), "b": torch.ones(10, dtype=torch.bool)}
-    with L2Tier(shm_dir, 64 << 20) as tier:
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
         digest = _admit_tensors(tier, "a", tensors)
         path = shm_dir / "entries" / f"{key_of('a')}.skp"
         writer = _start_reader(path)
@@ -140,18 +140,17 @@ def test_writing_to_restored_tensors_never_alters_the_entry(shm_dir: Path) -> No
                 _ask_quit(other)
         finally:
             _ask_quit(writer)
-        opened = tier.open_reader(key_of("a"))
-        assert opened is not None
-        fd, entry = opened
-        restored = skt.map_entry(fd, entry.data_offset, entry.data_len, entry.tensors)
-        os.close(fd)
+        held = tier.hold(key_of("a"), hit=False)
+        assert held is not None
+        restored = skt.map_entry(held.fd, held.data_offset, held.entry.data_len, held.entry.tensors)
+        os.close(held.fd)
         assert torch.equal(restored["k"], tensors["k"]) and torch.equal(restored["b"], tensors["b"])
 
 
 def test_an_entry_evicted_while_a_reader_holds_it_never_changes_under_the_reader(shm_dir: Path) -> None:
     one = size_of(1 << 20)
     payload = {"x": torch.full((1 << 20,), 5, dtype=torch.uint8)}
-    with L2Tier(shm_dir, one) as tier:  # room for exactly one entry
+    with L2Tier.open(shm_dir, one) as tier:  # room for exactly one entry
         digest = _admit_tensors(tier, "held", payload)
         reader = _start_reader(shm_dir / "entries" / f"{key_of('held')}.skp")
         try:
@@ -171,7 +170,7 @@ def test_an_entry_evicted_while_a_reader_holds_it_never_changes_under_the_reader
 
 def test_a_reader_exiting_leaves_the_entry_in_place(shm_dir: Path) -> None:
     """Unlike multiprocessing.shared_memory on 3.11, no resource tracker unlinks what a reader attached."""
-    with L2Tier(shm_dir, 64 << 20) as tier:
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
         digest = _admit_tensors(tier, "a", {"x": torch.arange(1000)})
         path = shm_dir / "entries" / f"{key_of('a')}.skp"
         for _ in range(2):
@@ -180,5 +179,5 @@ def test_a_reader_exiting_leaves_the_entry_in_place(shm_dir: Path) -> None:
             _ask_quit(reader)
         assert path.exists()
         assert tier.peek(key_of("a")) is not None
-    with L2Tier(shm_dir, 64 << 20) as tier:
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
         assert tier.stats().adopted == 1

@@ -12,10 +12,12 @@ from blake3 import blake3
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-from l2util import admit_bytes, key_of, size_of
+from l2util import admit_bytes, get, key_of, keys_lru_first, size_of
 
 from skippyd.errors import DigestMismatch, TooLarge
 from skippyd.l2 import L2Tier
+from skippyd.payload import header_span
+from skippyd.shm import size_class
 
 NAMES = ["a", "bb", "ccc", "dddd", "eeeee", "ffffff"]
 SIZES = [100, 3000, 9000, 20000, 45000, 70000]
@@ -27,7 +29,7 @@ class L2Machine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="skippyd-sm-", dir="/dev/shm"))
-        self.tier = L2Tier(self.dir, BUDGET)
+        self.tier = L2Tier.open(self.dir, BUDGET)
         self.order: OrderedDict[str, tuple[int, str]] = OrderedDict()  # key -> (file size, digest)
         self.counters = dict.fromkeys(COUNTERS, 0)
 
@@ -60,14 +62,14 @@ class L2Machine(RuleBasedStateMachine):
                 admit_bytes(self.tier, name, nbytes, fill, expected=expected)
             return
         entry = admit_bytes(self.tier, name, nbytes, fill, expected=expected)
-        assert entry.file_size == size and entry.digest == digest
+        assert size_class(header_span(entry) + entry.data_len) == size and entry.digest == digest
         self.order[key] = (size, digest)
         self.counters["inserts"] += 1
 
     @rule(name=st.sampled_from(NAMES))
     def get(self, name: str) -> None:
         key = key_of(name)
-        entry = self.tier.get(key)
+        entry = get(self.tier, key)
         if key in self.order:
             assert entry is not None and entry.digest == self.order[key][1]
             self.order.move_to_end(key)
@@ -91,14 +93,14 @@ class L2Machine(RuleBasedStateMachine):
     @rule()
     def restart(self) -> None:
         self.tier.close()
-        self.tier = L2Tier(self.dir, BUDGET)
+        self.tier = L2Tier.open(self.dir, BUDGET)
         self.counters = dict.fromkeys(COUNTERS, 0)
         assert self.tier.stats().adopted == len(self.order)
 
     @invariant()
     def matches_the_model(self) -> None:
         stats = self.tier.stats()
-        assert [e.key for e in self.tier.entries()] == list(self.order)
+        assert keys_lru_first(self.tier) == list(self.order)
         assert stats.bytes == sum(s for s, _ in self.order.values())
         assert stats.bytes + stats.free_bytes + stats.reserved_bytes <= BUDGET
         assert stats.reserved_bytes == 0

@@ -12,58 +12,62 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import l2util
 import pytest
 from blake3 import blake3
-from l2util import IDENT, key_of
+from l2util import IDENT, borrow, key_of
 
 from skippyd.errors import CorruptEntry, NoSpace, NotFound, StoreLocked, TooLarge
-from skippyd.l2 import L2Entry, L2Tier
+from skippyd.l2 import L2Tier
 from skippyd.l3 import L3Store
-from skippyd.payload import TensorDecl
+from skippyd.l3.layout import Layout
+from skippyd.payload import Entry, TensorDecl
 
 KB, MB = 1024, 1 << 20
 
 
 @pytest.fixture
 def l2(shm_dir: Path) -> Iterator[L2Tier]:
-    with L2Tier(shm_dir, 512 * MB) as tier:
+    with L2Tier.open(shm_dir, 512 * MB) as tier:
         yield tier
 
 
-def admit(l2: L2Tier, name: str, sizes: list[int], fill: int = 3) -> L2Entry:
+def admit(l2: L2Tier, name: str, sizes: list[int], fill: int = 3) -> Entry:
     tensors = [TensorDecl(f"t{i}", "uint8", (n,)) for i, n in enumerate(sizes)]
     data = [bytes([(fill + i) % 256]) * n for i, n in enumerate(sizes)]
-    return l2.admit(key=key_of(name), identity=IDENT, token_count=len(name), tensors=tensors, data=data)
+    return l2util.admit(
+        l2, key=key_of(name), identity=IDENT, token_count=len(name), tensors=tensors, data=data
+    )
 
 
-def store(l2: L2Tier, l3: L3Store, entry: L2Entry) -> bool:
-    with l2.borrow(entry.key) as (_e, view):
+def store(l2: L2Tier, l3: L3Store, entry: Entry) -> bool:
+    with borrow(l2, entry.key) as (_e, view):
         return l3.write(entry, view)
 
 
 def load(l3: L3Store, key: str) -> bytes:
     entry = l3.get(key)
     assert entry is not None
-    buf = bytearray(entry.data_len)
+    buf = bytearray(entry.entry.data_len)
     l3.load_into(key, memoryview(buf))
     return bytes(buf)
 
 
-def expected_bytes(l2: L2Tier, entry: L2Entry) -> bytes:
-    with l2.borrow(entry.key) as (_e, view):
+def expected_bytes(l2: L2Tier, entry: Entry) -> bytes:
+    with borrow(l2, entry.key) as (_e, view):
         return bytes(view)
 
 
 def test_a_written_entry_loads_verified_and_survives_a_new_process(l2: L2Tier, tmp_path: Path) -> None:
     entry = admit(l2, "abc", [100 * KB, 0, 3 * MB + 5])
-    with L3Store(tmp_path / "l3", 1 << 30, segment_bytes=MB) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30, segment_bytes=MB) as l3:
         assert store(l2, l3, entry) is True
         assert load(l3, entry.key) == expected_bytes(l2, entry)
         found = l3.get(entry.key)
-        assert found is not None and found.digest == entry.digest
+        assert found is not None and found.entry.digest == entry.digest
         assert len(l3.manifest(entry.key, expected=found).segments) == 4
         assert l3.prefix_lengths(IDENT.digest, 10) == [3]
-    with L3Store(tmp_path / "l3", 1 << 30) as again:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as again:
         assert again.last_reconciliation.manifests == 1
         assert load(again, entry.key) == expected_bytes(l2, entry)
     for path in (tmp_path / "l3").rglob("*"):
@@ -77,7 +81,7 @@ def test_rewriting_identical_content_is_idempotent_and_shared_objects_are_stored
     a = admit(l2, "aaa", [MB], fill=9)
     b = admit(l2, "bbbb", [MB], fill=9)  # same bytes under another key
     assert a.digest == b.digest
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         assert store(l2, l3, a) is True
         assert store(l2, l3, a) is False
         assert store(l2, l3, b) is True
@@ -96,7 +100,7 @@ def test_a_flipped_byte_in_any_segment_is_a_miss_and_a_quarantine_never_wrong_by
 ) -> None:
     entry = admit(l2, "abc", [MB, 2 * MB + 10])
     other = admit(l2, "other", [KB], fill=77)
-    with L3Store(tmp_path / "l3", 1 << 30, segment_bytes=MB) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30, segment_bytes=MB) as l3:
         store(l2, l3, entry)
         store(l2, l3, other)
         found = l3.get(entry.key)
@@ -122,14 +126,14 @@ def test_a_flipped_byte_in_any_segment_is_a_miss_and_a_quarantine_never_wrong_by
 def test_a_flipped_byte_in_a_manifest_is_quarantined_at_start(l2: L2Tier, tmp_path: Path) -> None:
     entry = admit(l2, "abc", [64 * KB])
     keep = admit(l2, "keep", [64 * KB], fill=5)
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         store(l2, l3, entry)
         store(l2, l3, keep)
     manifest = next((tmp_path / "l3" / "manifests").rglob(f"{entry.key}.man"))
     raw = bytearray(manifest.read_bytes())
     raw[len(raw) // 2] ^= 0x04
     manifest.write_bytes(bytes(raw))
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         report = l3.last_reconciliation
         assert report.manifests_quarantined == 1 and report.manifests == 1
         assert l3.get(entry.key) is None and l3.get(keep.key) is not None
@@ -139,7 +143,7 @@ def test_a_flipped_byte_in_a_manifest_is_quarantined_at_start(l2: L2Tier, tmp_pa
 def test_startup_reconciliation_repairs_what_a_crash_leaves(l2: L2Tier, tmp_path: Path) -> None:
     entries = [admit(l2, name, [32 * KB], fill=i) for i, name in enumerate(["a1", "b22", "c333"])]
     root = tmp_path / "l3"
-    with L3Store(root, 1 << 30) as l3:
+    with L3Store.open(root, 1 << 30) as l3:
         for e in entries:
             store(l2, l3, e)
         stored = l3.get(entries[1].key)
@@ -154,14 +158,14 @@ def test_startup_reconciliation_repairs_what_a_crash_leaves(l2: L2Tier, tmp_path
     missing_link.unlink()
     missing_object = root / "objects" / stored.object[:2] / f"{stored.object}.obj"
     missing_object.unlink()  # its manifest now points at nothing
-    with L3Store(root, 1 << 30) as l3:
+    with L3Store.open(root, 1 << 30) as l3:
         report = l3.last_reconciliation
         assert report.temporary_removed == 1
         assert report.orphans_collected == 1
         assert report.dangling_links_dropped == 2, "the stray link and the quarantined manifest's"
         assert report.links_restored == 1
         assert report.manifests_quarantined == 1
-        assert sorted(k for k in l3.iter_keys()) == sorted([entries[0].key, entries[2].key])
+        assert sorted(l3.keys()) == sorted([entries[0].key, entries[2].key])
     assert not any((root / "tmp").iterdir()) and not orphan.exists() and not dangling.exists()
 
 
@@ -169,7 +173,7 @@ def test_the_budget_covers_everything_and_evicts_oldest_use_down_to_85_percent(
     l2: L2Tier, tmp_path: Path
 ) -> None:
     entries = [admit(l2, f"e{i:02d}", [MB], fill=i) for i in range(10)]
-    with L3Store(tmp_path / "l3", 6 * MB) as l3:
+    with L3Store.open(tmp_path / "l3", 6 * MB) as l3:
         for e in entries[:5]:
             store(l2, l3, e)
         assert l3.stats().evictions == 0
@@ -189,7 +193,7 @@ def test_the_budget_covers_everything_and_evicts_oldest_use_down_to_85_percent(
 
 def test_below_the_free_space_floor_l3_is_read_only(l2: L2Tier, tmp_path: Path) -> None:
     entry = admit(l2, "abc", [KB])
-    with L3Store(tmp_path / "l3", 1 << 30, min_free_bytes=1 << 60) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30, min_free_bytes=1 << 60) as l3:
         with pytest.raises(NoSpace, match="read-only"):
             store(l2, l3, entry)
         stats = l3.stats()
@@ -204,37 +208,39 @@ def small_fs(mount_tmpfs: Any) -> Path:
 def test_a_nearly_full_filesystem_refuses_writes_cleanly(l2: L2Tier, small_fs: Path) -> None:
     small = admit(l2, "fits", [256 * KB])
     big = admit(l2, "nope", [3 * MB])
-    with L3Store(small_fs / "l3", 1 << 30) as l3:
+    with L3Store.open(small_fs / "l3", 1 << 30) as l3:
         store(l2, l3, small)
         with pytest.raises(NoSpace):
             store(l2, l3, big)
-        assert list(l3.iter_keys()) == [small.key]
+        assert list(l3.keys()) == [small.key]
         assert not any((small_fs / "l3" / "tmp").iterdir())
         assert load(l3, small.key) == expected_bytes(l2, small)
-    with L3Store(small_fs / "l3", 1 << 30) as l3:
+    with L3Store.open(small_fs / "l3", 1 << 30) as l3:
         assert l3.last_reconciliation.manifests == 1
 
 
 def test_one_owner_per_directory(tmp_path: Path) -> None:
-    with L3Store(tmp_path / "l3", 1 << 30), pytest.raises(StoreLocked):
-        L3Store(tmp_path / "l3", 1 << 30)
+    with L3Store.open(tmp_path / "l3", 1 << 30), pytest.raises(StoreLocked):
+        L3Store.open(tmp_path / "l3", 1 << 30)
 
 
 WRITER = textwrap.dedent(
     """
     import sys
+    sys.path.insert(0, sys.argv[3])
+    from l2util import admit, borrow
     from skippyd.l2 import L2Tier
     from skippyd.l3 import L3Store
     from skippyd.keys import Identity, cache_key, encode_tokens
     from skippyd.payload import TensorDecl
     ident = Identity("m", "s")
-    l2 = L2Tier(sys.argv[2], 1 << 30)
-    l3 = L3Store(sys.argv[1], 1 << 40)
+    l2 = L2Tier.open(sys.argv[2], 1 << 30)
+    l3 = L3Store.open(sys.argv[1], 1 << 40)
     for i in range(10000):
         key = cache_key(ident, encode_tokens([i]))
-        e = l2.admit(key=key, identity=ident, token_count=1, tensors=[TensorDecl("x", "uint8", (8 << 20,))],
+        e = admit(l2, key=key, identity=ident, token_count=1, tensors=[TensorDecl("x", "uint8", (8 << 20,))],
                      data=[bytes([i % 256]) * (8 << 20)])
-        with l2.borrow(key) as (entry, view):
+        with borrow(l2, key) as (entry, view):
             l3.write(entry, view)
         l2.remove(key)
         print(i, flush=True)
@@ -245,7 +251,9 @@ WRITER = textwrap.dedent(
 def test_kill_9_during_a_write_leaves_no_torn_entry(tmp_path: Path, shm_dir: Path) -> None:
     root = tmp_path / "l3"
     proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(root), str(shm_dir / "l2")], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", WRITER, str(root), str(shm_dir / "l2"), str(Path(__file__).parent)],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert proc.stdout is not None
     for _ in range(3):
@@ -253,27 +261,27 @@ def test_kill_9_during_a_write_leaves_no_torn_entry(tmp_path: Path, shm_dir: Pat
     time.sleep(0.05)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    with L3Store(root, 1 << 40) as l3:
-        keys = list(l3.iter_keys())
+    with L3Store.open(root, 1 << 40) as l3:
+        keys = list(l3.keys())
         assert len(keys) >= 3
         for key in keys:  # every entry it kept is whole and verifies
-            entry = l3.get(key)
-            assert entry is not None
-            data = bytearray(entry.data_len)
+            ref = l3.get(key)
+            assert ref is not None
+            data = bytearray(ref.entry.data_len)
             l3.load_into(key, memoryview(data))
-            assert blake3(bytes(data)).hexdigest() == entry.digest
+            assert blake3(bytes(data)).hexdigest() == ref.entry.digest
     assert not any((root / "tmp").iterdir())
 
 
 def test_a_write_no_longer_wanted_leaves_no_trace(l2: L2Tier, tmp_path: Path) -> None:
     entry = admit(l2, "abc", [64 * KB])
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
-        with l2.borrow(entry.key) as (_e, view):
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        with borrow(l2, entry.key) as (_e, view):
             assert l3.write(entry, view, wanted=lambda: False) is False
         assert l3.get(entry.key) is None and l3.stats().objects == 0 and l3.stats().bytes == 0
     for folder in ("objects", "manifests", "links", "tmp"):
         assert not [p for p in (tmp_path / "l3" / folder).rglob("*") if p.is_file()], folder
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         assert l3.get(entry.key) is None, "nothing comes back at the next start either"
 
 
@@ -283,27 +291,27 @@ def test_a_manifest_that_cannot_be_written_leaves_no_orphan_object(
     import errno
 
     entry = admit(l2, "abc", [64 * KB])
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
-        real = L3Store._stage_file
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        real = Layout.stage_file
 
-        def stage(self: L3Store, final: Path, data: memoryview) -> Path:
+        def stage(self: Layout, final: Path, data: memoryview) -> Path:
             if final.suffix == ".man":
                 raise OSError(errno.ENOSPC, "No space left on device")
             return real(self, final, data)
 
-        monkeypatch.setattr(L3Store, "_stage_file", stage)
+        monkeypatch.setattr(Layout, "stage_file", stage)
         with pytest.raises(NoSpace):
             store(l2, l3, entry)
         assert l3.stats().objects == 0 and l3.stats().bytes == 0
         assert not list((tmp_path / "l3" / "objects").rglob("*.obj"))
-        monkeypatch.setattr(L3Store, "_stage_file", real)
+        monkeypatch.setattr(Layout, "stage_file", real)
         assert store(l2, l3, entry) is True, "a later write succeeds normally"
         assert load(l3, entry.key) == expected_bytes(l2, entry)
 
 
 def test_a_load_of_an_entry_rewritten_since_its_lookup_is_not_found(l2: L2Tier, tmp_path: Path) -> None:
     first = admit(l2, "abc", [64 * KB], fill=1)
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         store(l2, l3, first)
         looked_up = l3.get(first.key)
         assert looked_up is not None
@@ -322,7 +330,7 @@ def test_quarantining_an_old_version_keeps_the_keys_newer_manifest_in_service(
     l2: L2Tier, tmp_path: Path
 ) -> None:
     first = admit(l2, "abc", [64 * KB], fill=1)
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         store(l2, l3, first)
         old = l3.get(first.key)
         assert old is not None
@@ -330,7 +338,7 @@ def test_quarantining_an_old_version_keeps_the_keys_newer_manifest_in_service(
         store(l2, l3, second)
         l3.quarantine(old, "a reader found the old object bad")
         assert load(l3, first.key) == expected_bytes(l2, second)
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         report = l3.last_reconciliation
         assert report.manifests_quarantined == 0 and report.links_restored == 0
         assert load(l3, first.key) == expected_bytes(l2, second), "and after a restart"
@@ -338,11 +346,11 @@ def test_quarantining_an_old_version_keeps_the_keys_newer_manifest_in_service(
 
 def test_rewriting_a_key_with_other_bytes_keeps_its_link(l2: L2Tier, tmp_path: Path) -> None:
     first = admit(l2, "abc", [64 * KB], fill=1)
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         store(l2, l3, first)
         store(l2, l3, admit(l2, "abc", [64 * KB], fill=2))
         assert l3.stats().objects == 1, "the first object had no other manifest: dropped"
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         assert l3.last_reconciliation.links_restored == 0
         assert l3.prefix_lengths(IDENT.digest, 10) == [3]
 
@@ -352,15 +360,15 @@ def test_a_store_from_before_objects_were_named_by_layout_is_adopted_not_wiped(
 ) -> None:
     """Earlier versions kept a data region as ``<digest>.obj``; an upgrade moves it, and serves it."""
     entry = admit(l2, "abc", [100 * KB, 5])
-    with L3Store(tmp_path / "l3", 1 << 30) as l3:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
         assert store(l2, l3, entry) is True
         stored = l3.get(entry.key)
         assert stored is not None
-        current = l3._object_path(stored.object)
-        legacy = l3._object_path(stored.digest)
+        current = l3.layout.object_path(stored.object)
+        legacy = l3.layout.object_path(stored.entry.digest)
     legacy.parent.mkdir(mode=0o700, exist_ok=True)
     os.rename(current, legacy)
-    with L3Store(tmp_path / "l3", 1 << 30) as upgraded:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as upgraded:
         report = upgraded.last_reconciliation
         assert report.objects_renamed == 1 and report.manifests == 1
         assert report.manifests_quarantined == 0 and report.orphans_collected == 1  # the old name

@@ -242,6 +242,7 @@ def test_the_watchdog_is_fed_only_while_every_background_thread_lives(tmp_short:
 
     from skippyd.config import Config
     from skippyd.server import Server
+    from skippyd.stats import ServerState
     from skippyd.workers import Health
 
     listener = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_DGRAM)
@@ -255,7 +256,7 @@ def test_the_watchdog_is_fed_only_while_every_background_thread_lives(tmp_short:
         raise SystemExit(1)  # not an Exception: nothing catches it, the thread dies
 
     health.start("skippyd-test-worker", work)
-    server = Server(Config(), SimpleNamespace(), health=health)  # type: ignore[arg-type]
+    server = Server(Config(), SimpleNamespace(), health=health, state=ServerState())  # type: ignore[arg-type]
 
     async def watch() -> None:
         task = asyncio.create_task(server._watchdog(0.05))

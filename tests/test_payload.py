@@ -8,7 +8,7 @@ from blake3 import blake3
 
 from skippyd import payload
 from skippyd.errors import CorruptEntry, UnsupportedDtype
-from skippyd.payload import EntryHeader, TensorDecl, decode_fixed, decode_header, encode_header, plan_layout
+from skippyd.payload import Entry, TensorDecl, decode_fixed, decode_header, encode_header, plan_layout
 from skippyd.tensors import torch_dtype
 
 CONTRACT_DTYPES = [
@@ -80,9 +80,9 @@ def test_meta_must_be_json_and_small() -> None:
         payload.check_meta([1])
 
 
-def _header() -> tuple[EntryHeader, bytes, int]:
+def _header() -> tuple[Entry, bytes, int]:
     specs, data_len = plan_layout([TensorDecl("k", "float16", (2, 3)), TensorDecl("v", "int8", (5,))])
-    header = EntryHeader(
+    header = Entry(
         key="a" * 64,
         identity="b" * 64,
         token_count=7,
@@ -105,7 +105,7 @@ def test_header_round_trips_and_data_starts_page_aligned() -> None:
     assert decode_header(fixed, raw[64:]) == header
 
 
-def _decode(raw: bytes) -> EntryHeader:
+def _decode(raw: bytes) -> Entry:
     fixed = decode_fixed(raw)
     return decode_header(fixed, raw[64 : 64 + fixed.header_len])
 

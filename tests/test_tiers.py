@@ -42,7 +42,7 @@ def tiers(
         return real(self, entry, data, **options)
 
     monkeypatch.setattr(L3Store, "write", gated)
-    t = Tiers(L2Tier(shm_dir, 64 << 20), l3=L3Store(tmp_path / "l3", 1 << 30))
+    t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30))
     try:
         yield t, gate
     finally:
@@ -69,7 +69,7 @@ def served_digest(t: Tiers, tokens: list[int]) -> str | None:
     if opened is None:
         return None
     os.close(opened.fd)
-    return opened.digest
+    return opened.entry.digest
 
 
 def test_a_queued_durable_write_superseded_by_a_newer_capture_never_reaches_l3(
@@ -150,7 +150,7 @@ def test_work_after_an_eviction_is_not_cancelled_by_it(tiers: tuple[Tiers, threa
     settle(t)
     assert t.l3 is not None
     stored = t.l3.get(cache_key(IDENT, encode_tokens([4, 4])))
-    assert stored is not None and stored.digest == again == digest
+    assert stored is not None and stored.entry.digest == again == digest
 
 
 def test_a_capture_retires_the_stale_durable_copy_before_its_entry_is_visible(
@@ -198,14 +198,18 @@ class Policy:
 
 
 def make_tiers(shm_dir: Path, tmp_path: Path, l2_bytes: int, policy: Policy) -> Tiers:
-    return Tiers(L2Tier(shm_dir, l2_bytes), l3=L3Store(tmp_path / "l3", 1 << 30), promotions=policy)
+    return Tiers(L2Tier.open(shm_dir, l2_bytes), l3=L3Store.open(tmp_path / "l3", 1 << 30), promotions=policy)
 
 
 def wait_for_decision(t: Tiers) -> None:
     """Until the promoter has asked and carried out its answer (no fill or write is outstanding)."""
-    policy = t.promotions
+    assert t.fills is not None
+    policy = t.fills.promotions
     assert isinstance(policy, Policy)
-    assert eventually(lambda: policy.asked.is_set() and t.clock.outstanding == 0 and not t._fills, timeout=10)
+    fills = t.fills
+    assert eventually(
+        lambda: policy.asked.is_set() and t.clock.outstanding == 0 and not fills.in_flight, timeout=10
+    )
 
 
 def test_an_l3_fill_evicted_while_its_promotion_is_decided_is_not_promoted(
@@ -247,7 +251,7 @@ def test_an_l3_fill_never_evicts_l2_entries_until_promotion_says_so(
         key, other_key = (cache_key(IDENT, encode_tokens(x)) for x in ([3, 3], [8, 8]))
         assert t.l2.peek(key) is None
         opened = t.open_restore(IDENT, encode_tokens([3, 3]))
-        assert opened is not None and opened.source == "l3" and opened.digest == durable
+        assert opened is not None and opened.source == "l3" and opened.entry.digest == durable
         try:
             assert fcntl.fcntl(opened.fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
             assert fcntl.fcntl(opened.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_WRITE, "no one can change it"
@@ -286,15 +290,17 @@ def test_a_corrupt_l3_entry_is_a_clean_miss_whether_filled_into_l2_or_a_memfd(
         assert t.l3 is not None
         entry = t.l3.get(key)
         assert entry is not None
-        with open(t.l3._object_path(entry.object), "r+b") as f:
-            f.seek(entry.data_len // 2)
+        with open(t.l3.layout.object_path(entry.object), "r+b") as f:
+            f.seek(entry.entry.data_len // 2)
             byte = f.read(1)
-            f.seek(entry.data_len // 2)
+            f.seek(entry.entry.data_len // 2)
             f.write(bytes([byte[0] ^ 0xFF]))
         for _ in range(2):
             assert t.open_restore(IDENT, encode_tokens([3, 3, 4])) is None
         assert t.l3.get(key) is None and t.l3.stats().corrupt == 1
-        assert eventually(lambda: t.clock.outstanding == 0 and not t._fills, timeout=10)
+        assert eventually(
+            lambda: t.clock.outstanding == 0 and t.fills is not None and not t.fills.in_flight, timeout=10
+        )
     finally:
         t.close()
 
@@ -305,15 +311,15 @@ def test_an_eviction_just_after_a_capture_commits_cancels_its_durable_write(
     """The eviction arrives between the L2 commit and the queueing of the durable write: it still wins."""
     t, gate = tiers
     gate.set()
-    real = t.l2.open_reader
+    real = t.l2.hold
 
-    def open_then_evicted(key: str) -> Any:
-        opened = real(key)
-        if opened is not None:
-            t.evict_digest(opened[1].digest)
-        return opened
+    def open_then_evicted(key: str, **options: Any) -> Any:
+        held = real(key, **options)
+        if held is not None:
+            t.evict_digest(held.entry.digest)
+        return held
 
-    monkeypatch.setattr(t.l2, "open_reader", open_then_evicted)
+    monkeypatch.setattr(t.l2, "hold", open_then_evicted)
     capture(t, [5, 5], fill=5, durable=True)
     settle(t)
     assert t.l3 is not None and t.l3.get(cache_key(IDENT, encode_tokens([5, 5]))) is None
@@ -359,7 +365,10 @@ def test_l3_restores_held_outside_l2_are_capped_by_the_fill_budget(shm_dir: Path
     hold = threading.Event()
     policy = Policy(False, hold)
     t = Tiers(
-        L2Tier(shm_dir, size), l3=L3Store(tmp_path / "l3", 1 << 30), promotions=policy, fill_budget=size
+        L2Tier.open(shm_dir, size),
+        l3=L3Store.open(tmp_path / "l3", 1 << 30),
+        promotions=policy,
+        fill_budget=size,
     )
     try:
         first = capture(t, [3, 3], fill=3, durable=True)
@@ -367,14 +376,14 @@ def test_l3_restores_held_outside_l2_are_capped_by_the_fill_budget(shm_dir: Path
         settle(t)
         capture(t, [8, 8], fill=8, durable=False)  # L2 is full of an entry L3 does not hold
         opened = t.open_restore(IDENT, encode_tokens([3, 3]))
-        assert opened is not None and opened.source == "l3" and opened.digest == first
+        assert opened is not None and opened.source == "l3" and opened.entry.digest == first
         os.close(opened.fd)
         assert policy.asked.wait(10)  # the first fill's memfd is held while its promotion is decided
         assert t.open_restore(IDENT, encode_tokens([4, 4])) is None
-        assert t.counters.fills_refused == 1
+        assert t.fills is not None and t.fills.stats().fills_refused == 1
         hold.set()
         wait_for_decision(t)
-        assert t._fill_bytes == 0
+        assert t.fills.stats().fill_bytes == 0
         assert served_digest(t, [4, 4]) == second, "with the budget free again it is served"
     finally:
         hold.set()

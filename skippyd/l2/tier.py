@@ -1,0 +1,632 @@
+"""The L2 hot tier: committed entries as files in a tmpfs directory, a byte budget, LRU eviction.
+
+* The budget covers every byte the tier holds in tmpfs: entries, free files kept for reuse
+  (:mod:`skippyd.l2.pool`) and reservations in flight. An entry larger than the whole budget is refused
+  before anything is evicted.
+* LRU eviction, oldest use first; :meth:`L2Tier.hold` moves recency on a real hit, :meth:`L2Tier.peek`
+  never. Re-admitting a key replaces its entry with exact accounting.
+* The daemon computes the payload digest after copying the bytes into memory no client can write; a
+  mismatch with an expected digest stores nothing and counts ``admission_rejects``.
+* A new process over the same directory re-adopts committed entries (:mod:`skippyd.l2.adopt`).
+
+Directory layout (0700): ``.lock`` (owner), ``entries/<key>.skp``, ``free/<random>.free``, ``tmp/``;
+``pending/`` belongs to the durable writer (:mod:`skippyd.durable`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from skippyd.errors import DigestMismatch, InvalidArgument, NoSpace, SkippydError, TooLarge
+from skippyd.files import private_dirs, remove, take_owner_lock
+from skippyd.index import PrefixIndex
+from skippyd.keys import Identity, is_hex_digest
+from skippyd.payload import (
+    Entry,
+    TensorDecl,
+    TensorSpec,
+    check_kind,
+    check_meta,
+    encode_header,
+    header_span,
+    payload_digest,
+    plan_layout,
+)
+from skippyd.shm import copy_bytes, has_readers, open_reader, size_class, zero
+
+from . import adopt as adoption
+from .pool import File, FilePool
+
+__all__ = ["Held", "L2Stats", "L2Tier", "Listed", "Reservation", "copy_into"]
+
+log = logging.getLogger("skippyd.l2")
+
+_THREADED_HASH_BYTES = 4 << 20
+_PLACEHOLDER_DIGEST = "0" * 64
+
+
+@dataclass(slots=True)
+class L2Stats:
+    entries: int = 0
+    bytes: int = 0
+    budget_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    inserts: int = 0
+    evictions: int = 0
+    admission_rejects: int = 0
+    refused_bytes: int = 0
+    payload_bytes: int = 0
+    free_bytes: int = 0
+    free_files: int = 0
+    reserved_bytes: int = 0
+    reused_files: int = 0
+    fresh_files: int = 0
+    reader_held_drops: int = 0
+    adopted: int = 0
+    adopt_dropped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """An entry opened for reading: a read-only fd holding a lease (the caller closes it), the entry, and
+    where its data region starts in the file."""
+
+    fd: int
+    entry: Entry
+    data_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class Listed:
+    entry: Entry
+    file_size: int
+    last_use: int  # ns since the epoch
+
+
+@dataclass(slots=True)
+class _Slot:
+    entry: Entry
+    file: File
+    data_offset: int
+    last_use: int = 0
+
+
+class Reservation:
+    """Room for one entry: write the tensor bytes into :attr:`data`, then :meth:`commit`.
+
+    The data region lives in memory only the daemon can write; the digest is computed at commit over
+    exactly these bytes. A reservation that is neither committed nor aborted is aborted when collected.
+    """
+
+    def __init__(self, tier: L2Tier, file: File, entry: Entry, data_offset: int) -> None:
+        self._tier = tier
+        self._file = file
+        self.entry = entry  # its digest is a placeholder until the commit
+        self.data_offset = data_offset
+        self._done = False
+        self.key = entry.key
+        self.file_size = file.size
+        mapping = file.ensure_mapped()
+        self.data: memoryview = memoryview(mapping)[data_offset : data_offset + entry.data_len]
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        return self.entry.tensors
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self._done:
+            self.abort()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            with contextlib.suppress(Exception):
+                self.abort()
+
+    def open_reader(self) -> int:
+        """A leased read-only fd of the reserved file (its data region is at ``data_offset``)."""
+        if self._done:
+            raise InvalidArgument("reservation already committed or aborted")
+        return open_reader(self._file.path)
+
+    def commit(
+        self, expected_digest: str | None = None, *, before_publish: Callable[[str], None] | None = None
+    ) -> Entry:
+        """Hashes the bytes, writes the header and publishes the entry atomically under its key.
+
+        ``before_publish`` is called with the payload digest after hashing and before the entry becomes
+        visible (the tier rules use it to retire a stale durable copy and record a durable intent).
+        """
+        entry = self._finish(expected_digest, before_publish, only_if_absent=False)
+        assert entry is not None
+        return entry
+
+    def commit_if_absent(self, expected_digest: str | None = None) -> Entry | None:
+        """:meth:`commit`, unless an entry appeared under the key meanwhile (then None: it is newer)."""
+        return self._finish(expected_digest, None, only_if_absent=True)
+
+    def _finish(
+        self,
+        expected_digest: str | None,
+        before_publish: Callable[[str], None] | None,
+        *,
+        only_if_absent: bool,
+    ) -> Entry | None:
+        if self._done:
+            raise InvalidArgument("reservation already committed or aborted")
+        self._done = True
+        self.data.release()
+        try:
+            entry = self._tier._commit(
+                self._file, self.entry, self.data_offset, expected_digest, before_publish,
+                only_if_absent=only_if_absent,
+            )  # fmt: skip
+        except BaseException:
+            self._tier._abort(self._file)
+            raise
+        if entry is None:
+            self._tier._abort(self._file)
+        return entry
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        self.data.release()
+        self._tier._abort(self._file)
+
+
+class L2Tier:
+    """The tmpfs tier. Thread-safe; one owning process per directory.
+
+    The constructor takes the directory (its lock, its subdirectories) and nothing else; :meth:`adopt`
+    brings back what an earlier process left there. :meth:`open` does both.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        budget_bytes: int,
+        *,
+        hash_threads: int = 2,
+        map_threshold: int = 1 << 20,
+    ) -> None:
+        if budget_bytes <= 0:
+            raise InvalidArgument("the L2 budget must be positive")
+        self.directory = Path(directory)
+        self.budget_bytes = int(budget_bytes)
+        self._hash_threads = max(1, hash_threads)
+        self._lock = threading.RLock()
+        self._index: PrefixIndex[_Slot] = PrefixIndex()
+        self._bytes = 0  # file bytes of committed entries
+        self._reserved = 0
+        self._stats = L2Stats(budget_bytes=self.budget_bytes)
+        self._tick = 0
+        self._dirty: set[str] = set()
+        self._closed = False
+        self._entries_dir = self.directory / "entries"
+        # Files at least this large keep their mapping between uses (re-mapping costs a page-table
+        # fault per page); the floor keeps the number of mappings under the kernel's vm.max_map_count.
+        self._pool = FilePool(
+            self.directory / "free", self.directory / "tmp", max(map_threshold, self.budget_bytes // 16384)
+        )
+        private_dirs(self.directory, self._entries_dir, self._pool.free_dir, self._pool.tmp_dir)
+        self._lock_fd = take_owner_lock(self.directory)
+
+    @classmethod
+    def open(
+        cls,
+        directory: str | os.PathLike[str],
+        budget_bytes: int,
+        *,
+        verify: bool = True,
+        hash_threads: int = 2,
+        map_threshold: int = 1 << 20,
+    ) -> L2Tier:
+        """The tier over ``directory`` with what an earlier process left there re-adopted."""
+        tier = cls(directory, budget_bytes, hash_threads=hash_threads, map_threshold=map_threshold)
+        try:
+            tier.adopt(verify=verify)
+        except BaseException:
+            tier.close()
+            raise
+        return tier
+
+    @staticmethod
+    def bytes_to_verify(directory: str | os.PathLike[str]) -> int:
+        """How many bytes :meth:`adopt` will hash in ``directory`` (for systemd's start timeout)."""
+        return adoption.bytes_to_verify(Path(directory))
+
+    # ----------------------------------------------------------------- lifecycle
+    def adopt(self, *, verify: bool = True) -> None:
+        """Re-adopts the committed entries and free files an earlier process left, dropping the rest."""
+        found = adoption.adopt(self.directory, verify=verify, hash_threads=self._hash_threads)
+        with self._lock:
+            for path, size in found.free:
+                self._pool.add_free(File(path, size, freed_at=time.monotonic()))
+            for item in found.entries:
+                self._tick = max(self._tick, item.last_use)
+                slot = _Slot(item.entry, File(item.path, item.file_size), item.data_offset, item.last_use)
+                self._insert(slot)
+                self._stats.adopted += 1
+            self._stats.adopt_dropped += found.dropped
+            while self._bytes + self._pool.free_bytes > self.budget_bytes:
+                if not self._pool.drop_one() and not self._evict_oldest():
+                    break
+
+    def close(self) -> None:
+        """Writes pending recency, drops mappings and releases the directory. Entries stay on tmpfs."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.flush_recency()
+            for slot in self._index:
+                slot.file.unmap()
+            self._pool.unmap_all()
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> L2Tier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- admission
+    def reserve(
+        self,
+        *,
+        key: str,
+        identity: Identity | str,
+        token_count: int,
+        tensors: Sequence[TensorDecl],
+        kind: str = "kv",
+        meta: Mapping[str, Any] | None = None,
+        origin: str = "capture",
+        evict: bool = True,
+        replace: bool = True,
+    ) -> Reservation:
+        """Room for a new entry; evicts LRU entries as needed (not with ``evict=False``: then only free
+        files are given back, and :class:`NoSpace` is raised without room). Refuses what can never fit.
+
+        With ``replace`` the key's current entry leaves the index now (its memory may serve the new one),
+        and the new one is visible from :meth:`Reservation.commit` on.
+        """
+        entry, data_offset, size = self._plan(
+            key=key, identity=identity, token_count=token_count, tensors=tensors, kind=kind, meta=meta,
+            origin=origin,
+        )  # fmt: skip
+        file = self._obtain(size, replacing=key if replace else None, evict=evict)
+        try:
+            return Reservation(self, file, entry, data_offset)
+        except BaseException:
+            self._abort(file)
+            raise
+
+    @staticmethod
+    def file_size_for(
+        *,
+        token_count: int,
+        tensors: Sequence[TensorDecl],
+        kind: str = "kv",
+        meta: Mapping[str, Any] | None = None,
+        origin: str = "capture",
+    ) -> int:
+        """The tmpfs bytes an entry with this table would occupy (what the budget is charged)."""
+        return L2Tier._plan(
+            key=_PLACEHOLDER_DIGEST, identity=_PLACEHOLDER_DIGEST, token_count=token_count, tensors=tensors,
+            kind=kind, meta=meta, origin=origin,
+        )[2]  # fmt: skip
+
+    @staticmethod
+    def _plan(
+        *,
+        key: str,
+        identity: Identity | str,
+        token_count: int,
+        tensors: Sequence[TensorDecl],
+        kind: str,
+        meta: Mapping[str, Any] | None,
+        origin: str,
+    ) -> tuple[Entry, int, int]:
+        if not is_hex_digest(key):
+            raise InvalidArgument("key must be a hex BLAKE3 digest")
+        ident = identity.digest if isinstance(identity, Identity) else identity
+        specs, data_len = plan_layout(tensors)
+        entry = Entry(
+            key=key, identity=ident, token_count=token_count, kind=check_kind(kind),
+            digest=_PLACEHOLDER_DIGEST, meta=check_meta(meta), tensors=tuple(specs), data_len=data_len,
+            created_ns=time.time_ns(), origin=origin,
+        )  # fmt: skip
+        data_offset = header_span(entry)
+        return entry, data_offset, size_class(data_offset + data_len)
+
+    def _obtain(self, size: int, replacing: str | None, *, evict: bool = True) -> File:
+        """A file of exactly ``size`` bytes for a reservation, accounted as reserved.
+
+        Everything that picks a file and moves it out of ``entries/``/``free/`` happens under the lock, so
+        no commit of the same key can slip a new file under the old name in between.
+        """
+        with self._lock:
+            self._check_open()
+            if size > self.budget_bytes:
+                self._stats.refused_bytes += size
+                raise TooLarge(f"an entry of {size} bytes is larger than the L2 budget ({self.budget_bytes})")
+            old = self._index.get(replacing) if replacing is not None else None
+            if old is not None:
+                self._detach(old)
+                self._pool.recycle(old.file, room=self._room())
+            reuse = self._pool.take(size)
+            if reuse is None:
+                if not evict and self._room() + self._pool.free_bytes < size:  # free files alone won't do
+                    raise NoSpace("no room in L2 without evicting an entry")
+                reuse = self._make_room(size)  # (drops free files before it evicts any entry)
+            self._reserved += size
+            if reuse is not None:
+                return reuse
+        try:
+            return self._fresh(size)
+        except BaseException:
+            with self._lock:
+                self._reserved -= size
+            raise
+
+    def _fresh(self, size: int) -> File:
+        try:
+            file = self._pool.fresh(size)
+        except NoSpace:
+            with self._lock:  # tmpfs is shared with others: give back our free files, try once more
+                self._pool.drop_all()
+            file = self._pool.fresh(size)
+        with self._lock:
+            self._pool.note_fresh()
+        return file
+
+    def _make_room(self, size: int) -> File | None:
+        """Frees budget for ``size`` bytes; returns a recycled same-size file when eviction yields one."""
+        while self._room() < size:
+            if self._pool.drop_one():
+                continue
+            victim = self._index.oldest()
+            if victim is None:
+                raise NoSpace("the L2 budget is held by captures still in flight; retry shortly")
+            self._detach(victim)
+            self._stats.evictions += 1
+            if victim.file.size == size and not has_readers(victim.file.path):
+                claimed = self._pool.claim(victim.file)  # (a failed claim unlinked the file)
+                if claimed is not None:
+                    return claimed
+                continue
+            self._pool.discard(victim.file)
+        return None
+
+    def _room(self) -> int:
+        return self.budget_bytes - self._bytes - self._pool.free_bytes - self._reserved
+
+    def _commit(
+        self,
+        file: File,
+        entry: Entry,
+        data_offset: int,
+        expected: str | None,
+        before_publish: Callable[[str], None] | None,
+        *,
+        only_if_absent: bool,
+    ) -> Entry | None:
+        mapping = file.ensure_mapped()
+        view = memoryview(mapping)
+        try:
+            if not file.fresh:
+                _zero_gaps(view, entry.tensors, data_offset, file.size)
+            threads = self._hash_threads if entry.data_len >= _THREADED_HASH_BYTES else 1
+            digest = payload_digest(view, entry.tensors, base=data_offset, threads=threads)
+            if expected is not None and digest != expected:
+                with self._lock:
+                    self._stats.admission_rejects += 1
+                raise DigestMismatch(f"payload digest {digest} is not the expected {expected}")
+            final = replace(entry, digest=digest)
+            head, offset = encode_header(final)
+            if offset != data_offset:  # pragma: no cover - the placeholder keeps the length
+                raise RuntimeError("entry header changed length between reserve and commit")
+            view[: len(head)] = head
+            zero(view, len(head), data_offset)
+        finally:
+            view.release()
+        if before_publish is not None:
+            before_publish(digest)
+        with self._lock:
+            self._check_open()
+            if only_if_absent and final.key in self._index:
+                return None
+            tick = self._next_tick()
+            os.utime(file.path, ns=(tick, tick))
+            old = self._index.get(final.key)
+            if old is not None:
+                self._detach(old)
+                self._pool.recycle(old.file, room=self._room())
+            target = self._entries_dir / f"{final.key}.skp"
+            os.rename(file.path, target)
+            file.path = target
+            self._reserved -= file.size
+            self._insert(_Slot(final, file, data_offset, tick))
+            self._pool.keep_or_unmap(file)
+            self._stats.inserts += 1
+            return final
+
+    def _abort(self, file: File) -> None:
+        with self._lock:
+            self._reserved -= file.size
+            if self._closed:
+                file.unmap()
+                remove(file.path)
+                return
+            self._pool.recycle(file, room=self._room())
+
+    # ----------------------------------------------------------------- lookups
+    def hold(self, key: str, *, hit: bool = True) -> Held | None:
+        """The entry under ``key`` opened for reading with a leased fd (see :mod:`skippyd.shm`), or None.
+
+        With ``hit`` (a restore) it counts a hit and moves recency; without (a durable write reading the
+        bytes) it changes nothing. One lookup under the lock, whatever the caller does next.
+        """
+        with self._lock:
+            slot = self._index.get(key)
+            if slot is None:
+                return None
+            fd = open_reader(slot.file.path)
+            if hit:
+                self._stats.hits += 1
+                self._touch(slot)
+            return Held(fd, slot.entry, slot.data_offset)
+
+    def count_miss(self) -> None:
+        """Counts a miss found by a lookup made elsewhere (the tier rules look at both tiers)."""
+        with self._lock:
+            self._stats.misses += 1
+
+    def peek(self, key: str) -> Entry | None:
+        """The entry under ``key`` without touching recency or counters."""
+        with self._lock:
+            slot = self._index.get(key)
+            return slot.entry if slot is not None else None
+
+    def prefix_lengths(self, identity_digest: str, upto: int) -> list[int]:
+        """Distinct captured token counts of an identity that are at most ``upto``, ascending."""
+        with self._lock:
+            return self._index.lengths(identity_digest, upto)
+
+    def entries(self) -> list[Listed]:
+        """Every entry with its file size and last use, least recently used first."""
+        with self._lock:
+            return [Listed(slot.entry, slot.file.size, slot.last_use) for slot in self._index]
+
+    def keys_by_digest(self, digest: str) -> list[str]:
+        with self._lock:
+            return self._index.keys_of(digest)
+
+    def digests(self) -> list[str]:
+        """Every payload digest held (once each)."""
+        with self._lock:
+            return self._index.digests()
+
+    # ----------------------------------------------------------------- removal
+    def remove(self, key: str) -> bool:
+        with self._lock:
+            slot = self._index.get(key)
+            if slot is None:
+                return False
+            self._detach(slot)
+            self._pool.recycle(slot.file, room=self._room())
+            return True
+
+    def remove_by_digest(self, digest: str) -> int:
+        """Removes every entry whose payload digest is ``digest``; returns how many."""
+        with self._lock:
+            keys = self._index.keys_of(digest)
+            for key in keys:
+                self.remove(key)
+            return len(keys)
+
+    def clear(self) -> int:
+        """Removes every entry and gives the free files' memory back to the system."""
+        with self._lock:
+            slots = list(self._index)
+            for slot in slots:
+                self._detach(slot)
+                self._pool.discard(slot.file)
+            self._pool.drop_all()
+            return len(slots)
+
+    def trim_free(self, idle_seconds: float) -> int:
+        """Gives back free files unused for ``idle_seconds``; returns the bytes released."""
+        with self._lock:
+            return self._pool.trim(idle_seconds)
+
+    # ----------------------------------------------------------------- stats & housekeeping
+    def stats(self) -> L2Stats:
+        with self._lock:
+            pool = self._pool.stats()
+            stats = replace(self._stats)
+            stats.budget_bytes = self.budget_bytes
+            stats.entries = len(self._index)
+            stats.bytes = self._bytes
+            stats.payload_bytes = sum(slot.entry.nbytes for slot in self._index)
+            stats.free_bytes = pool.free_bytes
+            stats.free_files = pool.free_files
+            stats.reused_files = pool.reused_files
+            stats.fresh_files = pool.fresh_files
+            stats.reader_held_drops = pool.reader_held_drops
+            stats.reserved_bytes = self._reserved
+            return stats
+
+    def flush_recency(self) -> None:
+        """Records each touched entry's last use as its file's mtime, so a restart keeps LRU order."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+            for key in dirty:
+                slot = self._index.get(key)
+                if slot is not None:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.utime(slot.file.path, ns=(slot.last_use, slot.last_use))
+
+    # ----------------------------------------------------------------- internals (lock held)
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SkippydError("the L2 tier is closed")
+
+    def _next_tick(self) -> int:
+        self._tick = max(self._tick + 1, time.time_ns())
+        return self._tick
+
+    def _touch(self, slot: _Slot) -> None:
+        slot.last_use = self._next_tick()
+        self._index.touch(slot.entry.key)
+        self._dirty.add(slot.entry.key)
+
+    def _insert(self, slot: _Slot) -> None:
+        self._index.add(slot)
+        self._bytes += slot.file.size
+
+    def _detach(self, slot: _Slot) -> None:
+        self._index.remove(slot.entry.key)
+        self._dirty.discard(slot.entry.key)
+        self._bytes -= slot.file.size
+
+    def _evict_oldest(self) -> bool:
+        victim = self._index.oldest()
+        if victim is None:
+            return False
+        self._detach(victim)
+        self._stats.evictions += 1
+        self._pool.discard(victim.file)
+        return True
+
+
+def copy_into(region: memoryview, offset: int, nbytes: int, source: Any, *, threads: int = 1) -> None:
+    """Copies ``nbytes`` from a buffer into ``region[offset:]`` (releases the GIL)."""
+    if nbytes == 0:
+        return
+    src = memoryview(source).cast("B")
+    if src.nbytes != nbytes:
+        raise InvalidArgument(f"a tensor buffer holds {src.nbytes} bytes, its declaration {nbytes}")
+    copy_bytes(region[offset : offset + nbytes], src, threads)
+
+
+def _zero_gaps(view: memoryview, tensors: Sequence[TensorSpec], base: int, size: int) -> None:
+    """Zeroes every byte of a recycled file that the new entry does not write (no stale data leaks)."""
+    cursor = base
+    for spec in tensors:
+        zero(view, cursor, base + spec.offset)
+        cursor = max(cursor, base + spec.offset + spec.nbytes)
+    zero(view, cursor, size)
