@@ -24,8 +24,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml setup.py README.md MANIFEST.in ./
 COPY skippyd ./skippyd
+COPY lua ./lua
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 # -------------------------------------------------------------------------------------------- runtime

@@ -1,4 +1,5 @@
-"""Builds the optional C extension ``skippyd._chain`` (the warm-prefix chain, with vendored BLAKE3).
+"""Builds the optional C extension ``skippyd._chain`` (the warm-prefix chain, with vendored BLAKE3) and
+packs the Redis scripts of the top-level ``lua/`` into the package as ``skippyd/lua/``.
 
 Everything else is in pyproject.toml. If no C compiler is available the extension is skipped and
 skippyd computes the same chain, more slowly, with the ``blake3`` package.
@@ -7,15 +8,30 @@ skippyd computes the same chain, more slowly, with the ``blake3`` package.
 from __future__ import annotations
 
 import platform
+import shutil
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 
 class BuildExt(build_ext):
     def build_extensions(self) -> None:
         self.compiler.src_extensions.append(".S")  # BLAKE3's SIMD kernels as plain assembly
         super().build_extensions()
+
+
+class BuildPy(build_py):
+    """The scripts live at the top of the repository (one file per atomic operation, documented in their
+    headers); the wheel ships them inside the package, where ``skippyd.coordination`` reads them."""
+
+    def run(self) -> None:
+        super().run()
+        target = Path(self.build_lib) / "skippyd" / "lua"
+        target.mkdir(parents=True, exist_ok=True)
+        for script in sorted(Path("lua").glob("*.lua")):
+            shutil.copy2(script, target / script.name)
 
 
 VENDOR = "skippyd/_native/blake3"
@@ -45,5 +61,5 @@ setup(
             optional=True,
         )
     ],
-    cmdclass={"build_ext": BuildExt},
+    cmdclass={"build_ext": BuildExt, "build_py": BuildPy},
 )

@@ -13,7 +13,7 @@ import re
 import socket as _socket
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,18 @@ DEFAULT_STATE_DIR = "/var/lib/skippyd"
 #: The smallest budget that holds one entry: its header page and one page of data.
 MIN_BUDGET = 8 << 10
 _NODE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: The Redis URL schemes skippyd speaks (``redis+cluster://`` is a Redis Cluster seed node).
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+
+
+def valid_node_name(name: object) -> bool:
+    """A node name: 1 to 128 letters, digits, '.', '_' or '-', starting with a letter or digit."""
+    return isinstance(name, str) and bool(_NODE_RE.match(name))
+
+
+def valid_redis_url(url: object) -> bool:
+    return isinstance(url, str) and url.startswith(REDIS_SCHEMES)
+
 
 _UNITS = {
     "": 1, "b": 1,
@@ -163,7 +175,7 @@ def _parse_choice(*choices: str) -> Callable[[Any], str]:
 
 def _parse_node(value: Any) -> str:
     text = _parse_str(value)
-    if text and not _NODE_RE.match(text):
+    if text and not valid_node_name(text):
         raise ValueError(f"{text!r}: node names are letters, digits, '.', '_' and '-' (at most 128)")
     return text
 
@@ -180,100 +192,70 @@ class ConfigField:
         return ENV_PREFIX + self.name.upper()
 
 
-FIELDS: dict[str, ConfigField] = {
-    f.name: f
-    for f in [
-        ConfigField("socket", _parse_path, DEFAULT_SOCKET, "Unix socket the daemon listens on"),
-        ConfigField("state_dir", _parse_path, DEFAULT_STATE_DIR, "embedded Redis data, default L3 dir"),
-        ConfigField(
-            "shm_dir", _parse_path, "", "L2 tmpfs directory (default: under /dev/shm, by node and state dir)"
-        ),
-        ConfigField("l2_budget", parse_size, "4GiB", "bytes the L2 tier may hold in tmpfs"),
-        ConfigField("max_entry", parse_size, 0, "largest entry accepted (0: the L2 budget)"),
-        ConfigField("staging_budget", parse_size, "2GiB", "shared memory lent to clients for captures"),
-        ConfigField(
-            "fill_budget", parse_size, "2GiB", "memory for L3 restores while L2 has no free room (memfd)"
-        ),
-        ConfigField(
-            "l3_dir", _parse_dir_or_off, "", "L3 disk directory (default <state_dir>/l3; 'off' disables)"
-        ),
-        ConfigField("l3_budget", parse_size, "64GiB", "hard cap on bytes L3 keeps on disk"),
-        ConfigField("l3_min_free", parse_size, "2GiB", "L3 goes read-only below this much free disk"),
-        ConfigField("l3_queue", _parse_int, 64, "durable writes holding L2 memory (more wait as keys)"),
-        ConfigField(
-            "sync_timeout", parse_duration, "20s", 'how long a durable="sync" capture waits for its fsync'
-        ),
-        ConfigField(
-            "redis_url", _parse_str, "", "shared Redis (redis://, rediss://, unix://, redis+cluster://)"
-        ),
-        ConfigField("redis_prefix", _parse_str, "skippyd", "prefix of every Redis key"),
-        ConfigField("redis_timeout", parse_duration, "250ms", "coordination calls give up after this"),
-        ConfigField("node", _parse_node, "", "this daemon's stable name (default the host name)"),
-        ConfigField("heartbeat", parse_duration, "2s", "how often the node heartbeats to Redis"),
-        ConfigField("node_ttl", parse_duration, "10s", "a node missing heartbeats this long is gone"),
-        ConfigField("warm_on_capture", _parse_bool, True, "every capture also feeds the warm-prefix table"),
-        ConfigField("ran_buffer", _parse_int, 10000, "warm-table updates kept while Redis is down"),
-        ConfigField("promotion_scope", _parse_str, "", "scope promotions are counted in (default the node)"),
-        ConfigField("max_frame", parse_size, "16MiB", "largest protocol frame accepted"),
-        ConfigField(
-            "max_buffered",
-            parse_size,
-            "512MiB",
-            "request bytes buffered (half-sent or queued), all clients",
-        ),
-        ConfigField(
-            "workers", _parse_int, 0, "threads serving requests that copy, hash or read the disk (0: auto)"
-        ),
-        ConfigField("copy_threads", _parse_int, 2, "threads one large copy or hash is split over"),
-        ConfigField("allowed_uids", _parse_ids, (), "peer uids allowed (default: owner, root, socket group)"),
-        ConfigField("allowed_gids", _parse_ids, (), "peer gids allowed (default: owner, root, socket group)"),
-        ConfigField("socket_group", _parse_str, "", "group the socket is handed to (mode 0660)"),
-        ConfigField("shutdown_timeout", parse_duration, "10s", "time in-flight requests get at shutdown"),
-        ConfigField("idle_timeout", parse_duration, 0, "close connections idle this long (0: never)"),
-        ConfigField("frame_timeout", parse_duration, "30s", "a request must arrive whole within this long"),
-        ConfigField("log_level", _parse_choice("debug", "info", "warning", "error"), "info", "log level"),
-        ConfigField("log_format", _parse_choice("human", "json"), "human", "log line format"),
-        ConfigField("metrics_addr", _parse_addr, "", "host:port for Prometheus metrics (off by default)"),
-    ]
-}
+def _option(parse: Callable[[Any], Any], default: Any, help_text: str) -> Any:
+    """A setting: its parser, its default as a user would write it, its help. The dataclass field's
+    default is that text parsed, so the two can never disagree."""
+    return field(default=parse(default), metadata={"parse": parse, "default": default, "help": help_text})
 
 
 @dataclass(frozen=True)
 class Config:
-    socket: str = DEFAULT_SOCKET
-    state_dir: str = DEFAULT_STATE_DIR
-    shm_dir: str = ""
-    l2_budget: int = 4 << 30
-    max_entry: int = 0
-    staging_budget: int = 2 << 30
-    fill_budget: int = 2 << 30
-    l3_dir: str = ""
-    l3_budget: int = 64 << 30
-    l3_min_free: int = 2 << 30
-    l3_queue: int = 64
-    sync_timeout: float = 20.0
-    redis_url: str = ""
-    redis_prefix: str = "skippyd"
-    redis_timeout: float = 0.25
-    node: str = ""
-    heartbeat: float = 2.0
-    node_ttl: float = 10.0
-    warm_on_capture: bool = True
-    ran_buffer: int = 10000
-    promotion_scope: str = ""
-    max_frame: int = 16 << 20
-    max_buffered: int = 512 << 20
-    workers: int = 0
-    copy_threads: int = 2
-    allowed_uids: tuple[int, ...] = ()
-    allowed_gids: tuple[int, ...] = ()
-    socket_group: str = ""
-    shutdown_timeout: float = 10.0
-    idle_timeout: float = 0.0
-    frame_timeout: float = 30.0
-    log_level: str = "info"
-    log_format: str = "human"
-    metrics_addr: str = ""
+    """Every setting of the daemon (``skippyd serve --help`` lists them; :data:`FIELDS` is derived)."""
+
+    socket: str = _option(_parse_path, DEFAULT_SOCKET, "Unix socket the daemon listens on")
+    state_dir: str = _option(_parse_path, DEFAULT_STATE_DIR, "embedded Redis data, default L3 dir")
+    shm_dir: str = _option(
+        _parse_path, "", "L2 tmpfs directory (default: under /dev/shm, by node and state dir)"
+    )
+    l2_budget: int = _option(parse_size, "4GiB", "bytes the L2 tier may hold in tmpfs")
+    max_entry: int = _option(parse_size, 0, "largest entry accepted (0: the L2 budget)")
+    staging_budget: int = _option(parse_size, "2GiB", "shared memory lent to clients for captures")
+    fill_budget: int = _option(parse_size, "2GiB", "memory for L3 restores while L2 has no free room (memfd)")
+    l3_dir: str = _option(_parse_dir_or_off, "", "L3 disk directory (default <state_dir>/l3; 'off' disables)")
+    l3_budget: int = _option(parse_size, "64GiB", "hard cap on bytes L3 keeps on disk")
+    l3_min_free: int = _option(parse_size, "2GiB", "L3 goes read-only below this much free disk")
+    l3_queue: int = _option(_parse_int, 64, "durable writes holding L2 memory (more wait as keys)")
+    sync_timeout: float = _option(
+        parse_duration, "20s", 'how long a durable="sync" capture waits for its fsync'
+    )
+    redis_url: str = _option(_parse_str, "", "shared Redis (redis://, rediss://, unix://, redis+cluster://)")
+    redis_prefix: str = _option(_parse_str, "skippyd", "prefix of every Redis key")
+    redis_timeout: float = _option(parse_duration, "250ms", "coordination calls give up after this")
+    node: str = _option(_parse_node, "", "this daemon's stable name (default the host name)")
+    heartbeat: float = _option(parse_duration, "2s", "how often the node heartbeats to Redis")
+    node_ttl: float = _option(parse_duration, "10s", "a node missing heartbeats this long is gone")
+    warm_on_capture: bool = _option(_parse_bool, True, "every capture also feeds the warm-prefix table")
+    ran_buffer: int = _option(_parse_int, 10000, "warm-table updates kept while Redis is down")
+    promotion_scope: str = _option(_parse_str, "", "scope promotions are counted in (default the node)")
+    promotion_window: float = _option(
+        parse_duration, "10m", "a second L3 hit within this long promotes into L2"
+    )
+    promotion_max_bytes: int = _option(
+        parse_size, "64MiB", "larger entries are never promoted from L3 into L2"
+    )
+    promotion_worth_tokens: int = _option(_parse_int, 4096, "entries this long promote on their first L3 hit")
+    promotion_max_observations: int = _option(_parse_int, 4096, "promotion observations kept per scope")
+    max_frame: int = _option(parse_size, "16MiB", "largest protocol frame accepted")
+    max_buffered: int = _option(
+        parse_size, "512MiB", "request bytes buffered (half-sent or queued), all clients"
+    )
+    workers: int = _option(
+        _parse_int, 0, "threads serving requests that copy, hash or read the disk (0: auto)"
+    )
+    copy_threads: int = _option(_parse_int, 2, "threads one large copy or hash is split over")
+    allowed_uids: tuple[int, ...] = _option(
+        _parse_ids, (), "peer uids allowed (default: owner, root, socket group)"
+    )
+    allowed_gids: tuple[int, ...] = _option(
+        _parse_ids, (), "peer gids allowed (default: owner, root, socket group)"
+    )
+    socket_group: str = _option(_parse_str, "", "group the socket is handed to (mode 0660)")
+    shutdown_timeout: float = _option(parse_duration, "10s", "time in-flight requests get at shutdown")
+    idle_timeout: float = _option(parse_duration, 0, "close connections idle this long (0: never)")
+    frame_timeout: float = _option(parse_duration, "30s", "a request must arrive whole within this long")
+    log_level: str = _option(_parse_choice("debug", "info", "warning", "error"), "info", "log level")
+    log_format: str = _option(_parse_choice("human", "json"), "human", "log line format")
+    metrics_addr: str = _option(_parse_addr, "", "host:port for Prometheus metrics (off by default)")
 
     # ------------------------------------------------------------ derived values
     @property
@@ -318,10 +300,16 @@ class Config:
         return self.promotion_scope or f"node:{self.node_name}"
 
 
+FIELDS: dict[str, ConfigField] = {
+    f.name: ConfigField(f.name, f.metadata["parse"], f.metadata["default"], f.metadata["help"])
+    for f in fields(Config)
+}
+
+
 def _default_node() -> str:
     name = _socket.gethostname().split(".")[0] or "localhost"
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", name)[:128]
-    return cleaned if _NODE_RE.match(cleaned) else "localhost"
+    return cleaned if valid_node_name(cleaned) else "localhost"
 
 
 @dataclass(frozen=True)
@@ -398,9 +386,7 @@ def _check(config: Config) -> None:
         raise ConfigError("invalid frame_timeout: must be positive")
     if config.heartbeat <= 0 or config.node_ttl <= config.heartbeat:
         raise ConfigError("invalid node_ttl: must be longer than heartbeat")
-    if config.redis_url not in ("", "none") and not re.match(
-        r"^(redis|rediss|unix|redis\+cluster)://", config.redis_url
-    ):
+    if config.redis_url not in ("", "none") and not valid_redis_url(config.redis_url):
         raise ConfigError("invalid redis_url: use redis://, rediss://, unix://, redis+cluster:// or none")
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import hashlib
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -35,18 +35,22 @@ import redis.exceptions
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from .config import valid_node_name, valid_redis_url
 from .errors import CoordinationTimeout, CoordinationUnavailable, InvalidArgument, SkippydError
 from .keys import WARM_HASH_BYTES, encode_tokens, warm_chain
 from .rediskeys import RedisKeys
 from .workers import Health
 
 __all__ = [
+    "DEFAULT_PROMOTION",
     "Coordinator",
     "LocalPromotions",
     "NodeInfo",
+    "PromotionSettings",
     "Promotions",
     "WarmTable",
     "connect",
+    "lua_source",
     "server_version",
 ]
 
@@ -57,7 +61,6 @@ THREAD = "skippyd-coordination"
 BATCH_BYTES = 64 << 10  # chain bytes per warm-table batch: ~0.1 ms of Redis time per 64 KB of argument
 BATCH_TIMEOUT_S = 2.0  # a batch's own timeout (single calls keep --redis-timeout)
 BATCH_MARKER_S = 600.0  # how long Redis remembers an applied batch id (a re-send within it is a no-op)
-_NODE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 RedisClient = Any  # redis.Redis | redis.cluster.RedisCluster
 
 
@@ -67,7 +70,7 @@ def new_batch_id() -> str:
 
 
 def _check_node(node: str) -> str:
-    if not isinstance(node, str) or not 0 < len(node) <= 128 or not set(node) <= _NODE_CHARS:
+    if not valid_node_name(node):
         raise InvalidArgument(f"node names are 1-128 letters, digits, '.', '_' or '-'; got {node!r}")
     return node
 
@@ -87,7 +90,7 @@ def connect(url: str, *, timeout: float = 1.0) -> RedisClient:
             return redis.cluster.RedisCluster.from_url(
                 "redis://" + url.removeprefix("redis+cluster://"), retry=Retry(NoBackoff(), 0), **options
             )
-        if not url.startswith(("redis://", "rediss://", "unix://")):
+        if not valid_redis_url(url):
             raise InvalidArgument(f"unsupported Redis URL {url!r}")
         return redis.Redis.from_url(url, **options)
     except redis.exceptions.RedisError as exc:
@@ -105,57 +108,33 @@ def server_version(url: str, timeout: float = 2.0) -> str:
             client.close()
 
 
-class _Script:
-    """One Lua file, sent by SHA; reloaded when Redis answers NOSCRIPT (after a restart or SCRIPT FLUSH)."""
+def lua_source(name: str) -> str:
+    """The text of one script of ``lua/``: packed into the wheel as ``skippyd/lua/``, read from the
+    checkout's top-level ``lua/`` when running from source."""
+    packed = resources.files("skippyd").joinpath("lua", name)
+    if packed.is_file():
+        return packed.read_text()
+    return (Path(__file__).resolve().parent.parent / "lua" / name).read_text()
 
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.source = resources.files("skippyd").joinpath("lua", name).read_text()
-        self.sha = hashlib.sha1(self.source.encode(), usedforsecurity=False).hexdigest()
 
-    def __call__(self, client: RedisClient, keys: Sequence[str], args: Sequence[Any]) -> Any:
-        try:
-            return client.evalsha(self.sha, len(keys), *keys, *args)
-        except redis.exceptions.NoScriptError:
-            client.script_load(self.source)  # a cluster client loads it on every primary
-            return client.evalsha(self.sha, len(keys), *keys, *args)
+class _Scripts:
+    """The scripts one client runs, registered with redis-py (sent by SHA, reloaded on NOSCRIPT, on
+    every primary of a cluster)."""
+
+    def __init__(self, client: RedisClient) -> None:
+        self._client = client
+        self._scripts: dict[str, Any] = {}
+
+    def __call__(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        registered = self._scripts.get(name)
+        if registered is None:
+            registered = self._scripts[name] = self._client.register_script(_source(name))
+        return registered(keys=list(keys), args=list(args))
 
 
 @functools.cache
-def script(name: str) -> _Script:
-    return _Script(name)
-
-
-def run_pipeline(
-    client: RedisClient, calls: Sequence[tuple[_Script, Sequence[str], Sequence[Any]]]
-) -> list[Any]:
-    """Runs several script calls in one round trip; calls that met NOSCRIPT are reloaded and re-sent.
-
-    Only the calls Redis refused with NOSCRIPT run again (they never executed), so scripts that are not
-    idempotent (``warm_ran`` advances the clock) still run exactly once.
-    """
-    results: list[Any] = [None] * len(calls)
-    pending = list(range(len(calls)))
-    for attempt in range(2):
-        pipe = client.pipeline(transaction=False)
-        for i in pending:
-            scr, keys, args = calls[i]
-            pipe.evalsha(scr.sha, len(keys), *keys, *args)
-        answers = pipe.execute(raise_on_error=False)
-        retry = []
-        for i, answer in zip(pending, answers, strict=True):
-            if isinstance(answer, redis.exceptions.NoScriptError) and attempt == 0:
-                retry.append(i)
-            elif isinstance(answer, Exception):
-                raise answer
-            else:
-                results[i] = answer
-        if not retry:
-            break
-        for name in {calls[i][0].name for i in retry}:
-            client.script_load(script(name).source)
-        pending = retry
-    return results
+def _source(name: str) -> str:
+    return lua_source(name)
 
 
 @contextlib.contextmanager
@@ -202,6 +181,7 @@ class WarmTable:
             raise InvalidArgument("min_blocks must be at least 1 and max_prefixes at least 8")
         warm_chain("validate", b"", block)  # checks the block size
         self.client = client
+        self._run = _Scripts(client)
         self.block = block
         self.min_blocks = min_blocks
         self.max_prefixes = max_prefixes
@@ -241,8 +221,8 @@ class WarmTable:
         k = self.keys
         marker = k.warm_batch(batch_id or new_batch_id())
         with _redis_errors("warm table update failed"):
-            written = script("warm_ran.lua")(
-                self.client,
+            written = self._run(
+                "warm_ran.lua",
                 [k.warm_prefixes, k.warm_ages, k.warm_clock, marker],
                 [node, self.max_prefixes, WARM_HASH_BYTES, int(BATCH_MARKER_S * 1000), *chains],
             )
@@ -257,8 +237,8 @@ class WarmTable:
             return None
         k = self.keys
         with _redis_errors("warm table lookup failed"):
-            found = script("warm_warmest.lua")(
-                self.client,
+            found = self._run(
+                "warm_warmest.lua",
                 [k.warm_prefixes, k.nodes],
                 [chain, WARM_HASH_BYTES, self.min_blocks, self.max_dead_runs],
             )
@@ -271,17 +251,15 @@ class WarmTable:
         """Registers or renews ``node``; False when a newer incarnation of it holds the name."""
         _check_node(node)
         with _redis_errors("node heartbeat failed"):
-            ok, _current = script("node_heartbeat.lua")(
-                self.client, [self.keys.nodes], [node, int(incarnation), int(ttl_s * 1000)]
+            ok, _current = self._run(
+                "node_heartbeat.lua", [self.keys.nodes], [node, int(incarnation), int(ttl_s * 1000)]
             )
         return bool(int(ok))
-
-    register = heartbeat
 
     def nodes(self, *, include_gone: bool = False) -> list[NodeInfo]:
         """Registered nodes (live ones only unless ``include_gone``), with incarnation and last heartbeat."""
         with _redis_errors("node listing failed"):
-            raw = script("node_list.lua")(self.client, [self.keys.nodes], [])
+            raw = self._run("node_list.lua", [self.keys.nodes], [])
         now = int(raw[0])
         out = []
         for name, record in zip(raw[1::2], raw[2::2], strict=True):
@@ -300,8 +278,8 @@ class WarmTable:
         cursor, removed = "0", 0
         while True:
             with _redis_errors("forget failed"):
-                cursor_raw, count = script("node_forget.lua")(
-                    self.client, [k.warm_prefixes, k.warm_ages, k.nodes], [node, cursor, step]
+                cursor_raw, count = self._run(
+                    "node_forget.lua", [k.warm_prefixes, k.warm_ages, k.nodes], [node, cursor, step]
                 )
             removed += int(count)
             cursor = _text(cursor_raw)
@@ -313,73 +291,84 @@ class WarmTable:
             self.client.close()
 
 
+@dataclass(frozen=True, slots=True)
+class PromotionSettings:
+    """The second-hit rules (the seed's constants), one place: a daemon reads them from its
+    configuration (``promotion_window``, ``promotion_max_bytes``, ``promotion_worth_tokens``,
+    ``promotion_max_observations``)."""
+
+    window_s: float = 600.0  # observations older than this are forgotten
+    max_bytes: int = 64 * 2**20  # larger payloads are never promoted
+    worth_tokens: int = 4096  # entries this long promote on their first fill
+    max_observations: int = 4096  # past this many, the oldest observation makes room
+
+
+DEFAULT_PROMOTION = PromotionSettings()
+
+
 class LocalPromotions:
-    """The seed's ``should_promote``/``promote``, in-process (the fallback while Redis is away)."""
+    """The second-hit rules counted in this process (the fallback while Redis is away)."""
 
     def __init__(
-        self,
-        *,
-        window_s: float = 600.0,
-        max_bytes: int = 64 * 2**20,
-        worth_tokens: int = 4096,
-        max_observations: int = 4096,
-        clock: Any = time.monotonic,
+        self, settings: PromotionSettings = DEFAULT_PROMOTION, *, clock: Any = time.monotonic
     ) -> None:
-        self.window_s = window_s
-        self.max_bytes = max_bytes
-        self.worth_tokens = worth_tokens
-        self.max_observations = max_observations
+        self.settings = settings
         self._clock = clock
         self._lock = threading.Lock()
-        self._obs: dict[str, list[Any]] = {}  # key -> [first_seen, hits, terminal]
+        self._obs: dict[str, list[Any]] = {}  # digest -> [first_seen, hits, terminal]
 
-    def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool:
+    def consider(self, digest: str, token_count: int, payload_bytes: int, /) -> bool:
+        rules = self.settings
         now = self._clock()
         with self._lock:
             obs = self._obs
-            for key in [k for k, o in obs.items() if now - o[0] > self.window_s]:
+            for key in [k for k, o in obs.items() if now - o[0] > rules.window_s]:
                 del obs[key]
-            if len(obs) >= self.max_observations and manifest_key not in obs and obs:
+            if len(obs) >= rules.max_observations and digest not in obs and obs:
                 oldest = min(obs.items(), key=lambda item: (item[1][0], item[0]))[0]
                 del obs[oldest]
-            entry = obs.setdefault(manifest_key, [now, 0, False])
+            entry = obs.setdefault(digest, [now, 0, False])
             if entry[2]:
                 return False
             entry[1] = min(entry[1] + 1, 255)
-            if payload_bytes > self.max_bytes:
+            if payload_bytes > rules.max_bytes:
                 entry[2] = True
                 return False
-            return token_count >= self.worth_tokens or entry[1] >= 2
+            return token_count >= rules.worth_tokens or entry[1] >= 2
 
-    def settle(self, manifest_key: str) -> None:
+    def settle(self, digest: str, /) -> None:
         with self._lock:
-            entry = self._obs.get(manifest_key)
+            entry = self._obs.get(digest)
             if entry is not None:
                 entry[2] = True
 
 
 class Promotions:
-    """Second-hit counting before an L3 entry is promoted into L2, shared by everyone in ``scope``."""
+    """Second-hit counting before an L3 entry is promoted into L2, shared by everyone in ``scope``.
+
+    Every call is one script in Redis on Redis's clock, so every process and host sharing ``scope``
+    counts together: a fill is promoted on its second hit within ``window_s`` (on its first when it is
+    at least ``worth_tokens`` long), never when larger than ``max_bytes``, and once a promotion was
+    attempted (:meth:`settle`) not again within the window.
+    """
 
     def __init__(
         self,
         client: RedisClient,
         *,
         scope: str,
-        window_s: float = 600.0,
-        max_bytes: int = 64 * 2**20,
-        worth_tokens: int = 4096,
-        max_observations: int = 4096,
+        window_s: float = DEFAULT_PROMOTION.window_s,
+        max_bytes: int = DEFAULT_PROMOTION.max_bytes,
+        worth_tokens: int = DEFAULT_PROMOTION.worth_tokens,
+        max_observations: int = DEFAULT_PROMOTION.max_observations,
         prefix: str = "skippyd",
     ) -> None:
         if not isinstance(scope, str) or not scope:
             raise InvalidArgument("scope must be a non-empty string")
         self.client = client
+        self._run = _Scripts(client)
         self.scope = scope
-        self.window_s = window_s
-        self.max_bytes = max_bytes
-        self.worth_tokens = worth_tokens
-        self.max_observations = max_observations
+        self.settings = PromotionSettings(window_s, max_bytes, worth_tokens, max_observations)
         keys = RedisKeys(prefix)
         self._keys = [keys.promo_obs(scope), keys.promo_ages(scope)]
 
@@ -389,10 +378,10 @@ class Promotions:
         url: str,
         *,
         scope: str,
-        window_s: float = 600.0,
-        max_bytes: int = 64 * 2**20,
-        worth_tokens: int = 4096,
-        max_observations: int = 4096,
+        window_s: float = DEFAULT_PROMOTION.window_s,
+        max_bytes: int = DEFAULT_PROMOTION.max_bytes,
+        worth_tokens: int = DEFAULT_PROMOTION.worth_tokens,
+        max_observations: int = DEFAULT_PROMOTION.max_observations,
         prefix: str = "skippyd",
         timeout: float = 1.0,
     ) -> Promotions:
@@ -400,22 +389,24 @@ class Promotions:
                    worth_tokens=worth_tokens, max_observations=max_observations, prefix=prefix)  # fmt: skip
 
     def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool:
-        """The seed's ``should_promote``: True when this L3 fill should be promoted into L2."""
+        """True when this L3 fill should be promoted into L2. ``manifest_key`` is the entry's payload
+        digest (the contract's name for it: the promotion is decided per content, whatever the key)."""
         if not isinstance(manifest_key, str) or not manifest_key:
-            raise InvalidArgument("manifest_key must be a non-empty string")
+            raise InvalidArgument("manifest_key (the payload digest) must be a non-empty string")
+        rules = self.settings
         with _redis_errors("promotion count failed"):
-            answer = script("promo_consider.lua")(
-                self.client,
+            answer = self._run(
+                "promo_consider.lua",
                 self._keys,
-                [manifest_key, int(token_count), int(payload_bytes), int(self.window_s * 1000),
-                 int(self.max_bytes), int(self.worth_tokens), int(self.max_observations)],
+                [manifest_key, int(token_count), int(payload_bytes), int(rules.window_s * 1000),
+                 int(rules.max_bytes), int(rules.worth_tokens), int(rules.max_observations)],
             )  # fmt: skip
         return bool(int(answer))
 
     def settle(self, manifest_key: str) -> None:
         """A promotion was attempted: the observation is terminal (no more promotions in the window)."""
         with _redis_errors("promotion settle failed"):
-            script("promo_settle.lua")(self.client, self._keys[:1], [manifest_key])
+            self._run("promo_settle.lua", self._keys[:1], [manifest_key])
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -467,6 +458,7 @@ class Coordinator:
         ttl_s: float = 10.0,
         buffer: int = 10000,
         block: int = 64,
+        promotion: PromotionSettings = DEFAULT_PROMOTION,
     ) -> None:
         self.url = url
         self.node = _check_node(node)
@@ -478,8 +470,12 @@ class Coordinator:
         # batches of ``ran`` updates run longer than a single call: their own connection and timeout
         self._batch_client = connect(url, timeout=max(timeout, BATCH_TIMEOUT_S))
         self._batch_table = WarmTable(self._batch_client, block=block, prefix=prefix)
-        self.promotions = Promotions(self.client, scope=scope, prefix=prefix)
-        self.local = LocalPromotions()
+        self.promotions = Promotions(
+            self.client, scope=scope, prefix=prefix, window_s=promotion.window_s,
+            max_bytes=promotion.max_bytes, worth_tokens=promotion.worth_tokens,
+            max_observations=promotion.max_observations,
+        )  # fmt: skip
+        self.local = LocalPromotions(promotion)
         self._buffer: collections.deque[bytes] = collections.deque()
         # a batch whose call failed, kept with its id and sent again first: Redis applies an id once, so
         # this is safe whether or not the failed call ran (a timeout cannot tell)
@@ -510,23 +506,24 @@ class Coordinator:
             self._buffer.append(chain)
             self._cond.notify()
 
-    def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool:
+    def consider(self, digest: str, token_count: int, payload_bytes: int, /) -> bool:
+        """The promotion decision, counted in Redis, or locally by the same rules while Redis is away."""
         if not self.degraded:
             try:
-                answer = self.promotions.consider(manifest_key, token_count, payload_bytes)
+                answer = self.promotions.consider(digest, token_count, payload_bytes)
             except SkippydError as exc:
                 self._degrade(str(exc))
             else:
                 self.counters["promotions_redis"] += 1
                 return answer
         self.counters["promotions_local"] += 1
-        return self.local.consider(manifest_key, token_count, payload_bytes)
+        return self.local.consider(digest, token_count, payload_bytes)
 
-    def settle(self, manifest_key: str) -> None:
-        self.local.settle(manifest_key)
+    def settle(self, digest: str, /) -> None:
+        self.local.settle(digest)
         if not self.degraded:
             try:
-                self.promotions.settle(manifest_key)
+                self.promotions.settle(digest)
             except SkippydError as exc:
                 self._degrade(str(exc))
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import Config, human_size
-from .coordination import Coordinator, LocalPromotions
+from .coordination import Coordinator, LocalPromotions, PromotionSettings
 from .errors import ConfigError
 from .handlers import Handlers
 from .keys import Identity
@@ -72,7 +72,11 @@ def run(
             redis_url = embedded.start()
             stack.callback(embedded.stop)
         coordinator = None
-        promotions: PromotionPolicy = LocalPromotions()
+        promotion = PromotionSettings(
+            config.promotion_window, config.promotion_max_bytes, config.promotion_worth_tokens,
+            config.promotion_max_observations,
+        )  # fmt: skip
+        promotions: PromotionPolicy = LocalPromotions(promotion)
         if redis_url != "none":
             coordinator = Coordinator(
                 redis_url,
@@ -83,6 +87,7 @@ def run(
                 heartbeat_s=config.heartbeat,
                 ttl_s=config.node_ttl,
                 buffer=config.ran_buffer,
+                promotion=promotion,
             )
             stack.callback(coordinator.close)
             promotions = coordinator

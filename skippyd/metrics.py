@@ -92,6 +92,10 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
     )),
     "fills": (FillStats, "skippyd_", _rows(
         ("promotions", "promotions", "L3 entries promoted into L2", True),
+        ("promotions_declined", "promotions_declined",
+         "L3 restores not promoted (first hit, too large, or promoted already in the window)", True),
+        ("promotions_dropped", "promotions_dropped", "promotions given up: the promotion queue was full", True),
+        ("fill_waits", "l3_fill_waits", "L3 restores that joined a fill another restore began", True),
         ("fills_refused", "l3_fills_refused", "L3 restores over the fill budget", True),
         ("fill_bytes", "l3_fill_bytes", "memory held by L3 restores outside L2 (memfd)", False),
     )),
@@ -117,6 +121,9 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("ran_dropped", "ran_dropped", "warm-table updates dropped (Redis away)", True),
         ("batches_resent", "ran_batches_resent",
          "warm-table batches sent again after a failed call (Redis applies each batch once)", True),
+        ("promotions_redis", "promotions_counted", "promotion decisions counted in Redis", True),
+        ("promotions_local", "promotions_counted_locally",
+         "promotion decisions counted on this node (no Redis, or Redis away)", True),
     )),
 }  # fmt: skip
 

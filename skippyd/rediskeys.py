@@ -7,8 +7,8 @@ Layout (schema version 1; the prefix is configurable, default ``skippyd``)::
     {<prefix>:v1:warm}:clock           STRING one tick per ran() prompt
     {<prefix>:v1:warm}:nodes           HASH  node -> "<incarnation> <heartbeat ms> <ttl ms> <up|forgotten>"
     {<prefix>:v1:warm}:batch:<id>      STRING a ran() batch was applied (expires; makes re-sending safe)
-    {<prefix>:v1:promo:<scope>}:obs    HASH  manifest key -> "<first seen ms> <hits> <terminal>"
-    {<prefix>:v1:promo:<scope>}:ages   ZSET  manifest key scored by first seen ms
+    {<prefix>:v1:promo:<scope>}:obs    HASH  payload digest -> "<first seen ms> <hits> <terminal>"
+    {<prefix>:v1:promo:<scope>}:ages   ZSET  payload digest scored by first seen ms
 
 The part in braces is the Redis Cluster hash tag: every key one script touches shares a slot. The warm
 table is one slot (its eviction is global, as the seed's is); each promotion scope is its own slot, so

@@ -1,15 +1,16 @@
-"""The Lua scripts ship inside the package, one per atomic operation, each documented in its header."""
+"""The Lua scripts live in ``lua/`` (packed into the wheel as ``skippyd/lua/``), one per atomic
+operation, each documented in its header."""
 
 from __future__ import annotations
 
 import re
-from importlib import resources
+from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted(
-    p.name for p in resources.files("skippyd").joinpath("lua").iterdir() if p.name.endswith(".lua")
-)
+from skippyd.coordination import lua_source
+
+SCRIPTS = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "lua").glob("*.lua"))
 
 
 def test_the_scripts_are_package_resources() -> None:
@@ -21,7 +22,7 @@ def test_the_scripts_are_package_resources() -> None:
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_every_script_opens_with_a_header_naming_its_keys_arguments_and_return(name: str) -> None:
-    text = resources.files("skippyd").joinpath("lua", name).read_text()
+    text = lua_source(name)
     header = []
     for line in text.splitlines():
         if not line.startswith("--"):
@@ -40,7 +41,7 @@ def test_every_script_opens_with_a_header_naming_its_keys_arguments_and_return(n
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_scripts_touch_only_the_keys_they_are_given(name: str) -> None:
-    text = resources.files("skippyd").joinpath("lua", name).read_text()
+    text = lua_source(name)
     for call in re.findall(r"redis\.call\('(\w+)',\s*([^,)]+)", text):
         command, first = call
         if command in ("TIME",):

@@ -92,6 +92,21 @@ def test_metrics_scraped_over_http_after_a_workload_show_the_right_counts(make_d
     assert not re.search(r"[0-9a-f]{32}", text), "no keys or digests in labels"
 
 
+def test_every_metric_reads_a_field_of_its_stats_type_and_names_are_unique() -> None:
+    import dataclasses
+
+    from skippyd.metrics import TABLES
+
+    names: list[str] = []
+    for table, (stats_type, prefix, rows) in TABLES.items():
+        fields = {f.name for f in dataclasses.fields(stats_type)}
+        for row in rows:
+            assert row.attr in fields, f"{table}: {row.attr} is not a field of {stats_type.__name__}"
+            names.append(prefix + row.suffix)
+    assert len(names) == len(set(names)), "two rows export the same metric"
+    assert all(re.fullmatch(r"skippyd_[a-z0-9_]+", n) for n in names)
+
+
 def test_json_logs_are_one_object_per_line(make_daemon: Any) -> None:
     proc = make_daemon("--log-format", "json").start()
     proc.stop()

@@ -513,7 +513,7 @@ def test_dockerignore_keeps_local_build_products_and_state_out() -> None:
         "setup.py",
         "skippyd/cli.py",
         "skippyd/_native/chain.c",
-        "skippyd/lua/warm_ran.lua",
+        "lua/warm_ran.lua",
         "skippyd/py.typed",
     ):
         assert not dockerignored(kept, rules), kept

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from skippyd import Promotions
-from skippyd.coordination import LocalPromotions
+from skippyd.coordination import LocalPromotions, PromotionSettings
 
 MiB = 1 << 20
 MAX = 64 * MiB
@@ -17,7 +17,7 @@ MAX = 64 * MiB
 
 def make(kind: str, url: str, **kwargs: Any) -> Any:
     if kind == "local":
-        return LocalPromotions(**kwargs)
+        return LocalPromotions(PromotionSettings(**kwargs))
     return Promotions.from_url(url, scope="test-scope", **kwargs)
 
 
@@ -81,7 +81,7 @@ def test_eviction_ties_on_first_seen_go_to_the_smaller_key(redis_url: str) -> No
 
 def test_local_fallback_breaks_first_seen_ties_by_key() -> None:
     clock = [100.0]
-    p = LocalPromotions(max_observations=2, clock=lambda: clock[0])
+    p = LocalPromotions(PromotionSettings(max_observations=2), clock=lambda: clock[0])
     p.consider("y", 1, 1)
     p.consider("x", 1, 1)
     p.consider("z", 1, 1)

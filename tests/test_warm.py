@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -248,25 +249,15 @@ def test_scripts_are_reloaded_after_script_flush(redis_url: str) -> None:
     assert warm.warmest("m", list(range(256))) == ("a", 256), "a still holds the longest prefix"
 
 
-def test_scripts_are_reloaded_inside_pipelines(redis_url: str) -> None:
-    from skippyd.coordination import run_pipeline, script
-
+def test_scripts_are_reloaded_after_a_script_flush(redis_url: str) -> None:
     warm = WarmTable.from_url(redis_url)
-    keys = warm.keys
+    warm.ran("m", list(range(256)), "a")
     warm.client.script_flush()
-    chain = warm.chain("m", list(range(256)))
-    calls: list[tuple[Any, list[str], list[Any]]] = [
-        (script("node_heartbeat.lua"), [keys.nodes], ["a", 1, 60000]),
-        (
-            script("warm_ran.lua"),
-            [keys.warm_prefixes, keys.warm_ages, keys.warm_clock, keys.warm_batch("0" * 32)],
-            ["a", 65536, WARM_HASH_BYTES, 60000, chain],
-        ),
-    ]
-    results = run_pipeline(warm.client, calls)
-    assert int(results[1]) == 4
-    assert int(warm.client.get(keys.warm_clock)) == 1, "the non-idempotent script ran exactly once"
-    assert warm.warmest("m", list(range(256))) == ("a", 256)
+    warm.ran("m", list(range(512)), "b")
+    assert int(warm.client.get(warm.keys.warm_clock)) == 2, (
+        "the non-idempotent script ran exactly once per call"
+    )
+    assert warm.warmest("m", list(range(512))) == ("b", 512)
 
 
 def test_every_key_of_a_script_shares_one_cluster_slot() -> None:
@@ -302,3 +293,49 @@ def test_a_ran_batch_sent_twice_with_one_id_is_applied_once(redis_url: str) -> N
     assert warm.warmest("m", list(range(256))) == ("b", 256)
     ttl = warm.client.pttl(warm.keys.warm_batch(batch_id))
     assert 0 < ttl <= 600_000, "the marker expires"
+
+
+def test_every_lua_header_names_the_keys_python_passes(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The KEYS lines of each script's header are the key layout (documented where the script is read);
+    they must name exactly the keys rediskeys builds and the caller passes, in order."""
+    import re
+
+    from blake3 import blake3
+
+    from skippyd import Promotions
+    from skippyd.coordination import _Scripts, lua_source
+
+    passed: dict[str, list[str]] = {}
+    real_call = _Scripts.__call__
+
+    def recording(self: _Scripts, name: str, keys: Any, args: Any) -> Any:
+        passed[name] = list(keys)
+        return real_call(self, name, keys, args)
+
+    monkeypatch.setattr(_Scripts, "__call__", recording)
+    warm = WarmTable.from_url(redis_url, prefix="hdr")
+    warm.heartbeat("a", 1, 60.0)
+    warm.ran("m", list(range(256)), "a")
+    warm.warmest("m", list(range(256)))
+    warm.nodes()
+    warm.forget("a")
+    promotions = Promotions.from_url(redis_url, scope="node:a", prefix="hdr")
+    promotions.consider("ab" * 32, 10, 100)
+    promotions.settle("ab" * 32)
+
+    scope = blake3(b"node:a").hexdigest()[:32]
+    for name, keys in passed.items():
+        header = [
+            line.split()[2] for line in lua_source(name).splitlines() if re.match(r"^-- KEYS\[\d+\]", line)
+        ]
+        expected = []
+        for i, pattern in enumerate(header):
+            name_ = pattern.replace("<prefix>", "hdr").replace("<scope>", scope)
+            if name_.endswith("<id>") and i < len(keys):
+                name_ = name_[: -len("<id>")] + keys[i].rsplit(":", 1)[-1]
+            expected.append(name_)
+        assert expected == keys, name
+    lua_files = {p.name for p in (Path(__file__).resolve().parent.parent / "lua").glob("*.lua")}
+    assert set(passed) == lua_files, "every script was exercised"

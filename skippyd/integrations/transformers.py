@@ -140,14 +140,6 @@ class ModelProfile:
     layers: tuple[LayerSpec, ...]
     stepwise: bool
 
-    @property
-    def has_linear(self) -> bool:
-        return any(layer.kind in _LINEAR_KINDS for layer in self.layers)
-
-    @property
-    def has_attention(self) -> bool:
-        return any(layer.kind in _ATTN_KINDS for layer in self.layers)
-
 
 _profiles: weakref.WeakKeyDictionary[Any, ModelProfile] = weakref.WeakKeyDictionary()
 _profiles_lock = threading.Lock()

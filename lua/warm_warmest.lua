@@ -1,8 +1,8 @@
 -- warm_warmest.lua: which live node ran the longest remembered prefix of a prompt (the seed's
 -- Warm::warmest, with liveness), in O(log n) lookups made in a few HMGETs for an n-block prompt.
 --
--- KEYS[1]  {<prefix>:warm}:prefixes  HASH  8-byte chain hash -> "<at> <node>"
--- KEYS[2]  {<prefix>:warm}:nodes     HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms> <state>"
+-- KEYS[1]  {<prefix>:v1:warm}:prefixes  HASH  8-byte chain hash -> "<at> <node>"
+-- KEYS[2]  {<prefix>:v1:warm}:nodes     HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms> <state>"
 -- ARGV[1]  the prompt's chain: concatenated block hashes, block 1 first
 -- ARGV[2]  hash length in bytes (8)
 -- ARGV[3]  min_blocks: a shorter answer is no answer

@@ -1,15 +1,15 @@
 -- promo_consider.lua: count an L3 fill toward promotion into L2 (the seed's should_promote, shared by
 -- every process and host that uses the same scope).
 --
--- KEYS[1]  {<prefix>:promo:<scope>}:obs   HASH  manifest key -> "<first seen ms> <hits> <terminal 0|1>"
--- KEYS[2]  {<prefix>:promo:<scope>}:ages  ZSET  manifest key, scored by first seen ms
--- ARGV[1]  manifest key (the payload digest)
+-- KEYS[1]  {<prefix>:v1:promo:<scope>}:obs   HASH  payload digest -> "<first seen ms> <hits> <terminal 0|1>"
+-- KEYS[2]  {<prefix>:v1:promo:<scope>}:ages  ZSET  payload digest, scored by first seen ms
+-- ARGV[1]  payload digest (skippyd passes the 64 hex digits of the entry's payload)
 -- ARGV[2]  token_count of the entry
 -- ARGV[3]  payload bytes
--- ARGV[4]  window ms: observations older than this are forgotten (seed: 10 minutes)
--- ARGV[5]  max_bytes: larger payloads are refused for good (seed: 64 MiB)
--- ARGV[6]  worth_tokens: entries this long promote on first sight (seed: 4096)
--- ARGV[7]  max_observations: the oldest (ties by key) makes room for a new one (seed: 4096)
+-- ARGV[4]  window ms: observations older than this are forgotten (default 10 minutes)
+-- ARGV[5]  max_bytes: larger payloads are refused for good (default 64 MiB)
+-- ARGV[6]  worth_tokens: entries this long promote on first sight (default 4096)
+-- ARGV[7]  max_observations: the oldest (ties by key) makes room for a new one (default 4096)
 -- Returns  1 to promote, 0 not to.
 --
 -- Seed semantics: hits saturate at 255; a terminal observation (promotion attempted, or payload too

@@ -1,8 +1,8 @@
 -- node_forget.lua: one bounded step of removing a node and every prefix it holds.
 --
--- KEYS[1]  {<prefix>:warm}:prefixes  HASH  8-byte chain hash -> "<at> <node>"
--- KEYS[2]  {<prefix>:warm}:ages      ZSET  chain hash, scored by <at>
--- KEYS[3]  {<prefix>:warm}:nodes     HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms> <state>"
+-- KEYS[1]  {<prefix>:v1:warm}:prefixes  HASH  8-byte chain hash -> "<at> <node>"
+-- KEYS[2]  {<prefix>:v1:warm}:ages      ZSET  chain hash, scored by <at>
+-- KEYS[3]  {<prefix>:v1:warm}:nodes     HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms> <state>"
 -- ARGV[1]  node name
 -- ARGV[2]  HSCAN cursor ("0" to start)
 -- ARGV[3]  how many fields to scan in this step

@@ -1,1 +1,0 @@
-skippyd/lua
