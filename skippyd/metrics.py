@@ -94,7 +94,7 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("promotions", "promotions", "L3 entries promoted into L2", True),
         ("promotions_declined", "promotions_declined",
          "L3 restores not promoted (first hit, too large, or promoted already in the window)", True),
-        ("promotions_dropped", "promotions_dropped", "promotions given up: the promotion queue was full", True),
+        ("promotions_dropped", "promotions_dropped", "promotions given up (queue full)", True),
         ("fill_waits", "l3_fill_waits", "L3 restores that joined a fill another restore began", True),
         ("fills_refused", "l3_fills_refused", "L3 restores over the fill budget", True),
         ("fill_bytes", "l3_fill_bytes", "memory held by L3 restores outside L2 (memfd)", False),
