@@ -46,14 +46,16 @@ def build(name: str) -> Any:
             vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=16384,
         )  # fmt: skip
-        return tf.LlamaForCausalLM(cfg).eval()
+        llama: Any = tf.LlamaForCausalLM(cfg)
+        return llama.eval()
     hybrid = tf.Zamba2Config(
         vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
         layers_block_type=["linear_attention", "hybrid"] * 4, num_attention_heads=8, num_key_value_heads=4,
         mamba_d_state=64, n_mamba_heads=16, mamba_ngroups=1, mamba_expand=2, chunk_size=256,
         num_mem_blocks=1, max_position_embeddings=16384,
     )  # fmt: skip
-    return tf.Zamba2ForCausalLM(hybrid).eval()
+    zamba: Any = tf.Zamba2ForCausalLM(hybrid)
+    return zamba.eval()
 
 
 def _full(model: Any, prompt: torch.Tensor, runs: int) -> tuple[float, torch.Tensor]:

@@ -21,9 +21,9 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from . import __version__
 from .errors import BadFrame, ConnectionLost, InvalidArgument, SkippydError, Timeout, error_from_wire
@@ -109,23 +109,124 @@ class Restored:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+# ---------------------------------------------------------------- the sans-I/O core
+# Each operation is built once here as a request body and the parser of its reply; Client and AsyncClient
+# only move the frames (and the descriptors of capture and restore).
+
+T = TypeVar("T")
+
+#: A call is tried on a fresh connection once more after these (the daemon restarted, a stream was cut);
+#: a Timeout is final: waiting twice as long is not what a caller's timeout means.
+_RECONNECT = (ConnectionLost, Timeout, BadFrame)
+_ATTEMPTS = 2
+
+
+def _retry_or_raise(exc: SkippydError, attempt: int) -> None:
+    if attempt + 1 >= _ATTEMPTS or isinstance(exc, Timeout):
+        raise exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Request(Generic[T]):
+    body: dict[str, Any]
+    parse: Callable[[dict[str, Any]], T]
+
+
+def _hello() -> dict[str, Any]:
+    return {"op": "hello", "versions": [PROTOCOL_VERSION], "client": f"skippyd-py/{__version__}"}
+
+
 def _identity_body(model: str, state: str, namespace: str, tokens: Any) -> dict[str, Any]:
     return {"model": model, "state": state, "namespace": namespace, "tokens": encode_tokens(tokens)}
 
 
-def _evict_body(  # noqa: PLR0917 - the evict() keywords, passed through
+def _health_of(reply: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "healthy": bool(reply.get("healthy", True)),
+        "dead_threads": list(reply.get("dead_threads", [])),
+        "node": reply.get("node"),
+    }
+
+
+def _hit_of(reply: dict[str, Any]) -> Hit | None:
+    if not reply.get("found"):
+        return None
+    return Hit(int(reply["token_count"]), str(reply["source"]), str(reply["digest"]), int(reply["nbytes"]))
+
+
+def _ping_request() -> _Request[bool]:
+    return _Request({"op": "ping"}, lambda reply: bool(reply.get("pong")))
+
+
+def _health_request() -> _Request[dict[str, Any]]:
+    return _Request({"op": "ping"}, _health_of)
+
+
+def _lookup_request(model: str, state: str, namespace: str, tokens: Any) -> _Request[Hit | None]:
+    return _Request({"op": "lookup", **_identity_body(model, state, namespace, tokens)}, _hit_of)
+
+
+def _ran_request(model: str, tokens: Any) -> _Request[None]:
+    if not isinstance(model, str) or not model:
+        raise InvalidArgument("model must be a non-empty string")
+    return _Request({"op": "ran", "model": model, "tokens": encode_tokens(tokens)}, lambda _reply: None)
+
+
+def _stats_request() -> _Request[dict[str, Any]]:
+    return _Request({"op": "stats"}, dict)
+
+
+def _config_request() -> _Request[dict[str, Any]]:
+    return _Request({"op": "config"}, dict)
+
+
+def _ls_request(limit: int) -> _Request[list[dict[str, Any]]]:
+    return _Request({"op": "ls", "limit": limit}, lambda reply: list(reply["entries"]))
+
+
+def _evict_request(  # noqa: PLR0917 - the evict() keywords, passed through
     digest: str | None, everything: bool, model: str | None, state: str | None, namespace: str, tokens: Any
-) -> dict[str, Any]:
+) -> _Request[int]:
     by_key = model is not None or state is not None or tokens is not None
     if sum((digest is not None, everything, by_key)) != 1:
         raise InvalidArgument("evict takes exactly one of digest=, all=True, or model=/state=/tokens=")
+    body: dict[str, Any]
     if everything:
-        return {"op": "evict", "all": True}
-    if digest is not None:
-        return {"op": "evict", "digest": digest}
-    if model is None or state is None or tokens is None:
+        body = {"op": "evict", "all": True}
+    elif digest is not None:
+        body = {"op": "evict", "digest": digest}
+    elif model is None or state is None or tokens is None:
         raise InvalidArgument("evict by key needs model=, state= and tokens=")
-    return {"op": "evict", **_identity_body(model, state, namespace, tokens)}
+    else:
+        body = {"op": "evict", **_identity_body(model, state, namespace, tokens)}
+    return _Request(body, lambda reply: int(reply["removed"]))
+
+
+def _capture_request(  # noqa: PLR0917 - the capture() keywords, passed through
+    model: str,
+    state: str,
+    namespace: str,
+    tokens: Any,
+    tensors: Mapping[str, Any],
+    kind: str,
+    meta: Mapping[str, Any] | None,
+    durable: Any,
+) -> tuple[_Request[CaptureResult], list[TensorSpec], int]:
+    """The capture's request, where each tensor goes in the staging buffer, and how many bytes it needs."""
+    table, specs, data_len = _tensor_table(tensors)
+    body = {
+        "op": "capture",
+        **_identity_body(model, state, namespace, tokens),
+        "tensors": table,
+        "kind": kind,
+        "meta": dict(meta or {}),
+        "durable": _check_durable(durable),
+    }
+    return _Request(body, _capture_result), specs, data_len
+
+
+def _restore_request(model: str, state: str, namespace: str, tokens: Any) -> dict[str, Any]:
+    return {"op": "restore", **_identity_body(model, state, namespace, tokens)}
 
 
 def _skt() -> Any:
@@ -153,6 +254,12 @@ def _staging_size(current: _Staging | None, needed: int, info: dict[str, Any]) -
     return min(want, limit) if limit >= needed else needed
 
 
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def _answered(exc: BaseException) -> bool:
     """True when ``exc`` is the daemon's own error reply: the request is over on its side too."""
     return isinstance(exc, SkippydError) and not isinstance(exc, (Timeout, ConnectionLost, BadFrame))
@@ -162,9 +269,7 @@ class _Staging:
     @classmethod
     def from_reply(cls, reply: dict[str, Any], fds: list[int]) -> _Staging:
         if len(fds) != 1:
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            _close_all(fds)
             raise BadFrame("a stage reply must carry exactly one descriptor")
         return cls(fds[0], int(reply["size"]))
 
@@ -187,9 +292,7 @@ def _finish_restore(
     reply: dict[str, Any], fds: list[int], device: torch.device, stager: skt.DeviceStager | None
 ) -> Restored:
     if len(fds) != 1:
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        _close_all(fds)
         raise BadFrame("a restore reply must carry exactly one descriptor")
     fd = fds[0]
     started = time.perf_counter()
@@ -240,9 +343,7 @@ class _Conn:
         self.info: dict[str, Any] = {}
 
     def handshake(self, timeout: float) -> None:
-        reply, _ = self.request(
-            {"op": "hello", "versions": [PROTOCOL_VERSION], "client": f"skippyd-py/{__version__}"}, timeout
-        )
+        reply, _ = self.request(_hello(), timeout)
         self.info = reply
         self.decoder.max_frame = int(reply.get("max_frame", DEFAULT_MAX_FRAME))
 
@@ -272,8 +373,7 @@ class _Conn:
         except OSError as exc:
             raise ConnectionLost(f"connection to skippyd lost: {exc.strerror or exc}") from exc
         if frame.type == FrameType.ERROR:
-            for fd in frame.fds:
-                os.close(fd)
+            _close_all(frame.fds)
             raise error_from_wire(frame.body)
         return frame.body, frame.fds
 
@@ -283,13 +383,11 @@ class _Conn:
             if frame is not None:
                 if frame.request_id in (request_id, 0):
                     return frame
-                for fd in frame.fds:  # a reply to a request we gave up on
-                    os.close(fd)
+                _close_all(frame.fds)  # a reply to a request we gave up on
                 continue
             data, fds = recv_fds_into(self.sock)
             if not data:
-                for fd in fds:
-                    os.close(fd)
+                _close_all(fds)
                 raise ConnectionLost("skippyd closed the connection")
             self.decoder.feed(data, fds)
 
@@ -352,16 +450,18 @@ class Client:
 
     def _call(self, body: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         with self._lock:
-            for attempt in range(2):
+            for attempt in range(_ATTEMPTS):
                 try:
                     return self._connection().request(body, self.timeout)
-                except (ConnectionLost, Timeout, BadFrame) as exc:
+                except _RECONNECT as exc:
                     self._drop()  # a blocking stream cut mid-reply cannot be resynchronised
-                    if attempt or isinstance(exc, Timeout):  # a timeout is final: no second wait
-                        raise
-                except SkippydError:
-                    raise
+                    _retry_or_raise(exc, attempt)
             raise AssertionError("unreachable")
+
+    def _do(self, request: _Request[T]) -> T:
+        reply, fds = self._call(request.body)
+        _close_all(fds)
+        return request.parse(reply)
 
     @property
     def server_info(self) -> dict[str, Any]:
@@ -373,20 +473,14 @@ class Client:
     def ping(self) -> bool:
         """True when the daemon answers; a daemon that cannot be reached is ``False``, not an error."""
         try:
-            reply, _ = self._call({"op": "ping"})
+            return self._do(_ping_request())
         except (ConnectionLost, Timeout):
             return False
-        return bool(reply.get("pong"))
 
     def health(self) -> dict[str, Any]:
         """The daemon's own view of itself: ``healthy`` (every background thread runs), ``dead_threads``
         and ``node``. Raises :class:`~skippyd.errors.ConnectionLost` when it cannot be reached."""
-        reply, _ = self._call({"op": "ping"})
-        return {
-            "healthy": bool(reply.get("healthy", True)),
-            "dead_threads": list(reply.get("dead_threads", [])),
-            "node": reply.get("node"),
-        }
+        return self._do(_health_request())
 
     def capture(
         self,
@@ -405,13 +499,11 @@ class Client:
         ``durable=True`` queues a copy on disk (L3) and returns at once; ``"sync"`` returns once that copy
         is fsynced (``.l3`` then says it is); ``False`` keeps it in memory only.
         """
-        body = _identity_body(model, state, namespace, tokens)
-        table, specs, data_len = _tensor_table(tensors)
-        body.update(
-            op="capture", tensors=table, kind=kind, meta=dict(meta or {}), durable=_check_durable(durable)
+        request, specs, data_len = _capture_request(
+            model, state, namespace, tokens, tensors, kind, meta, durable
         )
         with self._lock:
-            for attempt in range(2):
+            for attempt in range(_ATTEMPTS):
                 try:
                     conn = self._connection()
                     staging = conn.ensure_staging(max(data_len, 1), self.timeout)
@@ -420,28 +512,20 @@ class Client:
                         _skt().write_into(region, specs, tensors)
                     finally:
                         region.release()
-                    reply, _ = conn.request(body, self.timeout)
-                    break
-                except (ConnectionLost, Timeout, BadFrame) as exc:
+                    reply, _ = conn.request(request.body, self.timeout)
+                    return request.parse(reply)
+                except _RECONNECT as exc:
                     self._drop()
-                    if attempt or isinstance(exc, Timeout):
-                        raise
+                    _retry_or_raise(exc, attempt)
                 except BaseException as exc:
                     if not _answered(exc):  # e.g. KeyboardInterrupt: see AsyncClient.capture
                         self._drop()
                     raise
-        return _capture_result(reply)
+            raise AssertionError("unreachable")
 
     def lookup(self, *, model: str, state: str, namespace: str = "", tokens: Any) -> Hit | None:
         """The longest captured prefix of ``tokens``, without restoring it."""
-        body = _identity_body(model, state, namespace, tokens)
-        body["op"] = "lookup"
-        reply, _ = self._call(body)
-        if not reply.get("found"):
-            return None
-        return Hit(
-            int(reply["token_count"]), str(reply["source"]), str(reply["digest"]), int(reply["nbytes"])
-        )
+        return self._do(_lookup_request(model, state, namespace, tokens))
 
     def restore(
         self,
@@ -454,11 +538,11 @@ class Client:
     ) -> Restored | None:
         """The longest captured prefix, as tensors on ``device`` (CPU: views of shared memory, no copy)."""
         target = _device(device)
-        body = _identity_body(model, state, namespace, tokens)
-        body["op"] = "restore"
+        body = _restore_request(model, state, namespace, tokens)
         started = time.perf_counter()
         reply, fds = self._call(body)
         if not reply.get("found"):
+            _close_all(fds)
             return None
         if target.type == "cuda" and self._stager is None:
             self._stager = _skt().DeviceStager()
@@ -468,22 +552,19 @@ class Client:
 
     def ran(self, *, model: str, tokens: Any) -> None:
         """Tells the warm-prefix table that this node ran this prompt."""
-        if not isinstance(model, str) or not model:
-            raise InvalidArgument("model must be a non-empty string")
-        self._call({"op": "ran", "model": model, "tokens": encode_tokens(tokens)})
+        self._do(_ran_request(model, tokens))
 
     def stats(self) -> dict[str, Any]:
-        reply, _ = self._call({"op": "stats"})
-        return reply
+        """Every counter of the daemon, by tier (see docs/protocol.md, ``stats``)."""
+        return self._do(_stats_request())
 
     def config(self) -> dict[str, Any]:
         """The daemon's effective settings: ``values``, their ``sources``, ``derived`` paths, ``pid``."""
-        reply, _ = self._call({"op": "config"})
-        return reply
+        return self._do(_config_request())
 
     def ls(self, limit: int = 0) -> list[dict[str, Any]]:
-        reply, _ = self._call({"op": "ls", "limit": limit})
-        return list(reply["entries"])
+        """The entries held, most recently used first (at most ``limit``; 0: all)."""
+        return self._do(_ls_request(limit))
 
     def evict(
         self,
@@ -498,8 +579,7 @@ class Client:
         """Removes entries: by payload ``digest`` (or a unique prefix of it, at least 8 hex digits), the
         one entry of ``model``/``state``/``namespace``/``tokens`` (its cache key), or every entry with
         ``all=True``; returns how many cache keys were removed."""
-        reply, _ = self._call(_evict_body(digest, all, model, state, namespace, tokens))
-        return int(reply["removed"])
+        return self._do(_evict_request(digest, all, model, state, namespace, tokens))
 
     def close(self) -> None:
         with self._lock:
@@ -537,8 +617,7 @@ class _AsyncConn:
             self._fail(ConnectionLost(f"connection to skippyd lost: {exc}"))
             return
         if not data:
-            for fd in fds:
-                os.close(fd)
+            _close_all(fds)
             self._fail(ConnectionLost("skippyd closed the connection"))
             return
         self.decoder.feed(data, fds)
@@ -555,8 +634,7 @@ class _AsyncConn:
                 return
             future = self.waiting.pop(frame.request_id, None)
             if future is None or future.done():
-                for fd in frame.fds:
-                    os.close(fd)
+                _close_all(frame.fds)
                 continue
             future.set_result(frame)
 
@@ -598,8 +676,7 @@ class _AsyncConn:
         finally:
             self.waiting.pop(request_id, None)
         if frame.type == FrameType.ERROR:
-            for fd in frame.fds:
-                os.close(fd)
+            _close_all(frame.fds)
             raise error_from_wire(frame.body)
         return frame.body, frame.fds
 
@@ -664,10 +741,7 @@ class AsyncClient:
                 raise ConnectionLost(f"cannot reach skippyd at {self.socket_path}: {exc}") from exc
             conn = _AsyncConn(sock, loop)
             try:
-                reply, _ = await conn.request(
-                    {"op": "hello", "versions": [PROTOCOL_VERSION], "client": f"skippyd-py/{__version__}"},
-                    self.timeout,
-                )
+                reply, _ = await conn.request(_hello(), self.timeout)
             except BaseException:
                 conn.close()
                 raise
@@ -677,21 +751,31 @@ class AsyncClient:
             return conn
 
     async def _call(self, body: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
-        for attempt in range(2):
+        for attempt in range(_ATTEMPTS):
             try:
                 conn = await self._connection()
                 return await conn.request(body, self.timeout)
-            except (ConnectionLost, BadFrame):
-                if attempt:  # once more on a fresh connection (a restarted daemon); a timeout is final
-                    raise
+            except _RECONNECT as exc:
+                # a lost connection has failed itself; after a timeout it stays usable (a late reply to
+                # this id is dropped when it comes), and the timeout is final
+                _retry_or_raise(exc, attempt)
         raise AssertionError("unreachable")
 
+    async def _do(self, request: _Request[T]) -> T:
+        reply, fds = await self._call(request.body)
+        _close_all(fds)
+        return request.parse(reply)
+
     async def ping(self) -> bool:
+        """As :meth:`Client.ping`."""
         try:
-            reply, _ = await self._call({"op": "ping"})
+            return await self._do(_ping_request())
         except (ConnectionLost, Timeout):
             return False
-        return bool(reply.get("pong"))
+
+    async def health(self) -> dict[str, Any]:
+        """As :meth:`Client.health`."""
+        return await self._do(_health_request())
 
     async def capture(
         self,
@@ -705,13 +789,12 @@ class AsyncClient:
         meta: Mapping[str, Any] | None = None,
         durable: Durable = True,
     ) -> CaptureResult:
-        body = _identity_body(model, state, namespace, tokens)
-        table, specs, data_len = _tensor_table(tensors)
-        body.update(
-            op="capture", tensors=table, kind=kind, meta=dict(meta or {}), durable=_check_durable(durable)
+        """As :meth:`Client.capture`; the copy into the staging buffer runs in a thread."""
+        request, specs, data_len = _capture_request(
+            model, state, namespace, tokens, tensors, kind, meta, durable
         )
         async with self._capture_lock:  # the staging buffer is one per connection
-            for attempt in range(2):
+            for attempt in range(_ATTEMPTS):
                 conn: _AsyncConn | None = None
                 try:
                     conn = await self._connection()
@@ -727,11 +810,10 @@ class AsyncClient:
                             with contextlib.suppress(asyncio.CancelledError):
                                 await asyncio.wait([write])
                         region.release()
-                    reply, _ = await conn.request(body, self.timeout)
-                    break
-                except (ConnectionLost, BadFrame):
-                    if attempt:
-                        raise
+                    reply, _ = await conn.request(request.body, self.timeout)
+                    return request.parse(reply)
+                except (ConnectionLost, BadFrame) as exc:
+                    _retry_or_raise(exc, attempt)
                 except BaseException as exc:
                     # A capture abandoned before the daemon answered (timeout, cancellation) may still
                     # be queued there, reading this connection's staging buffer when it runs: the next
@@ -742,17 +824,11 @@ class AsyncClient:
                         conn.staging.close()
                         conn.staging = None
                     raise
-        return _capture_result(reply)
+            raise AssertionError("unreachable")
 
     async def lookup(self, *, model: str, state: str, namespace: str = "", tokens: Any) -> Hit | None:
-        body = _identity_body(model, state, namespace, tokens)
-        body["op"] = "lookup"
-        reply, _ = await self._call(body)
-        if not reply.get("found"):
-            return None
-        return Hit(
-            int(reply["token_count"]), str(reply["source"]), str(reply["digest"]), int(reply["nbytes"])
-        )
+        """As :meth:`Client.lookup`."""
+        return await self._do(_lookup_request(model, state, namespace, tokens))
 
     async def restore(
         self,
@@ -763,12 +839,13 @@ class AsyncClient:
         tokens: Any,
         device: str | torch.device | None = "cpu",
     ) -> Restored | None:
+        """As :meth:`Client.restore`; a copy to a device runs in a thread."""
         target = _device(device)
-        body = _identity_body(model, state, namespace, tokens)
-        body["op"] = "restore"
+        body = _restore_request(model, state, namespace, tokens)
         started = time.perf_counter()
         reply, fds = await self._call(body)
         if not reply.get("found"):
+            _close_all(fds)
             return None
         if target.type == "cuda" and self._stager is None:
             self._stager = _skt().DeviceStager()
@@ -780,17 +857,20 @@ class AsyncClient:
         return restored
 
     async def ran(self, *, model: str, tokens: Any) -> None:
-        if not isinstance(model, str) or not model:
-            raise InvalidArgument("model must be a non-empty string")
-        await self._call({"op": "ran", "model": model, "tokens": encode_tokens(tokens)})
+        """As :meth:`Client.ran`."""
+        await self._do(_ran_request(model, tokens))
 
     async def stats(self) -> dict[str, Any]:
-        reply, _ = await self._call({"op": "stats"})
-        return reply
+        """As :meth:`Client.stats`."""
+        return await self._do(_stats_request())
+
+    async def config(self) -> dict[str, Any]:
+        """As :meth:`Client.config`."""
+        return await self._do(_config_request())
 
     async def ls(self, limit: int = 0) -> list[dict[str, Any]]:
-        reply, _ = await self._call({"op": "ls", "limit": limit})
-        return list(reply["entries"])
+        """As :meth:`Client.ls`."""
+        return await self._do(_ls_request(limit))
 
     async def evict(
         self,
@@ -802,8 +882,8 @@ class AsyncClient:
         namespace: str = "",
         tokens: Any = None,
     ) -> int:
-        reply, _ = await self._call(_evict_body(digest, all, model, state, namespace, tokens))
-        return int(reply["removed"])
+        """As :meth:`Client.evict`."""
+        return await self._do(_evict_request(digest, all, model, state, namespace, tokens))
 
     async def close(self) -> None:
         self._closed = True

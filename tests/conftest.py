@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from daemonutil import DaemonProcess
+    from redisutil import RedisCluster, RedisServer
 
 
 @pytest.fixture
@@ -31,7 +36,7 @@ def tmp_short() -> Iterator[Path]:
 
 
 @pytest.fixture
-def daemon(tmp_short: Path):  # type: ignore[no-untyped-def]
+def daemon(tmp_short: Path) -> Iterator[DaemonProcess]:
     """A running ``skippyd serve`` (embedded Redis) in a temporary directory."""
     from daemonutil import DaemonProcess
 
@@ -43,13 +48,13 @@ def daemon(tmp_short: Path):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def make_daemon(tmp_short: Path):  # type: ignore[no-untyped-def]
+def make_daemon(tmp_short: Path) -> Iterator[Callable[..., DaemonProcess]]:
     """Builds (not starts) daemons with extra arguments; all are stopped and cleaned afterwards."""
     from daemonutil import DaemonProcess
 
     made: list[DaemonProcess] = []
 
-    def make(*args: str, root: Path | None = None, **kwargs):  # type: ignore[no-untyped-def]
+    def make(*args: str, root: Path | None = None, **kwargs: Any) -> DaemonProcess:
         where = root or tmp_short / f"d{len(made)}"
         where.mkdir(parents=True, exist_ok=True)
         proc = DaemonProcess(where, *args, **kwargs)
@@ -64,7 +69,7 @@ def make_daemon(tmp_short: Path):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def redis_session():  # type: ignore[no-untyped-def]
+def redis_session() -> Iterator[RedisServer]:
     """One real redis-server (unix socket, no persistence) for the whole run."""
     from redisutil import RedisServer
 
@@ -76,7 +81,7 @@ def redis_session():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def redis_url(redis_session) -> str:  # type: ignore[no-untyped-def]
+def redis_url(redis_session: RedisServer) -> str:
     """The session's redis-server, flushed for this test (scripts flushed too)."""
     client = redis_session.client()
     client.flushall()
@@ -86,7 +91,7 @@ def redis_url(redis_session) -> str:  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(scope="session")
-def redis_cluster_session():  # type: ignore[no-untyped-def]
+def redis_cluster_session() -> Iterator[RedisCluster]:
     """A real three-master Redis Cluster, started once, on first use."""
     from redisutil import RedisCluster
 
@@ -98,17 +103,17 @@ def redis_cluster_session():  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture(params=["single", "cluster"])
-def any_redis_url(request):  # type: ignore[no-untyped-def]
+def any_redis_url(request: pytest.FixtureRequest) -> str:
     """Runs a test against the single server and against the three-master cluster."""
     if request.param == "single":
-        return request.getfixturevalue("redis_url")
+        return str(request.getfixturevalue("redis_url"))
     cluster = request.getfixturevalue("redis_cluster_session")
     cluster.flush()
-    return cluster.url
+    return str(cluster.url)
 
 
 @pytest.fixture
-def mount_tmpfs(tmp_short: Path):  # type: ignore[no-untyped-def]
+def mount_tmpfs(tmp_short: Path) -> Iterator[Callable[[str], Path]]:
     """Mounts small tmpfs filesystems for tests about full disks; skips where mounting is not allowed."""
     import subprocess
 

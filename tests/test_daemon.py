@@ -619,6 +619,44 @@ def test_async_client_pipelines_operations(daemon: DaemonProcess) -> None:
     asyncio.run(scenario())
 
 
+def test_the_async_client_offers_every_operation_of_the_blocking_one_with_the_same_signature() -> None:
+    import inspect
+
+    def operations(cls: type) -> dict[str, inspect.Signature]:
+        return {
+            name: inspect.signature(member)
+            for name, member in vars(cls).items()
+            if not name.startswith("_") and inspect.isfunction(member) and name != "close"
+        }
+
+    blocking, asynchronous = operations(skippyd.Client), operations(skippyd.AsyncClient)
+    assert blocking.keys() == asynchronous.keys()
+    for name, signature in blocking.items():
+        assert signature == asynchronous[name], name
+        assert inspect.iscoroutinefunction(getattr(skippyd.AsyncClient, name)), name
+
+
+def test_async_and_blocking_clients_answer_alike(daemon: DaemonProcess) -> None:
+    with skippyd.Client(daemon.socket) as client:
+        client.capture(model=MODEL, state=STATE, tokens=[7, 8, 9], tensors={"x": torch.ones(4)})
+        blocking = (
+            client.health(),
+            client.config()["pid"],
+            client.lookup(model=MODEL, state=STATE, tokens=[7, 8, 9]),
+        )
+
+    async def scenario() -> tuple[Any, ...]:
+        async with skippyd.AsyncClient(daemon.socket) as client:
+            return (
+                await client.health(),
+                (await client.config())["pid"],
+                await client.lookup(model=MODEL, state=STATE, tokens=[7, 8, 9]),
+            )
+
+    assert asyncio.run(scenario()) == blocking
+    assert blocking[0]["healthy"] and blocking[2] is not None
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_restore_to_a_cuda_device_lands_the_bytes_there(daemon: DaemonProcess) -> None:

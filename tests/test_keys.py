@@ -182,7 +182,32 @@ def test_the_warm_chain_c_extension_agrees_with_the_blake3_reference() -> None:
             assert len(expected) == count // block * keys.WARM_HASH_BYTES
 
 
-def test_the_warm_chain_is_standard_blake3_keyed_hashing() -> None:
+@pytest.fixture(params=["c-extension", "blake3-package"])
+def chain_impl(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test on both ways the chain is computed: the C extension, and the fallback without it."""
+    if request.param == "blake3-package":
+        monkeypatch.setattr(keys, "_c_chain", None)
+    else:
+        assert keys._c_chain is not None, "the C extension is built by the install"
+    return str(request.param)
+
+
+def test_the_c_extension_refuses_bad_arguments_instead_of_reading_past_them() -> None:
+    assert keys._c_chain is not None
+    with pytest.raises(ValueError, match="32 bytes"):
+        keys._c_chain(b"k" * 31, b"\0" * 256, 256, 8)
+    for block_bytes in (0, 65, 2048):
+        with pytest.raises(ValueError, match="block_bytes"):
+            keys._c_chain(b"k" * 32, b"\0" * 256, block_bytes, 8)
+    for out_len in (0, 33):
+        with pytest.raises(ValueError, match="out_len"):
+            keys._c_chain(b"k" * 32, b"\0" * 256, 256, out_len)
+    assert keys._c_chain(b"k" * 32, b"\0" * 300, 256, 8) == keys.warm_chain_reference(
+        b"k" * 32, b"\0" * 256, 256
+    )
+
+
+def test_the_warm_chain_is_standard_blake3_keyed_hashing(chain_impl: str) -> None:
     from skippyd.keys import warm_chain, warm_chain_key
 
     toks = encode_tokens(list(range(128)))
@@ -195,7 +220,7 @@ def test_the_warm_chain_is_standard_blake3_keyed_hashing() -> None:
     assert warm_chain("model-x", toks, 64) == h0[:w] + h1[:w]
 
 
-def test_warm_chains_bind_the_model_the_block_size_and_every_earlier_block() -> None:
+def test_warm_chains_bind_the_model_the_block_size_and_every_earlier_block(chain_impl: str) -> None:
     from skippyd.keys import warm_chain
 
     a = encode_tokens(list(range(256)))

@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ from blake3 import blake3
 from l2util import IDENT, admit, admit_bytes, borrow, get, key_of, keys_lru_first, lookup, size_of
 
 from skippyd.errors import DigestMismatch, NoSpace, SkippydError, StoreLocked, TooLarge
-from skippyd.keys import Identity, cache_key, encode_tokens
+from skippyd.keys import Identity, cache_key, encode_tokens, prefix_keys
 from skippyd.l2 import L2Tier
 from skippyd.payload import TensorDecl, header_span
 from skippyd.shm import size_class
@@ -178,9 +179,9 @@ def test_lookup_cost_does_not_grow_with_entries_of_other_identities(
     import l2util
 
     computed: list[int] = []
-    real = l2util.prefix_keys  # type: ignore[attr-defined]
+    real = prefix_keys
 
-    def counting(ident, toks, lengths):  # type: ignore[no-untyped-def]
+    def counting(ident: Identity, toks: bytes | memoryview, lengths: Sequence[int]) -> list[str]:
         computed.append(len(lengths))
         return real(ident, toks, lengths)
 

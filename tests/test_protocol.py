@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -112,7 +113,7 @@ def test_unexpected_frame_types_and_fd_counts_are_rejected() -> None:
         decoder.next_frame()
 
 
-def test_descriptors_travel_with_their_frame_over_a_real_socket(tmp_short) -> None:  # type: ignore[no-untyped-def]
+def test_descriptors_travel_with_their_frame_over_a_real_socket(tmp_short: Path) -> None:
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     path = tmp_short / "payload"
     path.write_bytes(b"shared bytes")
