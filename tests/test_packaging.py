@@ -663,3 +663,16 @@ def test_build_context_builds_a_wheel_with_the_c_extension_and_lua_scripts(tmp_p
     ).stdout
     assert re.search(r"skippyd/_chain\.[^ ]*\.so", names), "the optional extension was not compiled"
     assert "skippyd/lua/warm_ran.lua" in names and "skippyd/py.typed" in names
+
+
+def test_the_architecture_map_names_every_module_of_the_package() -> None:
+    """docs/architecture.md is the map of the code: a new module must be placed on it."""
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`([a-z_0-9.]+)`", text))
+    for path in (root / "skippyd").rglob("*.py"):
+        parts = path.relative_to(root / "skippyd").with_suffix("").parts
+        if parts[-1] in ("__init__", "__main__") or parts[0] == "integrations":
+            continue
+        module = ".".join(parts)
+        assert module in named, f"{module} is not on the map"
