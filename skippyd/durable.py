@@ -85,7 +85,8 @@ class PendingMarks:
     def clear(self, key: str, digest: str | None = None) -> None:
         """Removes the marker of ``key`` (only if it still names ``digest``, when given)."""
         path = self.directory / key
-        if digest is not None and self._read(path) != digest:
+        found = self._read(path)  # None: no marker there (or not a file: left for the start-up clean)
+        if found is None or (digest is not None and found != digest):
             return
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
@@ -112,6 +113,8 @@ class PendingMarks:
             return None
         try:
             text = os.read(fd, 128).decode(errors="replace")
+        except OSError:  # a directory, or unreadable: not a marker
+            return None
         finally:
             os.close(fd)
         return text if is_hex_digest(text) else None
@@ -141,7 +144,7 @@ class _Job:
     fd: int  # a lease on the entry's bytes (closed when the job ends)
     data_offset: int  # where they start in that file
     seq: int  # its eviction-clock number; the clock counts it outstanding until the job ends
-    waiters: list[Future[bool]] = field(default_factory=list)
+    waiters: list[Future[str]] = field(default_factory=list)  # durable="sync" captures: their durability
 
 
 class DurableWriter:
@@ -250,14 +253,13 @@ class DurableWriter:
         write is fsynced, or after ``timeout`` seconds (then ``"queued"``: the write goes on).
         """
         deadline = time.monotonic() + timeout
-        present = self.l3.get(entry.key)
-        if present is not None and present.entry.digest == entry.digest:
+        if self._holds(entry):
             self._clear_mark(entry.key, entry.digest)
             return "written"
         if not self.alive or self.l3.readonly:
             self.defer(entry.key, entry.digest)
             return "deferred"
-        waiter: Future[bool] | None = Future() if sync else None
+        waiter: Future[str] | None = Future() if sync else None
         with self._cond:
             while sync and len(self._jobs) >= self._queue_size and self.alive and not self._stop:
                 left = deadline - time.monotonic()
@@ -272,10 +274,11 @@ class DurableWriter:
         if held is None or held.entry.digest != entry.digest:
             if held is not None:
                 os.close(held.fd)
+            self._clear_mark(entry.key, entry.digest)  # (a newer capture's marker names its own digest)
             return "none"  # replaced or evicted already: a newer capture (or an eviction) decided
         current = held.entry
-        job = _Job(current, held.fd, held.data_offset, self.clock.begin())
-        job.seq = min(job.seq, seq)  # an eviction since the capture began cancels it too
+        # an eviction since the capture began cancels the write too
+        job = _Job(current, held.fd, held.data_offset, self.clock.begin(since=seq))
         if waiter is not None:
             job.waiters.append(waiter)
         with self._cond:
@@ -289,12 +292,11 @@ class DurableWriter:
         with self._cond:
             self._stats.sync_waits += 1
         try:
-            written = waiter.result(timeout=max(0.0, deadline - time.monotonic()))
+            return waiter.result(timeout=max(0.0, deadline - time.monotonic()))
         except TimeoutError:
             with self._cond:
                 self._stats.sync_timeouts += 1
             return "queued"
-        return "written" if written else "deferred"
 
     def withdraw(self, key: str, digest: str) -> None:
         """A capture that recorded its intent failed before it was published: the intent goes."""
@@ -465,11 +467,16 @@ class DurableWriter:
             self._clear_mark(entry.key, entry.digest)  # L3 can never hold it: the intent is void
             raise
 
+    def _holds(self, entry: Entry) -> bool:
+        present = self.l3.get(entry.key)
+        return present is not None and present.entry.digest == entry.digest
+
     def _finish(self, job: _Job, *, written: bool) -> None:
         entry = job.entry
         with contextlib.suppress(OSError):
             os.close(job.fd)
         newer = False
+        outcome = "queued"  # stopping: the intent stays and the next start writes it
         try:
             with self._cond:  # markers change under the lock: intend() of a newer capture cannot interleave
                 newer = self._newest.get(entry.key, entry.digest) != entry.digest
@@ -489,14 +496,21 @@ class DurableWriter:
                 stale = self.l3.get(entry.key)
                 if stale is not None and stale.entry.digest == entry.digest:
                     self.l3.remove(entry.key)
+                outcome = "none"
+            elif written or self._holds(entry):  # written now, or L3 had these bytes already
+                outcome = "written"
+            elif redo:
+                outcome = "deferred"
+            elif not self._stop:
+                outcome = "none"  # evicted (or superseded) while queued: nothing of it is kept
         except (OSError, SkippydError) as exc:
             self.health.failed(THREAD, "finishing a durable write failed", exc)
         finally:
-            self.clock.end()
+            self.clock.end(job.seq)
             with self._cond:
                 if self._running is job:
                     self._running = None
                 self._cond.notify_all()
             for waiter in job.waiters:
                 if not waiter.done():
-                    waiter.set_result(written and not newer)
+                    waiter.set_result(outcome)

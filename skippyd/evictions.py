@@ -14,32 +14,46 @@ stays proportional to the evictions of the last moment, not to the daemon's life
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 __all__ = ["EvictionClock"]
 
 
 class EvictionClock:
-    """Thread-safe. Pair every :meth:`begin` with one :meth:`end`."""
+    """Thread-safe. Pair every :meth:`begin` with one :meth:`end` of the number it returned."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seq = 0
         self._all_at = 0  # the number of the last evict-everything
         self._marks: dict[str, int] = {}  # digest or "key:<cache key>" -> number of its last eviction
-        self._outstanding = 0
+        self._running: Counter[int] = Counter()  # number -> units of work outstanding under it
 
-    def begin(self) -> int:
-        """The number this unit of work runs under; it counts as outstanding until :meth:`end`."""
-        with self._lock:
-            self._outstanding += 1
-            return self._seq
+    def begin(self, since: int | None = None) -> int:
+        """The number this unit of work runs under; it counts as outstanding until :meth:`end`.
 
-    def end(self) -> None:
+        ``since``: the number of earlier work this one carries on (a capture's, for its durable write;
+        a restore's, for its fill): evictions since then cancel it too.
+        """
         with self._lock:
-            self._outstanding -= 1
-            if self._outstanding <= 0:
-                self._outstanding = 0
-                self._marks.clear()  # no work that predates these marks is left to ask about them
+            seq = self._seq if since is None else min(since, self._seq)
+            self._running[seq] += 1
+            return seq
+
+    def end(self, seq: int) -> None:
+        """The work that :meth:`begin` numbered ``seq`` is over; marks no remaining work can ask about go.
+        An end with no work left under its number is ignored."""
+        with self._lock:
+            left = self._running.get(seq, 0) - 1
+            if left > 0:
+                self._running[seq] = left
+            else:
+                self._running.pop(seq, None)
+            # a mark numbered m cancels work numbered below m: once the oldest work left is at m or
+            # later (or none is left), nothing can ask about it
+            oldest = min(self._running) if self._running else self._seq
+            if self._marks and min(self._marks.values()) <= oldest:
+                self._marks = {name: m for name, m in self._marks.items() if m > oldest}
 
     def evict(self, digest: str | None, *, key: str | None = None) -> None:
         """Cancels the work begun before now: of ``digest``, of one cache ``key``, or of everything
@@ -63,7 +77,7 @@ class EvictionClock:
     @property
     def outstanding(self) -> int:
         with self._lock:
-            return self._outstanding
+            return sum(self._running.values())
 
     @property
     def marks(self) -> int:

@@ -137,7 +137,7 @@ class FillTable:
             fill = self._fills.get(ref.object)
             leader = fill is None
             if fill is None:
-                fill = self._fills[ref.object] = Fill(ref, min(seq, self.clock.begin()))
+                fill = self._fills[ref.object] = Fill(ref, self.clock.begin(since=seq))
             else:
                 self._stats.fill_waits += 1
             fill.users += 1
@@ -231,7 +231,7 @@ class FillTable:
         """The fill's memory is given back (or now L2's): its budget share and its clock number end."""
         self._bytes -= fill.memfd_bytes
         fill.memfd_bytes = 0
-        self.clock.end()
+        self.clock.end(fill.seq)
 
     def _retire_locked(self, fill: Fill) -> None:
         """No restore joins this fill any more (it keeps its memory until :meth:`_release`)."""

@@ -246,7 +246,7 @@ class Tiers:
             l3 = durability == "written" if durable == "sync" else durability in ("written", "queued")
             return CaptureOutcome(entry.digest, entry.token_count, entry.nbytes, True, l3, durability)
         finally:
-            self.clock.end()
+            self.clock.end(seq)
 
     def _admit(  # noqa: PLR0917 - capture's own arguments, passed on
         self,
@@ -364,7 +364,7 @@ class Tiers:
             self._count(restores=1)
             return None
         finally:
-            self.clock.end()
+            self.clock.end(seq)
 
     def open_restore(self, identity: Identity, tokens: bytes) -> Opened | None:
         """:meth:`plan_restore` and :meth:`restore` in one call, disk allowed."""

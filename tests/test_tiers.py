@@ -393,16 +393,16 @@ def test_l3_restores_held_outside_l2_are_capped_by_the_fill_budget(shm_dir: Path
 def test_an_eviction_during_a_capture_cancels_its_write_even_when_other_work_ends_meanwhile(
     tiers: tuple[Tiers, threading.Event], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Eviction marks are forgotten when no work is outstanding; a capture in progress is work."""
+    """Eviction marks are forgotten once no older work is outstanding; a capture in progress is work."""
     t, gate = tiers
     gate.set()
     digest = capture(t, [6], fill=5, durable=False)  # the same bytes under another key: their digest
     real = t.l2.reserve
 
     def evicted_meanwhile(**options: Any) -> Any:
-        t.clock.begin()  # some other work, running while the eviction comes...
+        other = t.clock.begin()  # some other work, running while the eviction comes...
         t.evict_digest(digest)
-        t.clock.end()  # ...and ending before this capture queues its durable write
+        t.clock.end(other)  # ...and ending before this capture queues its durable write
         return real(**options)
 
     monkeypatch.setattr(t.l2, "reserve", evicted_meanwhile)
