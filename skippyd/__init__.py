@@ -39,6 +39,9 @@ __version__ = "0.1.0"
 _LAZY = {
     "Client": "skippyd.client",
     "AsyncClient": "skippyd.client",
+    "BlockSpace": "skippyd.blockspace",
+    "AsyncBlockSpace": "skippyd.blockspace",
+    "BlocksPut": "skippyd.blockspace",
     "CaptureResult": "skippyd.client",
     "Hit": "skippyd.client",
     "Restored": "skippyd.client",
@@ -50,8 +53,11 @@ _LAZY = {
 }
 
 __all__ = [
+    "AsyncBlockSpace",
     "AsyncClient",
     "BadFrame",
+    "BlockSpace",
+    "BlocksPut",
     "Busy",
     "CaptureResult",
     "Client",

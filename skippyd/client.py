@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from . import __version__
+from .blockspace import AsyncBlockSpace, BlockSpace, BlocksPut
 from .errors import BadFrame, ConnectionLost, InvalidArgument, SkippydError, Timeout, error_from_wire
 from .keys import encode_tokens
 from .locate import DEFAULT_SOCKET, resolve_socket_path
@@ -47,7 +48,10 @@ if TYPE_CHECKING:  # torch loads on the first capture or restore, so pings and s
 
 __all__ = [
     "DEFAULT_SOCKET",
+    "AsyncBlockSpace",
     "AsyncClient",
+    "BlockSpace",
+    "BlocksPut",
     "CaptureResult",
     "Client",
     "Hit",
@@ -185,13 +189,23 @@ def _ls_request(limit: int) -> _Request[list[dict[str, Any]]]:
 
 
 def _evict_request(  # noqa: PLR0917 - the evict() keywords, passed through
-    digest: str | None, everything: bool, model: str | None, state: str | None, namespace: str, tokens: Any
+    digest: str | None,
+    everything: bool,
+    model: str | None,
+    state: str | None,
+    namespace: str,
+    tokens: Any,
+    blocks: bool = False,
 ) -> _Request[int]:
     by_key = model is not None or state is not None or tokens is not None
     if sum((digest is not None, everything, by_key)) != 1:
         raise InvalidArgument("evict takes exactly one of digest=, all=True, or model=/state=/tokens=")
     body: dict[str, Any]
-    if everything:
+    if blocks:
+        if model is None or state is None or tokens is not None:
+            raise InvalidArgument("evict of blocks takes model= and state= (and namespace=), no tokens")
+        body = {"op": "evict", "blocks": True, "model": model, "state": state, "namespace": namespace}
+    elif everything:
         body = {"op": "evict", "all": True}
     elif digest is not None:
         body = {"op": "evict", "digest": digest}
@@ -502,26 +516,44 @@ class Client:
         request, specs, data_len = _capture_request(
             model, state, namespace, tokens, tensors, kind, meta, durable
         )
+        reply = self._staged(request.body, data_len, lambda region: _skt().write_into(region, specs, tensors))
+        return request.parse(reply)
+
+    def _staged(self, body: dict[str, Any], size: int, write: Callable[[memoryview], None]) -> dict[str, Any]:
+        """``write`` into the first ``size`` bytes of this connection's staging buffer, then ``body``."""
         with self._lock:
             for attempt in range(_ATTEMPTS):
                 try:
                     conn = self._connection()
-                    staging = conn.ensure_staging(max(data_len, 1), self.timeout)
-                    region = staging.region(data_len)
+                    staging = conn.ensure_staging(max(size, 1), self.timeout)
+                    region = staging.region(size)
                     try:
-                        _skt().write_into(region, specs, tensors)
+                        write(region)
                     finally:
                         region.release()
-                    reply, _ = conn.request(request.body, self.timeout)
-                    return request.parse(reply)
+                    reply, fds = conn.request(body, self.timeout)
+                    _close_all(fds)
+                    return reply
                 except _RECONNECT as exc:
                     self._drop()
                     _retry_or_raise(exc, attempt)
                 except BaseException as exc:
-                    if not _answered(exc):  # e.g. KeyboardInterrupt: see AsyncClient.capture
+                    if not _answered(exc):  # e.g. KeyboardInterrupt: see AsyncClient._staged
                         self._drop()
                     raise
             raise AssertionError("unreachable")
+
+    def _staging_max(self) -> int:
+        with self._lock:
+            info = self._connection().info
+            return int(info.get("staging_max", info.get("max_entry", 1 << 30)))
+
+    def blocks(self, *, model: str, state: str, namespace: str = "", block_tokens: int) -> BlockSpace:
+        """The blocks of one identity and block size (see :class:`~skippyd.blockspace.BlockSpace`)."""
+        return BlockSpace(
+            self._call, self._staged, self._staging_max,
+            model=model, state=state, namespace=namespace, block_tokens=block_tokens,
+        )  # fmt: skip
 
     def lookup(self, *, model: str, state: str, namespace: str = "", tokens: Any) -> Hit | None:
         """The longest captured prefix of ``tokens``, without restoring it."""
@@ -575,11 +607,13 @@ class Client:
         state: str | None = None,
         namespace: str = "",
         tokens: Any = None,
+        blocks: bool = False,
     ) -> int:
         """Removes entries: by payload ``digest`` (or a unique prefix of it, at least 8 hex digits), the
-        one entry of ``model``/``state``/``namespace``/``tokens`` (its cache key), or every entry with
-        ``all=True``; returns how many cache keys were removed."""
-        return self._do(_evict_request(digest, all, model, state, namespace, tokens))
+        one entry of ``model``/``state``/``namespace``/``tokens`` (its cache key), or every entry and
+        block with ``all=True``; returns how many cache keys were removed. With ``blocks=True`` and
+        ``model``/``state``/``namespace``: every block of that identity (any block size), counted."""
+        return self._do(_evict_request(digest, all, model, state, namespace, tokens, blocks))
 
     def close(self) -> None:
         with self._lock:
@@ -793,38 +827,57 @@ class AsyncClient:
         request, specs, data_len = _capture_request(
             model, state, namespace, tokens, tensors, kind, meta, durable
         )
+        reply = await self._staged(
+            request.body, data_len, lambda region: _skt().write_into(region, specs, tensors)
+        )
+        return request.parse(reply)
+
+    async def _staged(
+        self, body: dict[str, Any], size: int, write: Callable[[memoryview], None]
+    ) -> dict[str, Any]:
+        """As :meth:`Client._staged`; the copy runs in a thread."""
         async with self._capture_lock:  # the staging buffer is one per connection
             for attempt in range(_ATTEMPTS):
                 conn: _AsyncConn | None = None
                 try:
                     conn = await self._connection()
-                    staging = await conn.ensure_staging(max(data_len, 1), self.timeout)
-                    region = staging.region(data_len)
-                    write = asyncio.ensure_future(
-                        asyncio.to_thread(_skt().write_into, region, specs, tensors)
-                    )
+                    staging = await conn.ensure_staging(max(size, 1), self.timeout)
+                    region = staging.region(size)
+                    copy = asyncio.ensure_future(asyncio.to_thread(write, region))
                     try:
-                        await asyncio.shield(write)
+                        await asyncio.shield(copy)
                     finally:
-                        while not write.done():  # cancelled mid-copy: the copy ends before the buffer goes
+                        while not copy.done():  # cancelled mid-copy: the copy ends before the buffer goes
                             with contextlib.suppress(asyncio.CancelledError):
-                                await asyncio.wait([write])
+                                await asyncio.wait([copy])
                         region.release()
-                    reply, _ = await conn.request(request.body, self.timeout)
-                    return request.parse(reply)
+                    reply, fds = await conn.request(body, self.timeout)
+                    _close_all(fds)
+                    return reply
                 except (ConnectionLost, BadFrame) as exc:
                     _retry_or_raise(exc, attempt)
                 except BaseException as exc:
-                    # A capture abandoned before the daemon answered (timeout, cancellation) may still
+                    # A request abandoned before the daemon answered (timeout, cancellation) may still
                     # be queued there, reading this connection's staging buffer when it runs: the next
-                    # capture must not write into that buffer. It asks for a new one instead, and the
-                    # daemon runs a connection's requests in order, so the abandoned capture has read
+                    # one must not write into that buffer. It asks for a new one instead, and the
+                    # daemon runs a connection's requests in order, so the abandoned request has read
                     # the old buffer before the new one is lent (other requests in flight are kept).
                     if conn is not None and conn.staging is not None and not _answered(exc):
                         conn.staging.close()
                         conn.staging = None
                     raise
             raise AssertionError("unreachable")
+
+    async def _staging_max(self) -> int:
+        info = (await self._connection()).info
+        return int(info.get("staging_max", info.get("max_entry", 1 << 30)))
+
+    def blocks(self, *, model: str, state: str, namespace: str = "", block_tokens: int) -> AsyncBlockSpace:
+        """As :meth:`Client.blocks`, with coroutines."""
+        return AsyncBlockSpace(
+            self._call, self._staged, self._staging_max,
+            model=model, state=state, namespace=namespace, block_tokens=block_tokens,
+        )  # fmt: skip
 
     async def lookup(self, *, model: str, state: str, namespace: str = "", tokens: Any) -> Hit | None:
         """As :meth:`Client.lookup`."""
@@ -881,9 +934,10 @@ class AsyncClient:
         state: str | None = None,
         namespace: str = "",
         tokens: Any = None,
+        blocks: bool = False,
     ) -> int:
         """As :meth:`Client.evict`."""
-        return await self._do(_evict_request(digest, all, model, state, namespace, tokens))
+        return await self._do(_evict_request(digest, all, model, state, namespace, tokens, blocks))
 
     async def close(self) -> None:
         self._closed = True

@@ -31,9 +31,9 @@ from . import __version__
 from .config import FIELDS, Config, config_values, derived_settings
 from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMismatch, describe
 from .fills import FillStats
-from .keys import Identity, cache_key, identity
+from .keys import MAX_BLOCK_KEY_BYTES, BlockSpaceId, Identity, block_space, cache_key, identity
 from .payload import MAX_TENSORS, check_decl, check_kind
-from .protocol import PROTOCOL_VERSION
+from .protocol import MAX_FDS, PROTOCOL_VERSION
 from .shm import PAGE, memfd
 from .stats import RedisStatus, ServerState, Snapshot
 from .tiers import Opened, Tiers
@@ -53,6 +53,7 @@ __all__ = [
 ]
 
 _MAX_TOKENS_BYTES = 8 << 20  # 2M tokens
+MAX_BLOCKS_PER_REQUEST = 8192
 _INLINE_TOKEN_BYTES = 32 * 1024  # prompts above 8k tokens are hashed off the event loop
 
 INLINE, WORKER, BY_PROMPT = "inline", "worker", "by_prompt"
@@ -80,6 +81,9 @@ OPERATIONS: dict[str, Operation] = {
         Operation("ls", WORKER),
         Operation("evict", WORKER),
         Operation("config", INLINE),
+        Operation("blocks_put", WORKER),
+        Operation("blocks_contains", INLINE),
+        Operation("blocks_get", INLINE),
     )
 }
 
@@ -311,6 +315,7 @@ class Handlers:
             l2=tiers.l2,
             ops=tiers.ops,
             fills=tiers.fills or FillStats(),
+            blocks=tiers.blocks,
             l3=tiers.l3,
             durable=tiers.durable,
             reconciliation=tiers.reconciliation,
@@ -330,6 +335,62 @@ class Handlers:
             }
         )
 
+    # ----------------------------------------------------------------- blocks
+    def op_blocks_contains(self, session: Session, body: dict[str, Any]) -> Reply:
+        """How many leading keys are held; with ``each``, also which keys are (one byte per key)."""
+        space, keys = _space(body), _block_keys(body)
+        if _bool(body, "each", False):
+            held = self.tiers.blocks.held(space, keys)
+            count = held.index(False) if False in held else len(held)
+            return Reply({"count": count, "held": bytes(held)})
+        return Reply({"count": self.tiers.blocks.contains(space, keys)})
+
+    def op_blocks_get(self, session: Session, body: dict[str, Any]) -> Reply:
+        served = self.tiers.blocks.get(_space(body), _block_keys(body), max_fds=MAX_FDS)
+        lease = served.lease
+        return Reply(
+            {"held": served.held, "blocks": [[p.fd_index, p.offset, p.nbytes] for p in lease.placements]},
+            lease.fds,
+        )
+
+    def op_blocks_put(self, session: Session, body: dict[str, Any]) -> Reply:
+        space, keys = _space(body), _block_keys(body)
+        sizes, offsets = body.get("sizes"), body.get("offsets")
+        if (
+            not isinstance(sizes, list)
+            or not isinstance(offsets, list)
+            or not len(sizes) == len(offsets) == len(keys)
+        ):
+            raise InvalidArgument("sizes and offsets must be lists as long as keys")
+        for size, offset in zip(sizes, offsets, strict=True):
+            if not _is_int(size) or size < 0 or not _is_int(offset) or offset < -1:
+                raise InvalidArgument("each size is a non-negative integer, each offset one too or -1")
+        parent = body.get("parent")
+        if parent is not None and (
+            not isinstance(parent, bytes) or not 1 <= len(parent) <= MAX_BLOCK_KEY_BYTES
+        ):
+            raise InvalidArgument(f"parent must be a block key of 1 to {MAX_BLOCK_KEY_BYTES} bytes")
+        durable = _durable(body)
+        staging = session.staging
+        if staging is None and any(offset >= 0 for offset in offsets):
+            raise InvalidArgument("no staging buffer on this connection: send stage first")
+        source = staging.view(staging.size) if staging is not None else memoryview(b"")
+        try:
+            outcome = self.tiers.blocks.put(
+                space, keys, sizes, offsets, source, parent=parent, durable=durable
+            )
+        finally:
+            source.release()
+        return Reply(
+            {
+                "stored": outcome.stored,
+                "present": outcome.present,
+                "skipped": outcome.skipped,
+                "nbytes": outcome.nbytes,
+                "durability": outcome.durability,
+            }
+        )
+
     def op_ls(self, session: Session, body: dict[str, Any]) -> Reply:
         limit = body.get("limit", 0)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
@@ -345,6 +406,8 @@ class Handlers:
         tokens), or everything."""
         if _bool(body, "all", False):
             return Reply({"removed": self.tiers.evict_all()})
+        if _bool(body, "blocks", False):
+            return Reply({"removed": self.tiers.blocks.evict_identity(_identity(body).digest)})
         digest = body.get("digest")
         if digest is not None:
             if not isinstance(digest, str) or not 8 <= len(digest) <= 64 or not _is_hex(digest):
@@ -358,7 +421,8 @@ class Handlers:
                 raise InvalidArgument("tokens must hold at least one token")
             return Reply({"removed": self.tiers.evict_key(cache_key(ident, tokens))})
         raise InvalidArgument("evict takes a digest (or a prefix of at least 8 hex digits), a key "
-                              "(model, state, namespace, tokens), or all=true")  # fmt: skip
+                              "(model, state, namespace, tokens), an identity's blocks (model, state, "
+                              "namespace, blocks=true), or all=true")  # fmt: skip
 
 
 def _restore_reply(opened: Opened | None) -> Reply:
@@ -400,6 +464,28 @@ def _tokens(body: dict[str, Any]) -> bytes:
     if len(tokens) % 4 or len(tokens) > _MAX_TOKENS_BYTES:
         raise InvalidArgument(f"tokens must be whole uint32 values, at most {_MAX_TOKENS_BYTES // 4}")
     return tokens
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _space(body: dict[str, Any]) -> BlockSpaceId:
+    ident = _identity(body)
+    block_tokens = body.get("block_tokens")
+    if not _is_int(block_tokens):
+        raise InvalidArgument("block_tokens must be an integer")
+    return block_space(ident.model, ident.state, ident.namespace, block_tokens)
+
+
+def _block_keys(body: dict[str, Any]) -> list[bytes]:
+    keys = body.get("keys")
+    if not isinstance(keys, list) or len(keys) > MAX_BLOCKS_PER_REQUEST:
+        raise InvalidArgument(f"keys must be a list of at most {MAX_BLOCKS_PER_REQUEST} block keys")
+    for index, key in enumerate(keys):
+        if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BLOCK_KEY_BYTES:
+            raise InvalidArgument(f"block key {index} must be 1 to {MAX_BLOCK_KEY_BYTES} bytes (msgpack bin)")
+    return keys
 
 
 def _uint(body: dict[str, Any], name: str) -> int:

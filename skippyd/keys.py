@@ -29,10 +29,15 @@ from .errors import InvalidArgument
 __all__ = [
     "CACHE_KEY_DOMAIN",
     "IDENTITY_DOMAIN",
+    "MAX_BLOCK_KEY_BYTES",
     "MAX_IDENTITY_FIELD_BYTES",
     "TOKEN_BYTES",
     "WARM_HASH_BYTES",
+    "BlockSpaceId",
     "Identity",
+    "bind_keys",
+    "block_keys",
+    "block_space",
     "cache_key",
     "encode_tokens",
     "identity",
@@ -205,10 +210,13 @@ WARM_CHAIN_CONTEXT = "skippyd 2026-12-02 warm-prefix block chain v1"
 WARM_HASH_BYTES = 8
 
 _c_chain: Callable[[Any, Any, int, int], bytes] | None
+_c_bind: Callable[[bytes, list[bytes]], bytes] | None
 try:  # the C extension (vendored BLAKE3, SIMD); the same values come from the blake3 package below
+    from ._chain import bind as _c_bind
     from ._chain import chain as _c_chain
 except ImportError:  # pragma: no cover - built wherever a C compiler was available at install
     _c_chain = None
+    _c_bind = None
 
 
 def warm_chain_key(model: str, block: int) -> bytes:
@@ -250,3 +258,76 @@ def warm_chain_reference(key: bytes, view: memoryview | bytes, block_bytes: int)
         previous = blake3(previous + digest, key=key).digest()
         out += previous[:WARM_HASH_BYTES]
     return bytes(out)
+
+
+# ----------------------------------------------------------------------------- block spaces
+
+BLOCK_SPACE_CONTEXT = "skippyd 2026-12-03 block space v1"
+MAX_BLOCK_KEY_BYTES = 64
+MAX_BLOCK_TOKENS = 1 << 16
+
+
+@dataclass(frozen=True)
+class BlockSpaceId:
+    """Where blocks live: one identity and one block size. ``key`` (32 bytes) keys every BLAKE3 of the
+    space: its chained block keys and the binding of every key a client names, so the same engine hash
+    under another model, state, namespace or block size is another block."""
+
+    identity: Identity
+    block_tokens: int
+    key: bytes = field(init=False, repr=False, compare=False)
+    digest: str = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.block_tokens, int)
+            or isinstance(self.block_tokens, bool)
+            or not 1 <= self.block_tokens <= MAX_BLOCK_TOKENS
+        ):
+            raise InvalidArgument(f"block_tokens must be an integer from 1 to {MAX_BLOCK_TOKENS}")
+        material = bytes.fromhex(self.identity.digest) + struct.pack("<I", self.block_tokens)
+        key = bytes(blake3(material, derive_key_context=BLOCK_SPACE_CONTEXT).digest())
+        object.__setattr__(self, "key", key)
+        object.__setattr__(self, "digest", blake3(b"space", key=key).hexdigest())
+
+
+@lru_cache(maxsize=4096)
+def block_space(model: str, state: str, namespace: str, block_tokens: int) -> BlockSpaceId:
+    return BlockSpaceId(identity(model, state, namespace), block_tokens)
+
+
+def block_keys(space: BlockSpaceId, token_bytes: bytes | memoryview) -> list[bytes]:
+    """One 32-byte key per WHOLE block of the tokens, each chained over the space and every earlier block:
+    ``h_j = BLAKE3_keyed(S, h_{j-1} || BLAKE3_keyed(S, block_j))``, ``h_{-1}`` = 32 zero bytes, ``S`` the
+    space's key (the warm-prefix chain's construction with another key and full-length links)."""
+    count = token_count(token_bytes)
+    block_bytes = space.block_tokens * TOKEN_BYTES
+    usable = count // space.block_tokens * block_bytes
+    view = memoryview(token_bytes).cast("B")[:usable]
+    if _c_chain is not None and block_bytes % 64 == 0 and block_bytes <= 1024:
+        packed = bytes(_c_chain(space.key, view, block_bytes, 32))
+    else:
+        out = bytearray()
+        previous = bytes(32)
+        for start in range(0, usable, block_bytes):
+            digest = blake3(view[start : start + block_bytes], key=space.key).digest()
+            previous = blake3(previous + digest, key=space.key).digest()
+            out += previous
+        packed = bytes(out)
+    return [packed[i : i + 32] for i in range(0, len(packed), 32)]
+
+
+def bind_keys(space: BlockSpaceId, keys: Sequence[bytes]) -> list[bytes]:
+    """The key every tier stores a block under: ``BLAKE3_keyed(S, u8(len(k)) || k)`` of each client key
+    ``k`` (1 to 64 bytes: skippyd's own from :func:`block_keys` or an engine's block hashes)."""
+    listed = keys if isinstance(keys, list) else list(keys)
+    for index, key in enumerate(listed):
+        if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BLOCK_KEY_BYTES:
+            raise InvalidArgument(
+                f"block key {index} must be 1 to {MAX_BLOCK_KEY_BYTES} bytes"
+                + (f", not {len(key)}" if isinstance(key, bytes) else f", not a {type(key).__name__}")
+            )
+    if _c_bind is not None:
+        packed = _c_bind(space.key, listed)
+        return [packed[i : i + 32] for i in range(0, len(packed), 32)]
+    return [bytes(blake3(bytes([len(k)]) + k, key=space.key).digest()) for k in listed]

@@ -15,6 +15,7 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
+from .blocks import BlockCounters
 from .coordination import RedisStatus
 from .durable import DurableStats
 from .fills import FillStats
@@ -105,6 +106,7 @@ class Snapshot:
     l2: L2Stats = field(default_factory=L2Stats)
     ops: Counters = field(default_factory=Counters)
     fills: FillStats = field(default_factory=FillStats)
+    blocks: BlockCounters = field(default_factory=BlockCounters)
     l3: L3Stats | None = None
     durable: DurableStats | None = None
     reconciliation: Reconciliation | None = None
@@ -113,7 +115,7 @@ class Snapshot:
     threads: dict[str, ThreadHealth] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
-        """The ``stats`` reply: ``ops`` holds the request counters and the fill table's together."""
+        """The ``stats`` reply: ``ops`` holds the request counters, the fill table's and the blocks'."""
         doc: dict[str, Any] = {
             "node": self.node,
             "version": self.version,
@@ -121,7 +123,7 @@ class Snapshot:
             "healthy": self.healthy,
             "staging_bytes": self.staging_bytes,
             "l2": _wire(self.l2),
-            "ops": {**_wire(self.ops), **_wire(self.fills)},
+            "ops": {**_wire(self.ops), **_wire(self.fills), **_wire(self.blocks)},
             "server": self.server.to_wire(),
             "redis": _wire(self.redis) if self.redis.configured else {"configured": False},
             "threads": {name: thread.to_wire() for name, thread in self.threads.items()},
@@ -149,6 +151,7 @@ class Snapshot:
             l2=from_fields(L2Stats, doc.get("l2")),
             ops=from_fields(Counters, ops),
             fills=from_fields(FillStats, ops),
+            blocks=from_fields(BlockCounters, ops),
             l3=from_fields(L3Stats, doc["l3"]) if isinstance(doc.get("l3"), dict) else None,
             durable=from_fields(DurableStats, doc["durable"])
             if isinstance(doc.get("durable"), dict)

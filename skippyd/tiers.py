@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .blocks import BlockCounters, BlockRules
 from .durable import DurableStats, DurableWriter
 from .errors import Busy, CorruptEntry, InvalidArgument, NotFound, TooLarge
 from .evictions import EvictionClock
@@ -131,6 +132,7 @@ class TiersStats:
 
     l2: L2Stats
     ops: Counters
+    blocks: BlockCounters
     fills: FillStats | None
     l3: L3Stats | None
     durable: DurableStats | None
@@ -194,6 +196,7 @@ class Tiers:
                 queue_size=promotion_queue, copy_threads=copy_threads,
             )  # fmt: skip
         self._lock = threading.Lock()
+        self.blocks = BlockRules(l2, copy_threads=copy_threads)
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -441,6 +444,7 @@ class Tiers:
             self._mark_evicted(None)
             keys.update(item.entry.key for item in self.l2.entries())
             self.l2.clear()
+            self.blocks.clear()
             if self.l3 is not None:
                 keys.update(ref.entry.key for ref, _ in self.l3.entries())
                 self.l3.clear()
@@ -488,6 +492,7 @@ class Tiers:
         return TiersStats(
             l2=self.l2.stats(),
             ops=ops,
+            blocks=self.blocks.stats(),
             fills=self.fills.stats() if self.fills is not None else None,
             l3=l3.stats() if l3 is not None else None,
             durable=self.writer.stats() if self.writer is not None else None,

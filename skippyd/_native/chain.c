@@ -78,6 +78,66 @@ done:
     return result;
 }
 
+/*
+ * bind(key, keys) -> bytes: BLAKE3_keyed(key, u8(len(k)) || k)[:32] for every k of the list (each 1 to 64
+ * bytes), concatenated. The public BLAKE3 API only; the GIL is released while it hashes.
+ */
+#define BIND_MAX_KEY 64
+
+static PyObject *bind(PyObject *self, PyObject *args) {
+    Py_buffer key;
+    PyObject *keys;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*O!", &key, &PyList_Type, &keys)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint8_t *packed = NULL;
+    if (key.len != BLAKE3_KEY_LEN) {
+        PyErr_SetString(PyExc_ValueError, "the key must be 32 bytes");
+        goto done;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    packed = PyMem_Malloc((size_t)(n > 0 ? n : 1) * (BIND_MAX_KEY + 1));
+    if (packed == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "key %zd is not bytes", i);
+            goto done;
+        }
+        Py_ssize_t len = PyBytes_GET_SIZE(item);
+        if (len < 1 || len > BIND_MAX_KEY) {
+            PyErr_Format(PyExc_ValueError, "key %zd is %zd bytes; keys are 1 to 64 bytes", i, len);
+            goto done;
+        }
+        uint8_t *slot = packed + i * (BIND_MAX_KEY + 1);
+        slot[0] = (uint8_t)len;
+        memcpy(slot + 1, PyBytes_AS_STRING(item), (size_t)len);
+    }
+    result = PyBytes_FromStringAndSize(NULL, n * BLAKE3_OUT_LEN);
+    if (result == NULL) {
+        goto done;
+    }
+    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+    Py_BEGIN_ALLOW_THREADS
+    blake3_hasher hasher;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *slot = packed + i * (BIND_MAX_KEY + 1);
+        blake3_hasher_init_keyed(&hasher, (const uint8_t *)key.buf);
+        blake3_hasher_update(&hasher, slot, (size_t)slot[0] + 1);
+        blake3_hasher_finalize(&hasher, out + i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+    }
+    Py_END_ALLOW_THREADS
+done:
+    PyMem_Free(packed);
+    PyBuffer_Release(&key);
+    return result;
+}
+
 static PyObject *implementation(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -86,6 +146,7 @@ static PyObject *implementation(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "chain(key, data, block_bytes, out_len) -> bytes"},
+    {"bind", bind, METH_VARARGS, "bind(key, keys) -> bytes: each key bound to the 32-byte key"},
     {"simd_degree", implementation, METH_NOARGS, "how many inputs BLAKE3 hashes at once here"},
     {NULL, NULL, 0, NULL},
 };

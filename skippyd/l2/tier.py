@@ -43,6 +43,7 @@ from skippyd.payload import (
 from skippyd.shm import copy_bytes, has_readers, open_reader, size_class, zero
 
 from . import adopt as adoption
+from .blocks import L2Blocks, L2BlockStats
 from .pool import File, FilePool
 
 __all__ = ["Held", "L2Stats", "L2Tier", "Listed", "Reservation", "copy_into"]
@@ -54,7 +55,9 @@ _PLACEHOLDER_DIGEST = "0" * 64
 
 
 @dataclass(slots=True)
-class L2Stats:
+class L2Stats(L2BlockStats):
+    """The tier's counters: its entries' below, its blocks' (``block_*``) from :class:`L2BlockStats`."""
+
     entries: int = 0
     bytes: int = 0
     budget_bytes: int = 0
@@ -223,6 +226,10 @@ class L2Tier:
         )
         private_dirs(self.directory, self._entries_dir, self._pool.free_dir, self._pool.tmp_dir)
         self._lock_fd = take_owner_lock(self.directory)
+        self.blocks = L2Blocks(
+            self.directory / "blocks", self._lock, budget_bytes=self.budget_bytes,
+            make_room=self._free_room, tick=self._next_tick,
+        )  # fmt: skip
 
     @classmethod
     def open(
@@ -243,6 +250,11 @@ class L2Tier:
             raise
         return tier
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The tier's lock: its entries and its blocks (:attr:`blocks`) change under it."""
+        return self._lock
+
     @staticmethod
     def bytes_to_verify(directory: str | os.PathLike[str]) -> int:
         """How many bytes :meth:`adopt` will hash in ``directory`` (for systemd's start timeout)."""
@@ -253,6 +265,7 @@ class L2Tier:
         """Re-adopts the committed entries and free files an earlier process left, dropping the rest."""
         found = adoption.adopt(self.directory, verify=verify, hash_threads=self._hash_threads)
         with self._lock:
+            self.blocks.adopt(verify=verify)
             for path, size in found.free:
                 self._pool.add_free(File(path, size, freed_at=time.monotonic()))
             for item in found.entries:
@@ -261,8 +274,10 @@ class L2Tier:
                 self._insert(slot)
                 self._stats.adopted += 1
             self._stats.adopt_dropped += found.dropped
-            while self._bytes + self._pool.free_bytes > self.budget_bytes:
-                if not self._pool.drop_one() and not self._evict_oldest():
+            while self._room() < 0:
+                if not (self._pool.drop_one() or self.blocks.release_free() or self._evict_oldest()):
+                    if self.blocks.evict_oldest():
+                        continue
                     break
 
     def close(self) -> None:
@@ -272,6 +287,7 @@ class L2Tier:
                 return
             self._closed = True
             self.flush_recency()
+            self.blocks.close()
             for slot in self._index:
                 slot.file.unmap()
             self._pool.unmap_all()
@@ -393,17 +409,24 @@ class L2Tier:
             self._pool.note_fresh()
         return file
 
-    def _make_room(self, size: int) -> File | None:
-        """Frees budget for ``size`` bytes; returns a recycled same-size file when eviction yields one."""
+    def _make_room(self, size: int, *, claim: bool = True) -> File | None:
+        """Frees budget for ``size`` bytes: free entry files first, then free block slots, then the least
+        recently used entry or block, whichever is older. With ``claim``, an evicted entry's file of
+        exactly ``size`` bytes is returned for reuse instead of being unlinked."""
+        blocks = self.blocks
         while self._room() < size:
-            if self._pool.drop_one():
+            if self._pool.drop_one() or blocks.release_free():
                 continue
             victim = self._index.oldest()
+            oldest_block = blocks.oldest_tick()
+            if oldest_block is not None and (victim is None or oldest_block < victim.last_use):
+                blocks.evict_oldest()
+                continue
             if victim is None:
                 raise NoSpace("the L2 budget is held by captures still in flight; retry shortly")
             self._detach(victim)
             self._stats.evictions += 1
-            if victim.file.size == size and not has_readers(victim.file.path):
+            if claim and victim.file.size == size and not has_readers(victim.file.path):
                 claimed = self._pool.claim(victim.file)  # (a failed claim unlinked the file)
                 if claimed is not None:
                     return claimed
@@ -411,8 +434,15 @@ class L2Tier:
             self._pool.discard(victim.file)
         return None
 
+    def _free_room(self, size: int) -> None:
+        """Room for ``size`` bytes of block slots (called by :class:`L2Blocks` under the lock)."""
+        self._check_open()
+        if size > self.budget_bytes:
+            raise TooLarge(f"a block slot of {size} bytes is larger than the L2 budget ({self.budget_bytes})")
+        self._make_room(size, claim=False)
+
     def _room(self) -> int:
-        return self.budget_bytes - self._bytes - self._pool.free_bytes - self._reserved
+        return self.budget_bytes - self._bytes - self._pool.free_bytes - self._reserved - self.blocks.charged
 
     def _commit(
         self,
@@ -568,11 +598,16 @@ class L2Tier:
             stats.fresh_files = pool.fresh_files
             stats.reader_held_drops = pool.reader_held_drops
             stats.reserved_bytes = self._reserved
+            blocks = self.blocks.stats()
+            for name in L2BlockStats.__slots__:
+                setattr(stats, name, getattr(blocks, name))
             return stats
 
     def flush_recency(self) -> None:
-        """Records each touched entry's last use as its file's mtime, so a restart keeps LRU order."""
+        """Records each touched entry's last use as its file's mtime (a block's in its slot record), so a
+        restart keeps LRU order."""
         with self._lock:
+            self.blocks.flush_recency()
             dirty, self._dirty = self._dirty, set()
             for key in dirty:
                 slot = self._index.get(key)

@@ -1,0 +1,493 @@
+"""Blocks on the client side: :class:`BlockSpace` (blocking) and :class:`AsyncBlockSpace`, over one core.
+
+A block space is one identity (model, state, namespace) and one block size. Keys come from
+:meth:`BlockSpace.keys` (32 bytes, chained over the space and every earlier block) or from the engine
+(any bytes, 1 to 64 each); the daemon binds every key to the space, so the same engine hash in
+another space is another block.
+
+* ``put`` asks which blocks are held first (one request), copies only the others into the connection's
+  staging buffer, and sends one request per staging buffer's worth.
+* ``get`` maps each slab descriptor once (private copy-on-write: a write to a tensor never reaches the
+  store or a later get) and slices one tensor per block out of it: no copy.
+* ``get_into`` reads each run of blocks straight from the descriptors into the caller's buffers
+  (``preadv``, split over two threads for large runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from .errors import BadFrame, InvalidArgument, Mismatch
+from .keys import MAX_BLOCK_KEY_BYTES, block_keys, block_space, encode_tokens
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MAX_KEYS_PER_REQUEST", "AsyncBlockSpace", "BlockSpace", "BlocksPut"]
+
+MAX_KEYS_PER_REQUEST = 8192
+_ALIGN = 64
+_PARALLEL_BYTES = 4 << 20
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass(frozen=True, slots=True)
+class BlocksPut:
+    """What a put did: ``stored`` blocks newly written (``nbytes`` of them), ``present`` already held
+    (not rewritten), ``skipped`` neither (held when asked but gone when sent, or a hole before them)."""
+
+    stored: int
+    present: int
+    nbytes: int
+    skipped: int = 0
+    durability: str = "none"
+
+
+# ---------------------------------------------------------------- the sans-I/O core
+
+
+def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
+    listed = list(keys)
+    for index, key in enumerate(listed):
+        if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BLOCK_KEY_BYTES:
+            raise InvalidArgument(f"block key {index} must be bytes, 1 to {MAX_BLOCK_KEY_BYTES} long")
+    return listed
+
+
+def _block_bytes(item: Any) -> memoryview:
+    """The bytes of one block: a tensor's (any dtype or device, copied to the CPU if it is elsewhere) or
+    a C-contiguous buffer's."""
+    if type(item).__module__.startswith("torch"):
+        t = item.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        flat = t.contiguous().reshape(-1)
+        return memoryview(flat.view(_torch().uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
+    try:
+        view = memoryview(item)
+    except TypeError:
+        raise InvalidArgument(f"block data must be a tensor or a buffer, not {type(item).__name__}") from None
+    if not view.c_contiguous:
+        raise InvalidArgument("block buffers must be C-contiguous")
+    return view.cast("B")
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+@dataclass(slots=True)
+class _Batch:
+    start: int
+    stop: int
+    offsets: list[int]
+    size: int  # staging bytes it needs
+
+
+def _plan_batches(sizes: Sequence[int], held: Sequence[bool], limit: int) -> list[_Batch]:
+    """Splits a put into requests that each fit one staging buffer of ``limit`` bytes."""
+    batches: list[_Batch] = []
+    current = _Batch(0, 0, [], 0)
+    for index, (size, have) in enumerate(zip(sizes, held, strict=True)):
+        need = 0 if have else -(-size // _ALIGN) * _ALIGN
+        if need > limit:
+            raise InvalidArgument(f"block {index} of {size} bytes is larger than the daemon stages ({limit})")
+        if current.stop > current.start and (
+            current.size + need > limit or current.stop - current.start >= MAX_KEYS_PER_REQUEST
+        ):
+            batches.append(current)
+            current = _Batch(index, index, [], 0)
+        current.offsets.append(-1 if have else current.size)
+        current.size += need
+        current.stop = index + 1
+    if current.stop > current.start:
+        batches.append(current)
+    return batches
+
+
+def _write_blocks(region: memoryview, jobs: list[tuple[int, memoryview]]) -> None:
+    """Copies each block's bytes to its offset in the staging region (two threads for large puts)."""
+    import numpy as np
+
+    def run(part: list[tuple[int, memoryview]]) -> None:
+        for offset, data in part:
+            if len(data):
+                np.copyto(
+                    np.frombuffer(region, dtype=np.uint8, count=len(data), offset=offset),
+                    np.frombuffer(data, dtype=np.uint8),
+                )
+
+    total = sum(len(data) for _, data in jobs)
+    if total < _PARALLEL_BYTES or len(jobs) < 2:
+        run(jobs)
+        return
+    half = len(jobs) // 2
+    future = _pool().submit(run, jobs[half:])
+    run(jobs[:half])
+    future.result()
+
+
+_pools: list[ThreadPoolExecutor] = []
+
+
+def _pool() -> ThreadPoolExecutor:
+    if not _pools:
+        _pools.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="skippyd-blocks"))
+    return _pools[0]
+
+
+def _placements(reply: dict[str, Any], fds: list[int]) -> list[tuple[int, int, int]]:
+    try:
+        placements = [(int(a), int(b), int(c)) for a, b, c in reply["blocks"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise BadFrame(f"a blocks_get reply without a valid block list: {exc}") from exc
+    if any(not 0 <= fd < len(fds) for fd, _, _ in placements):
+        raise BadFrame("a blocks_get reply names a descriptor it did not carry")
+    return placements
+
+
+def _map_blocks(reply: dict[str, Any], fds: list[int]) -> list[torch.Tensor]:
+    """One uint8 tensor per served block, views of one private mapping per descriptor."""
+    torch = _torch()
+    placements = _placements(reply, fds)
+    spans: dict[int, tuple[int, int]] = {}
+    for fd, offset, nbytes in placements:
+        if nbytes:
+            lo, hi = spans.get(fd, (offset, offset + nbytes))
+            spans[fd] = (min(lo, offset), max(hi, offset + nbytes))
+    bases: dict[int, tuple[int, Any]] = {}
+    for fd, (lo, hi) in spans.items():
+        start = lo // _PAGE * _PAGE
+        mapping = mmap.mmap(
+            fds[fd], hi - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start
+        )
+        bases[fd] = (start, torch.frombuffer(mapping, dtype=torch.uint8))
+    out = []
+    for fd, offset, nbytes in placements:
+        if not nbytes:
+            out.append(torch.empty(0, dtype=torch.uint8))
+            continue
+        start, base = bases[fd]
+        out.append(base[offset - start : offset - start + nbytes])
+    return out
+
+
+def _writable(target: Any, nbytes: int, index: int) -> tuple[memoryview, Any]:
+    """A writable byte view of ``target`` (and the device tensor to copy into afterwards, if any)."""
+    if type(target).__module__.startswith("torch"):
+        if target.device.type != "cpu":
+            if target.numel() * target.element_size() < nbytes:
+                raise Mismatch(f"out[{index}] holds fewer bytes than block {index} ({nbytes})")
+            host = _torch().empty(nbytes, dtype=_torch().uint8)
+            return memoryview(host.numpy()).cast("B"), (target, host)
+        if not target.is_contiguous():
+            raise InvalidArgument(f"out[{index}] must be contiguous")
+        flat = target.detach().reshape(-1).view(_torch().uint8)
+        view = memoryview(flat.numpy()).cast("B")
+    else:
+        try:
+            view = memoryview(target).cast("B")
+        except TypeError:
+            raise InvalidArgument(f"out[{index}] must be a tensor or a writable buffer") from None
+        if view.readonly:
+            raise InvalidArgument(f"out[{index}] is read-only")
+    if len(view) < nbytes:
+        raise Mismatch(f"out[{index}] holds {len(view)} bytes; block {index} has {nbytes}")
+    return view[:nbytes], None
+
+
+def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], first: int) -> int:
+    """Reads every served block into ``out[first + i]``; returns how many."""
+    placements = _placements(reply, fds)
+    views: list[tuple[int, int, memoryview]] = []
+    devices: list[Any] = []
+    for i, (fd, offset, nbytes) in enumerate(placements):
+        view, device = _writable(out[first + i], nbytes, first + i)
+        views.append((fd, offset, view))
+        if device is not None:
+            devices.append(device)
+    runs: list[tuple[int, int, list[memoryview], int]] = []  # fd, offset, buffers, bytes
+    for fd, offset, view in views:
+        if not len(view):
+            continue
+        last = runs[-1] if runs else None
+        if last is not None and last[0] == fd and last[1] + last[3] == offset and len(last[2]) < 512:
+            last[2].append(view)
+            runs[-1] = (fd, last[1], last[2], last[3] + len(view))
+        else:
+            runs.append((fd, offset, [view], len(view)))
+
+    def read(part: list[tuple[int, int, list[memoryview], int]]) -> None:
+        for fd, offset, buffers, total in part:
+            got = os.preadv(fds[fd], buffers, offset)
+            if got != total:
+                raise BadFrame(f"a block descriptor gave {got} of {total} bytes")
+
+    total = sum(run[3] for run in runs)
+    if total >= _PARALLEL_BYTES and len(runs) >= 2:
+        half = len(runs) // 2
+        future = _pool().submit(read, runs[half:])
+        read(runs[:half])
+        future.result()
+    elif total >= _PARALLEL_BYTES:  # one long run: split it in two by its buffers
+        fd, offset, buffers, _ = runs[0]
+        half = len(buffers) // 2
+        if half:
+            second = offset + sum(len(b) for b in buffers[:half])
+            future = _pool().submit(read, [(fd, second, buffers[half:], sum(len(b) for b in buffers[half:]))])
+            read([(fd, offset, buffers[:half], second - offset)])
+            future.result()
+        else:
+            read(runs)
+    else:
+        read(runs)
+    for target, host in devices:
+        target.reshape(-1).view(_torch().uint8)[: host.numel()].copy_(host.to(target.device))
+    return len(placements)
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+# A call is written once, as a generator of steps: it yields what it needs done (a request, a request
+# after a copy into the staging buffer, or blocking work) and is sent the result. BlockSpace runs the
+# steps on the blocking client, AsyncBlockSpace awaits them on the async one.
+_CALL, _STAGED, _WORK = "call", "staged", "work"
+Step = tuple[str, Any, int, Any]
+Steps = Generator[Step, Any, Any]
+
+
+class _Space:
+    """What both flavours share: the space, its request bodies, the keys and every call's steps."""
+
+    def __init__(self, model: str, state: str, namespace: str, block_tokens: int) -> None:
+        self.space = block_space(model, state, namespace, block_tokens)
+        self.model, self.state, self.namespace, self.block_tokens = model, state, namespace, block_tokens
+        self._base = {"model": model, "state": state, "namespace": namespace, "block_tokens": block_tokens}
+
+    def keys(self, tokens: Any) -> list[bytes]:
+        """skippyd's chained keys of ``tokens``: one per WHOLE block (a trailing partial block has none)."""
+        return block_keys(self.space, encode_tokens(tokens))
+
+    def _body(self, op: str, keys: list[bytes], **more: Any) -> dict[str, Any]:
+        return {"op": op, **self._base, "keys": keys, **more}
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(model={self.model!r}, state={self.state!r}, "
+            f"namespace={self.namespace!r}, block_tokens={self.block_tokens})"
+        )
+
+    def _ask(self, body: dict[str, Any]) -> Generator[Step, Any, dict[str, Any]]:
+        reply, fds = yield (_CALL, body, 0, None)
+        _close(fds)
+        return dict(reply)
+
+    def _contains_steps(self, keys: Sequence[bytes]) -> Steps:
+        listed = _check_keys(keys)
+        held = 0
+        for start in range(0, len(listed), MAX_KEYS_PER_REQUEST):
+            part = listed[start : start + MAX_KEYS_PER_REQUEST]
+            count = int((yield from self._ask(self._body("blocks_contains", part)))["count"])
+            held += count
+            if count < len(part):
+                break
+        return held
+
+    def _put_steps(
+        self, keys: Sequence[bytes], data: Sequence[Any], durable: Any, parent: bytes | None
+    ) -> Steps:
+        listed = _check_keys(keys)
+        if len(data) != len(listed):
+            raise InvalidArgument(f"{len(listed)} keys but {len(data)} blocks of data")
+        if parent is not None:
+            _check_keys([parent])
+        mode = _check_durable(durable)
+        views = [_block_bytes(item) for item in data]
+        sizes = [len(v) for v in views]
+        held = [False] * len(listed)
+        if len(listed) > 1:  # ask which are held first, so only the others are copied
+            held = []
+            for start in range(0, len(listed), MAX_KEYS_PER_REQUEST):
+                part = listed[start : start + MAX_KEYS_PER_REQUEST]
+                reply = yield from self._ask(self._body("blocks_contains", part, each=True))
+                held += [bool(b) for b in reply["held"]]
+        limit = yield (_WORK, None, 0, None)  # the staging limit, from the handshake
+        parts = []
+        for batch in _plan_batches(sizes, held, limit):
+            body = self._body(
+                "blocks_put", listed[batch.start : batch.stop], sizes=sizes[batch.start : batch.stop],
+                offsets=batch.offsets, durable=mode,
+                parent=listed[batch.start - 1] if batch.start else parent,
+            )  # fmt: skip
+            jobs = [(offset, views[batch.start + i]) for i, offset in enumerate(batch.offsets) if offset >= 0]
+            if batch.size:
+                parts.append((yield (_STAGED, body, batch.size, partial(_write_blocks, jobs=jobs))))
+            else:  # every block of it is held: nothing to copy
+                parts.append((yield from self._ask(body)))
+        return _sum_puts(parts)
+
+    def _get_steps(self, keys: Sequence[bytes], out: Sequence[Any] | None) -> Steps:
+        """Served blocks mapped (``out`` None: the tensors) or read into ``out`` (the count)."""
+        listed = _check_keys(keys)
+        if out is not None and len(out) < len(listed):
+            raise InvalidArgument(f"{len(listed)} keys but only {len(out)} destinations")
+        tensors: list[Any] = []
+        done = 0
+        while done < len(listed):
+            part = listed[done : done + MAX_KEYS_PER_REQUEST]
+            reply, fds = yield (_CALL, self._body("blocks_get", part), 0, None)
+            try:
+                if out is None:
+                    got = _map_blocks(reply, fds)
+                    tensors += got
+                    count = len(got)
+                else:
+                    count = yield (_WORK, partial(_read_blocks, reply, fds, out, done), 0, None)
+            finally:
+                _close(fds)
+            done += count
+            if not count or count >= int(reply.get("held", 0)):
+                break
+        return tensors if out is None else done
+
+
+def _check_durable(durable: Any) -> bool | str:
+    if isinstance(durable, bool) or durable == "sync":
+        return durable  # type: ignore[no-any-return]
+    raise InvalidArgument('durable must be True, False or "sync"')
+
+
+def _sum_puts(parts: list[dict[str, Any]]) -> BlocksPut:
+    durabilities = [str(p.get("durability", "none")) for p in parts]
+    order = ("deferred", "queued", "written", "none")
+    durability = next((d for d in order if d in durabilities), "none")
+    return BlocksPut(
+        stored=sum(int(p["stored"]) for p in parts),
+        present=sum(int(p["present"]) for p in parts),
+        nbytes=sum(int(p["nbytes"]) for p in parts),
+        skipped=sum(int(p.get("skipped", 0)) for p in parts),
+        durability=durability,
+    )
+
+
+Call = Callable[[dict[str, Any]], tuple[dict[str, Any], list[int]]]
+Staged = Callable[[dict[str, Any], int, Callable[[memoryview], None]], dict[str, Any]]
+
+
+class BlockSpace(_Space):
+    """Blocks of one identity and block size on a :class:`~skippyd.client.Client` (see the module)."""
+
+    def __init__(self, call: Call, staged: Staged, staging_max: Callable[[], int], **space: Any) -> None:
+        super().__init__(**space)
+        self._call, self._staged, self._staging_max = call, staged, staging_max
+
+    def _run(self, steps: Steps) -> Any:
+        result: Any = None
+        try:
+            while True:
+                kind, what, size, write = steps.send(result)
+                if kind == _CALL:
+                    result = self._call(what)
+                elif kind == _STAGED:
+                    result = self._staged(what, size, write)
+                else:
+                    result = self._staging_max() if what is None else what()
+        except StopIteration as done:
+            return done.value
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        """How many LEADING keys are held (in L2 or L3)."""
+        return int(self._run(self._contains_steps(keys)))
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        data: Sequence[Any],
+        *,
+        durable: bool | str = True,
+        parent: bytes | None = None,
+    ) -> BlocksPut:
+        """Stores ``data[i]`` (a tensor of any dtype/device, or a buffer) as the block of ``keys[i]``, in
+        chain order; held blocks are left as they are. ``parent``: the key of the block before ``keys[0]``
+        when the put continues a chain (so eviction knows the chain)."""
+        result: BlocksPut = self._run(self._put_steps(keys, data, durable, parent))
+        return result
+
+    def get(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """The leading held blocks as 1-D uint8 tensors: views of shared memory, no copy (private
+        copy-on-write mappings: a write never reaches the store)."""
+        result: list[torch.Tensor] = self._run(self._get_steps(keys, None))
+        return result
+
+    def get_into(self, keys: Sequence[bytes], out: Sequence[Any]) -> int:
+        """Copies the leading held blocks into ``out[i]`` (tensors on any device, or writable buffers, of at
+        least the block's size); returns how many."""
+        return int(self._run(self._get_steps(keys, out)))
+
+
+AsyncCall = Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], list[int]]]]
+AsyncStaged = Callable[[dict[str, Any], int, Callable[[memoryview], None]], Awaitable[dict[str, Any]]]
+
+
+class AsyncBlockSpace(_Space):
+    """The same calls as :class:`BlockSpace`, as coroutines, on an :class:`~skippyd.client.AsyncClient`."""
+
+    def __init__(
+        self, call: AsyncCall, staged: AsyncStaged, staging_max: Callable[[], Awaitable[int]], **space: Any
+    ) -> None:
+        super().__init__(**space)
+        self._call, self._staged, self._staging_max = call, staged, staging_max
+
+    async def _run(self, steps: Steps) -> Any:
+        import asyncio
+
+        result: Any = None
+        try:
+            while True:
+                kind, what, size, write = steps.send(result)
+                if kind == _CALL:
+                    result = await self._call(what)
+                elif kind == _STAGED:
+                    result = await self._staged(what, size, write)
+                else:
+                    result = await self._staging_max() if what is None else await asyncio.to_thread(what)
+        except StopIteration as done:
+            return done.value
+
+    async def contains(self, keys: Sequence[bytes]) -> int:
+        """As :meth:`BlockSpace.contains`."""
+        return int(await self._run(self._contains_steps(keys)))
+
+    async def put(
+        self,
+        keys: Sequence[bytes],
+        data: Sequence[Any],
+        *,
+        durable: bool | str = True,
+        parent: bytes | None = None,
+    ) -> BlocksPut:
+        """As :meth:`BlockSpace.put`; the copies into the staging buffer run in a thread."""
+        result: BlocksPut = await self._run(self._put_steps(keys, data, durable, parent))
+        return result
+
+    async def get(self, keys: Sequence[bytes]) -> list[torch.Tensor]:
+        """As :meth:`BlockSpace.get`."""
+        result: list[torch.Tensor] = await self._run(self._get_steps(keys, None))
+        return result
+
+    async def get_into(self, keys: Sequence[bytes], out: Sequence[Any]) -> int:
+        """As :meth:`BlockSpace.get_into`; the reads run in a thread."""
+        return int(await self._run(self._get_steps(keys, out)))

@@ -1,0 +1,537 @@
+"""Blocks in L2: slots of tmpfs slabs (:mod:`.slabs`), indexed by bound key, inside the tier's budget.
+
+* **One budget.** Every allocated slot (held, being written, or free and kept pre-faulted) and every
+  slab's header is charged to the L2 tier's budget beside its entries; when room is needed the tier
+  gives back free entry files, then free slots (punched), then evicts the least recently used entry
+  or block, whichever is older (:meth:`skippyd.l2.L2Tier._make_room`).
+* **Chains are evicted from their tail.** A put and a get touch their run of blocks from the last to
+  the first, so a chain's head is always its newest; evicting a block also evicts every block known to
+  continue it (its parent link comes from the put: the block before it, or the put's ``parent``), so
+  memory never holds blocks that ``contains`` could not reach.
+* **Slabs are never shared across block spaces.** A reader's descriptor shows the whole slab, so one
+  slab holds blocks of one space (identity and block size) only: no reader ever gets a descriptor over
+  another model's, state's or namespace's bytes.
+* A new process re-adopts every committed slot after checking its record and (by default) its digest.
+
+Not thread-safe on its own: every method runs under the L2 tier's lock (passed in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from blake3 import blake3
+
+from skippyd.errors import NoSpace, TooLarge
+from skippyd.files import private_dirs, remove
+
+from .slabs import SLAB_SUFFIX, BadSlab, Slab, SlotRecord, slot_class, slots_for
+
+__all__ = ["BlockPlacement", "L2BlockStats", "L2Blocks", "Lease", "Pending", "SpaceSummary"]
+
+log = logging.getLogger("skippyd.l2")
+
+_HOLE, _FREE, _WRITING, _USED = 0, 1, 2, 3
+_SLAB_TARGET = 32 << 20
+
+
+@dataclass(slots=True)
+class L2BlockStats:
+    block_count: int = 0
+    block_bytes: int = 0  # tmpfs bytes the held blocks' slots take
+    block_payload_bytes: int = 0
+    block_slabs: int = 0
+    block_slab_bytes: int = 0  # every charged byte of the slabs: slots in use, free slots, headers
+    block_free_slots: int = 0
+    block_hits: int = 0
+    block_misses: int = 0
+    block_inserts: int = 0
+    block_evictions: int = 0
+    block_cascade_evictions: int = 0
+    block_reader_held_slots: int = 0
+    block_adopted: int = 0
+    block_adopt_dropped: int = 0
+
+
+@dataclass(slots=True)
+class SpaceSummary:
+    """What one block space holds in L2 (for ``ls``)."""
+
+    space: bytes
+    identity: bytes
+    block_tokens: int
+    count: int = 0
+    nbytes: int = 0
+
+
+@dataclass(slots=True)
+class _SlabState:
+    slab: Slab
+    space: bytes
+    state: list[int]
+
+    def charged(self) -> int:
+        """Its header and every slot that has pages."""
+        return self.slab.header_bytes + sum(1 for s in self.state if s != _HOLE) * self.slab.slot_size
+
+
+@dataclass(slots=True)
+class _Group:
+    """The slabs of one space and slot size, with their free (pre-faulted) slots and their holes."""
+
+    homes: list[_SlabState] = field(default_factory=list)
+    free: deque[tuple[_SlabState, int]] = field(default_factory=deque)
+    holes: list[tuple[_SlabState, int]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Block:
+    record: SlotRecord
+    home: _SlabState
+    index: int
+    last_use: int
+
+
+@dataclass(slots=True)
+class Pending:
+    """A slot taken for one block of a put: write :attr:`view`, then commit with its digest."""
+
+    record: SlotRecord
+    home: _SlabState
+    index: int
+    view: memoryview
+    recycled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class BlockPlacement:
+    """Where one served block is: the index of the descriptor it is in, its offset there, its size."""
+
+    fd_index: int
+    offset: int
+    nbytes: int
+    digest: bytes
+
+
+@dataclass(slots=True)
+class Lease:
+    """Descriptors (one per slab, each holding read locks on its blocks) and every block's place."""
+
+    fds: list[int] = field(default_factory=list)
+    placements: list[BlockPlacement] = field(default_factory=list)
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+
+
+class L2Blocks:
+    def __init__(
+        self,
+        directory: Path,
+        lock: threading.RLock,
+        *,
+        budget_bytes: int,
+        make_room: Callable[[int], None],
+        tick: Callable[[], int],
+    ) -> None:
+        self.directory = directory
+        self._lock = lock
+        self._make_room = make_room
+        self._tick = tick
+        self._slab_target = max(1 << 20, min(_SLAB_TARGET, budget_bytes // 16))
+        self.max_block = min(64 << 20, budget_bytes // 4)
+        self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
+        self._children: dict[bytes, set[bytes]] = {}
+        self._groups: dict[tuple[bytes, int], _Group] = {}
+        self._payload = 0
+        self._spaces: dict[bytes, SpaceSummary] = {}
+        self._dirty: set[bytes] = set()
+        self.charged = 0
+        self._stats = L2BlockStats()
+        private_dirs(directory)
+
+    # ------------------------------------------------------------------ lookups
+    def held(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` L2 holds."""
+        blocks = self._blocks
+        for count, key in enumerate(keys):
+            if key not in blocks:
+                return count
+        return len(keys)
+
+    def holds(self, key: bytes) -> bool:
+        return key in self._blocks
+
+    def record(self, key: bytes) -> SlotRecord | None:
+        block = self._blocks.get(key)
+        return block.record if block is not None else None
+
+    def lease(self, keys: Sequence[bytes], *, max_fds: int, hit: bool = True) -> Lease:
+        """The leading held ``keys`` (at most ``max_fds`` slabs of them) leased for reading; touches
+        them from the last to the first when ``hit``."""
+        lease = Lease()
+        slabs: dict[int, int] = {}  # id(slab state) -> fd index
+        runs: list[list[tuple[int, int]]] = []
+        homes: list[_SlabState] = []
+        chosen: list[_Block] = []
+        for key in keys:
+            block = self._blocks.get(key)
+            if block is None:
+                break
+            at = slabs.get(id(block.home))
+            if at is None:
+                if len(homes) == max_fds:
+                    break
+                at = slabs[id(block.home)] = len(homes)
+                homes.append(block.home)
+                runs.append([])
+            spans = runs[at]
+            if spans and spans[-1][1] + 1 == block.index:
+                spans[-1] = (spans[-1][0], block.index)
+            else:
+                spans.append((block.index, block.index))
+            chosen.append(block)
+            lease.placements.append(
+                BlockPlacement(
+                    at, block.home.slab.offset(block.index), block.record.nbytes, block.record.digest
+                )
+            )
+        try:
+            for home, spans in zip(homes, runs, strict=True):
+                lease.fds.append(home.slab.lease(spans))
+        except BaseException:
+            lease.close()
+            raise
+        if hit:
+            self._stats.block_hits += len(chosen)
+            for block in reversed(chosen):
+                self._touch(block)
+        return lease
+
+    def count_miss(self, blocks: int = 1) -> None:
+        self._stats.block_misses += blocks
+
+    def data_of(self, key: bytes) -> tuple[Slab, int, SlotRecord] | None:
+        """Where a held block's bytes are in the daemon's own mapping (for the durable writer, which
+        reads them through a lease it takes first)."""
+        block = self._blocks.get(key)
+        if block is None:
+            return None
+        return block.home.slab, block.index, block.record
+
+    # ------------------------------------------------------------------ admission
+    def reserve(self, record: SlotRecord) -> Pending:
+        """A slot for a new block (may evict the least recently used entries and blocks first)."""
+        if record.nbytes > self.max_block:
+            raise TooLarge(f"a block of {record.nbytes} bytes is larger than L2 takes ({self.max_block})")
+        size = slot_class(max(record.nbytes, 1))
+        group = self._groups.setdefault((record.space, size), _Group())
+        for _ in range(len(group.free)):  # a free, pre-faulted slot nobody still reads
+            home, index = group.free.popleft()
+            if home.slab.has_readers(index):
+                group.free.append((home, index))
+                continue
+            home.state[index] = _WRITING
+            return Pending(record, home, index, home.slab.data(index, record.nbytes), True)
+        self._make_room(size)
+        home, index = self._hole(group, record.space, size)
+        try:
+            home.slab.allocate(index)
+        except NoSpace:
+            group.holes.append((home, index))
+            self._drop_if_empty(home, group)
+            raise
+        home.state[index] = _WRITING
+        self.charged += size
+        return Pending(record, home, index, home.slab.data(index, record.nbytes), False)
+
+    def _hole(self, group: _Group, space: bytes, size: int) -> tuple[_SlabState, int]:
+        if group.holes:
+            return group.holes.pop()
+        slots = slots_for(size, self._slab_target)
+        header = -(-(4096 + slots * 256) // 4096) * 4096
+        self._make_room(size + header)
+        slab = Slab.create(self.directory, size, slots)
+        home = _SlabState(slab, space, [_HOLE] * slots)
+        group.homes.append(home)
+        group.holes.extend((home, index) for index in range(slots - 1, 0, -1))
+        self.charged += slab.header_bytes
+        return home, 0
+
+    def commit(self, pending: Pending, digest: bytes, *, durable: bool) -> bool:
+        """Writes the slot's record (the commit point) and indexes the block; False (and the slot freed)
+        when the key was committed meanwhile by another put."""
+        pending.view.release()
+        record = pending.record
+        if record.key in self._blocks:
+            self.abort(pending, released=True)
+            return False
+        tick = self._tick()
+        final = SlotRecord(
+            key=record.key, space=record.space, identity=record.identity, block_tokens=record.block_tokens,
+            parent=record.parent, nbytes=record.nbytes, digest=digest, last_use=tick, durable=durable,
+        )  # fmt: skip
+        pending.home.slab.write_record(pending.index, final)
+        pending.home.state[pending.index] = _USED
+        self._index(_Block(final, pending.home, pending.index, tick))
+        self._payload += final.nbytes
+        self._stats.block_inserts += 1
+        return True
+
+    def abort(self, pending: Pending, *, released: bool = False) -> None:
+        if not released:
+            pending.view.release()
+        self._free(pending.home, pending.index)
+
+    def _free(self, home: _SlabState, index: int) -> None:
+        home.state[index] = _FREE
+        self._groups[(home.space, home.slab.slot_size)].free.append((home, index))
+
+    def mark_written(self, key: bytes) -> None:
+        """The block's L3 copy is on disk: its record no longer asks for one."""
+        block = self._blocks.get(key)
+        if block is not None and block.record.durable:
+            block.record = _with(block.record, durable=False)
+            block.home.slab.write_record(block.index, block.record)
+
+    def durable_wanted(self) -> list[SlotRecord]:
+        """Every held block whose record still asks for an L3 copy (re-queued at start)."""
+        return [block.record for block in self._blocks.values() if block.record.durable]
+
+    # ------------------------------------------------------------------ eviction and removal
+    def oldest_tick(self) -> int | None:
+        block = next(iter(self._blocks.values()), None)
+        return block.last_use if block is not None else None
+
+    def evict_oldest(self) -> bool:
+        block = next(iter(self._blocks.values()), None)
+        if block is None:
+            return False
+        self._stats.block_evictions += 1
+        self._remove_chain(block.record.key)
+        return True
+
+    def release_free(self) -> bool:
+        """Gives back one free slot's memory (and its slab's, once none is in use); False when none can."""
+        for group in list(self._groups.values()):
+            for _ in range(len(group.free)):
+                home, index = group.free.popleft()
+                if home.slab.has_readers(index):
+                    group.free.append((home, index))
+                    continue
+                self._punch(group, home, index)
+                return True
+        return False
+
+    def _punch(self, group: _Group, home: _SlabState, index: int) -> None:
+        home.slab.punch(index)
+        home.state[index] = _HOLE
+        group.holes.append((home, index))
+        self.charged -= home.slab.slot_size
+        self._drop_if_empty(home, group)
+
+    def remove(self, keys: Iterable[bytes]) -> int:
+        """Removes these blocks and every block continuing them; returns how many."""
+        before = len(self._blocks)
+        for key in keys:
+            if key in self._blocks:
+                self._remove_chain(key)
+        return before - len(self._blocks)
+
+    def remove_identity(self, identity: bytes) -> int:
+        """Removes every block of an identity (every block size); returns how many."""
+        keys = [b.record.key for b in self._blocks.values() if b.record.identity == identity]
+        return self.remove(keys)
+
+    def clear(self) -> int:
+        """Removes every block and gives back every free slot nobody still reads."""
+        count = len(self._blocks)
+        for key in list(self._blocks):
+            if key in self._blocks:
+                self._remove_chain(key)
+        for group in list(self._groups.values()):
+            for _ in range(len(group.free)):
+                home, index = group.free.popleft()
+                if home.slab.has_readers(index):
+                    group.free.append((home, index))
+                else:
+                    self._punch(group, home, index)
+        return count
+
+    def _remove_chain(self, key: bytes) -> None:
+        stack = [key]
+        first = True
+        while stack:
+            current = stack.pop()
+            block = self._blocks.pop(current, None)
+            if block is None:
+                continue
+            if not first:
+                self._stats.block_cascade_evictions += 1
+            first = False
+            stack.extend(self._children.pop(current, ()))
+            parent = block.record.parent
+            if parent is not None:
+                siblings = self._children.get(parent)
+                if siblings is not None:
+                    siblings.discard(current)
+                    if not siblings:
+                        del self._children[parent]
+            self._dirty.discard(current)
+            block.home.slab.clear_record(block.index)
+            self._free(block.home, block.index)
+            self._payload -= block.record.nbytes
+            summary = self._spaces.get(block.record.space)
+            if summary is not None:
+                summary.count -= 1
+                summary.nbytes -= block.home.slab.slot_size
+                if summary.count <= 0:
+                    del self._spaces[block.record.space]
+
+    def _drop_if_empty(self, home: _SlabState, group: _Group) -> None:
+        if all(state == _HOLE for state in home.state):
+            group.homes.remove(home)
+            group.holes = [(h, i) for h, i in group.holes if h is not home]
+            self.charged -= home.slab.header_bytes
+            home.slab.unlink()
+            if not group.homes:
+                self._groups.pop((home.space, home.slab.slot_size), None)
+
+    # ------------------------------------------------------------------ start and stop
+    def adopt(self, *, verify: bool = True) -> None:
+        """Re-adopts the committed slots an earlier process left (their record checksum and, with
+        ``verify``, their digest checked); frees the rest."""
+        found: list[_Block] = []
+        for path in sorted(self.directory.iterdir()):
+            if not path.name.endswith(SLAB_SUFFIX) or path.is_symlink() or not path.is_file():
+                remove(path)
+                continue
+            try:
+                slab = Slab.open(path)
+            except (BadSlab, OSError, ValueError) as exc:
+                log.warning("dropping block slab %s: %s", path.name, exc)
+                remove(path)
+                continue
+            home = _SlabState(slab, b"", [_HOLE] * slab.slots)
+            records = [slab.record(index) for index in range(slab.slots)]
+            home.space = next((r.space for r in records if r is not None), b"")
+            for index, found_record in enumerate(records):
+                record = found_record
+                if record is not None and (record.nbytes > slab.slot_size or record.space != home.space):
+                    record = None  # (a slab holds one space: anything else was never written by us)
+                if record is not None and verify and not _digest_holds(slab, index, record):
+                    log.warning("dropping a block of %s whose bytes fail their digest", path.name)
+                    self._stats.block_adopt_dropped += 1
+                    record = None
+                if record is None:
+                    slab.clear_record(index)
+                    if slab.has_readers(index):
+                        home.state[index] = _FREE  # someone still reads it: its pages stay
+                    else:
+                        slab.punch(index)
+                    continue
+                home.state[index] = _USED
+                found.append(_Block(record, home, index, record.last_use))
+            if all(state == _HOLE for state in home.state):
+                slab.unlink()
+                continue
+            group = self._groups.setdefault((home.space, slab.slot_size), _Group())
+            group.homes.append(home)
+            for index, state in enumerate(home.state):
+                if state == _FREE:
+                    group.free.append((home, index))
+                elif state == _HOLE:
+                    group.holes.append((home, index))
+            self.charged += home.charged()
+        found.sort(key=lambda b: b.last_use)
+        for block in found:
+            if block.record.key in self._blocks:  # the same key twice: keep the newer
+                self._stats.block_adopt_dropped += 1
+                block.home.slab.clear_record(block.index)
+                self._free(block.home, block.index)
+                continue
+            self._index(block)
+            self._payload += block.record.nbytes
+            self._stats.block_adopted += 1
+
+    def flush_recency(self) -> None:
+        dirty, self._dirty = self._dirty, set()
+        for key in dirty:
+            block = self._blocks.get(key)
+            if block is not None:
+                block.home.slab.set_last_use(block.index, block.last_use)
+
+    def close(self) -> None:
+        self.flush_recency()
+        for group in self._groups.values():
+            for home in group.homes:
+                home.slab.close()
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> L2BlockStats:
+        stats = L2BlockStats(**{name: getattr(self._stats, name) for name in L2BlockStats.__slots__})
+        stats.block_count = len(self._blocks)
+        stats.block_bytes = sum(s.nbytes for s in self._spaces.values())
+        stats.block_payload_bytes = self._payload
+        stats.block_slabs = sum(len(group.homes) for group in self._groups.values())
+        stats.block_slab_bytes = self.charged
+        stats.block_free_slots = sum(len(group.free) for group in self._groups.values())
+        return stats
+
+    def spaces(self) -> list[SpaceSummary]:
+        return [
+            SpaceSummary(s.space, s.identity, s.block_tokens, s.count, s.nbytes)
+            for s in self._spaces.values()
+        ]
+
+    # ------------------------------------------------------------------ internals
+    def _index(self, block: _Block) -> None:
+        record = block.record
+        self._blocks[record.key] = block
+        if record.parent is not None:
+            self._children.setdefault(record.parent, set()).add(record.key)
+        summary = self._spaces.get(record.space)
+        if summary is None:
+            summary = self._spaces[record.space] = SpaceSummary(
+                record.space, record.identity, record.block_tokens
+            )
+        summary.count += 1
+        summary.nbytes += block.home.slab.slot_size
+
+    def _touch(self, block: _Block) -> None:
+        block.last_use = self._tick()
+        self._blocks.move_to_end(block.record.key)
+        self._dirty.add(block.record.key)
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Marks held ``keys`` used, the last first (so a chain's head stays its newest)."""
+        for key in reversed(keys):
+            block = self._blocks.get(key)
+            if block is not None:
+                self._touch(block)
+
+
+def _digest_holds(slab: Slab, index: int, record: SlotRecord) -> bool:
+    view = slab.data(index, record.nbytes)
+    try:
+        return bytes(blake3(view, max_threads=blake3.AUTO).digest()) == record.digest
+    finally:
+        view.release()
+
+
+def _with(record: SlotRecord, *, durable: bool) -> SlotRecord:
+    return SlotRecord(
+        key=record.key, space=record.space, identity=record.identity, block_tokens=record.block_tokens,
+        parent=record.parent, nbytes=record.nbytes, digest=record.digest, last_use=record.last_use,
+        durable=durable,
+    )  # fmt: skip

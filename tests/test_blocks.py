@@ -1,0 +1,230 @@
+"""Blocks over a real daemon: chained keys, dedup, leading runs, isolation, leases, eviction, restarts."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from daemonutil import DaemonProcess
+
+import skippyd
+from skippyd.errors import InvalidArgument
+
+MODEL, STATE = "block-model@sha256:0", "paged-kv-v1"
+BLOCK = 16
+BLOCK_BYTES = 64 * 1024
+
+
+def block_data(count: int, seed: int, nbytes: int = BLOCK_BYTES) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen) for _ in range(count)]
+
+
+def space(client: skippyd.Client, **overrides: Any) -> skippyd.BlockSpace:
+    args = {"model": MODEL, "state": STATE, "namespace": "", "block_tokens": BLOCK, **overrides}
+    return client.blocks(**args)
+
+
+def test_a_second_turn_stores_only_its_new_blocks(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        blocks = space(client)
+        turn1 = list(range(5 * BLOCK + 3))  # 5 whole blocks and a partial one
+        turn2 = turn1 + list(range(1000, 1000 + 3 * BLOCK))
+        keys1, keys2 = blocks.keys(turn1), blocks.keys(turn2)
+        assert len(keys1) == 5 and len(keys2) == 8 and keys2[:5] == keys1
+        assert all(len(key) == 32 for key in keys2)
+        data = block_data(8, seed=1)
+        first = blocks.put(keys1, data[:5])
+        assert (first.stored, first.present, first.nbytes) == (5, 0, 5 * BLOCK_BYTES)
+        second = blocks.put(keys2, data)
+        assert (second.stored, second.present, second.nbytes) == (3, 5, 3 * BLOCK_BYTES)
+        stats = client.stats()
+        assert stats["l2"]["block_count"] == 8
+        assert stats["l2"]["block_bytes"] == 8 * BLOCK_BYTES
+        assert stats["ops"]["block_bytes_offered"] == 13 * BLOCK_BYTES
+        assert stats["ops"]["block_bytes_written"] == 8 * BLOCK_BYTES
+        got = blocks.get(keys2)
+        assert [bytes(t.numpy()) for t in got] == [bytes(t.numpy()) for t in data]
+
+
+def test_contains_counts_the_leading_run_and_stops_at_a_hole(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(6 * BLOCK)))
+        data = block_data(6, seed=2)
+        blocks.put(keys[:3], data[:3])
+        blocks.put(keys[4:], data[4:], parent=keys[3])  # its parent is not held: a hole before it
+        assert blocks.contains(keys) == 3
+        assert blocks.contains(keys[:2]) == 2
+        assert blocks.contains([]) == 0
+        assert blocks.contains([b"other", *keys]) == 0
+        assert len(blocks.get(keys)) == 3
+        out = [torch.zeros(BLOCK_BYTES, dtype=torch.uint8) for _ in range(6)]
+        assert blocks.get_into(keys, out) == 3
+        assert all(torch.equal(out[i], data[i]) for i in range(3))
+        assert not out[3].any()
+
+
+def test_engine_keys_of_1_and_64_bytes_work_and_0_or_65_are_refused(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        blocks = space(client)
+        keys = [b"\x01", bytes(range(64))]
+        data = block_data(2, seed=3, nbytes=4096)
+        assert blocks.put(keys, data).stored == 2
+        assert blocks.contains(keys) == 2
+        for bad in (b"", bytes(65)):
+            with pytest.raises(InvalidArgument, match="1 to 64"):
+                blocks.contains([bad])
+            with pytest.raises(InvalidArgument, match="1 to 64"):
+                blocks.put([bad], data[:1])
+        for bad in (b"", bytes(65)):  # the daemon checks for itself what this library refused already
+            with pytest.raises(InvalidArgument, match="1 to 64"):
+                client._call(
+                    {
+                        "op": "blocks_contains",
+                        "model": MODEL,
+                        "state": STATE,
+                        "block_tokens": BLOCK,
+                        "keys": [bad],
+                    }
+                )
+    assert "Traceback" not in daemon.log_text()
+
+
+def test_the_same_key_in_another_model_state_namespace_or_block_size_is_another_block(
+    daemon: DaemonProcess,
+) -> None:
+    with daemon.client() as client:
+        base = space(client)
+        key = [b"engine-block-hash-0"]
+        base.put(key, block_data(1, seed=4))
+        for other in (
+            {"model": "another-model"},
+            {"state": "another-layout"},
+            {"namespace": "tenant-b"},
+            {"block_tokens": 32},
+        ):
+            assert space(client, **other).contains(key) == 0, other
+        assert base.contains(key) == 1
+        tokens = list(range(2 * BLOCK))
+        assert space(client, namespace="tenant-b").keys(tokens) != base.keys(tokens)
+
+
+def test_a_held_block_never_changes_under_a_reader_or_a_later_put(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(2 * BLOCK)))
+        original = block_data(2, seed=5)
+        blocks.put(keys, original)
+        again = blocks.put(keys, block_data(2, seed=6))  # other bytes for the same keys: left as they are
+        assert (again.stored, again.present) == (0, 2)
+        views = blocks.get(keys)
+        views[0].fill_(0)  # a private copy-on-write mapping: the store never sees this
+        fresh = blocks.get(keys)
+        assert torch.equal(fresh[0], original[0]) and torch.equal(fresh[1], original[1])
+        assert not views[0].any()
+
+
+def test_a_leased_slot_is_not_reused_until_its_reader_lets_go(make_daemon: Any) -> None:
+    proc = make_daemon(budget="4MiB").start()
+    with proc.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(BLOCK)))
+        original = block_data(1, seed=7)
+        blocks.put(keys, original)
+        held = blocks.get(keys)[0]
+        client.evict(model=MODEL, state=STATE, blocks=True)
+        assert blocks.contains(keys) == 0
+        # fill the tier many times over: the leased slot must keep its bytes while we hold the view
+        for round_ in range(8):
+            more = blocks.keys(list(range(10_000 * (round_ + 1), 10_000 * (round_ + 1) + 16 * BLOCK)))
+            blocks.put(more, block_data(16, seed=100 + round_))
+        assert torch.equal(held, original[0])
+        assert client.stats()["l2"]["block_slab_bytes"] <= 4 << 20
+
+
+def test_eviction_takes_a_chain_from_its_tail(make_daemon: Any) -> None:
+    proc = make_daemon(budget="2MiB").start()
+    with proc.client() as client:
+        blocks = space(client)
+        chain = blocks.keys(list(range(8 * BLOCK)))
+        blocks.put(chain, block_data(8, seed=8))
+        before = blocks.contains(chain)
+        assert before == 8
+        # a second, newer chain that needs room: the first one loses blocks from its end only
+        other = blocks.keys(list(range(50_000, 50_000 + 26 * BLOCK)))  # 34 blocks of 64 KiB > 2 MiB
+        blocks.put(other, block_data(26, seed=9))
+        held = blocks.contains(chain)
+        assert 0 < held < 8
+        stats = client.stats()["l2"]
+        # every block still in memory is reachable: nothing beyond a chain's first missing block is kept
+        reachable = held + blocks.contains(other)
+        assert stats["block_count"] == reachable
+
+
+def test_blocks_survive_a_daemon_restart_verified(make_daemon: Any) -> None:
+    proc = make_daemon().start()
+    with proc.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        data = block_data(4, seed=10)
+        blocks.put(keys, data, durable=False)
+    assert proc.stop() == 0
+    proc.start()
+    with proc.client() as client:
+        blocks = space(client)
+        assert blocks.contains(keys) == 4
+        assert client.stats()["l2"]["block_adopted"] == 4
+        assert all(torch.equal(a, b) for a, b in zip(blocks.get(keys), data, strict=True))
+
+
+def test_puts_of_buffers_any_dtype_and_get_into_buffers(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        blocks = space(client)
+        keys = [b"k0", b"k1", b"k2"]
+        as_bf16 = torch.randn(1024, dtype=torch.bfloat16)
+        data: list[Any] = [as_bf16, np.arange(512, dtype=np.int32), bytearray(b"x" * 100)]
+        assert blocks.put(keys, data).stored == 3
+        out: list[Any] = [bytearray(2048), np.zeros(2048, dtype=np.uint8), bytearray(100)]
+        assert blocks.get_into(keys, out) == 3
+        assert bytes(out[0]) == as_bf16.view(torch.uint8).numpy().tobytes()
+        assert out[1].tobytes() == np.arange(512, dtype=np.int32).tobytes()
+        assert bytes(out[2]) == b"x" * 100
+        with pytest.raises(skippyd.Mismatch):
+            blocks.get_into(keys[:1], [bytearray(10)])
+
+
+def test_async_block_calls_match_the_blocking_ones(daemon: DaemonProcess) -> None:
+    async def main() -> tuple[int, int, list[bytes]]:
+        async with skippyd.AsyncClient(daemon.socket) as client:
+            blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+            keys = blocks.keys(list(range(3 * BLOCK)))
+            put = await blocks.put(keys, block_data(3, seed=11))
+            held = await blocks.contains(keys)
+            got = await blocks.get(keys)
+            out = [bytearray(BLOCK_BYTES) for _ in keys]
+            assert await blocks.get_into(keys, out) == 3
+            assert [bytes(b) for b in out] == [bytes(t.numpy()) for t in got]
+            return put.stored, held, [bytes(t.numpy()) for t in got]
+
+    stored, held, got = asyncio.run(main())
+    assert (stored, held) == (3, 3)
+    assert got == [bytes(t.numpy()) for t in block_data(3, seed=11)]
+    with daemon.client() as client:
+        assert space(client).contains(space(client).keys(list(range(3 * BLOCK)))) == 3
+
+
+def test_a_get_longer_than_one_reply_comes_back_whole(make_daemon: Any) -> None:
+    proc = make_daemon(budget="64MiB").start()
+    with proc.client() as client:
+        blocks = space(client)
+        # 9 spaces' worth of slabs would exceed the descriptors of one reply; one space with small slabs
+        # too: 600 blocks of 64 KiB are 3 slabs of 256 slots
+        keys = blocks.keys(list(range(600 * BLOCK)))
+        data = block_data(600, seed=12)
+        assert blocks.put(keys, data).stored == 600
+        got = blocks.get(keys)
+        assert len(got) == 600 and torch.equal(got[599], data[599])
