@@ -10,13 +10,20 @@
 * **contains**: the leading run of keys held in L2 or L3, from memory.
 * **get**: the leading run held, leased for reading: descriptors of the slabs (one per slab, at most
   :data:`~skippyd.protocol.MAX_FDS` a reply) and where each block is; the client asks again for the
-  rest of a longer run.
+  rest of a longer run. Blocks only L3 holds are read and verified first (on a worker thread): into L2
+  slots when the promotion rules say so (the second hit within the window, across the scope), into a
+  sealed memfd served once otherwise.
+* **durable**: a stored block's record asks for an L3 copy until its pack is fsynced
+  (:mod:`skippyd.packer`); ``"sync"`` waits for that fsync.
 
 Nothing here touches sockets or imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import mmap
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,15 +32,20 @@ import numpy as np
 from blake3 import blake3
 
 from .errors import InvalidArgument, NoSpace, SkippydError, TooLarge
+from .fills import PromotionPolicy
 from .keys import BlockSpaceId, bind_keys
 from .l2 import L2Tier
-from .l2.blocks import Lease, Pending
+from .l2.blocks import BlockPlacement, Lease, Pending
 from .l2.slabs import SlotRecord
-from .shm import _copy_pool
+from .l3 import L3Store
+from .l3.packs import PackRecord
+from .packer import BlockWriter
+from .shm import PAGE, _copy_pool, memfd, seal_readonly
 
 __all__ = ["BlockCounters", "BlockRules", "PutOutcome", "Served"]
 
 _PARALLEL_BYTES = 1 << 20  # puts smaller than this are copied and hashed on the calling thread
+_FILL_BYTES = 64 << 20  # what one get reads from L3 at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +64,7 @@ class Served:
 
     lease: Lease
     held: int
+    needs_disk: bool = False
 
 
 @dataclass(slots=True)
@@ -66,12 +79,26 @@ class BlockCounters:
     block_gets: int = 0
     block_get_blocks: int = 0
     block_get_bytes: int = 0
+    block_promotions: int = 0  # blocks an L3 hit brought into L2
 
 
 class BlockRules:
-    def __init__(self, l2: L2Tier, *, copy_threads: int = 2) -> None:
+    def __init__(
+        self,
+        l2: L2Tier,
+        *,
+        l3: L3Store | None = None,
+        writer: BlockWriter | None = None,
+        promotions: PromotionPolicy | None = None,
+        copy_threads: int = 2,
+        sync_timeout: float = 20.0,
+    ) -> None:
         self.l2 = l2
+        self.l3 = l3
+        self.writer = writer
+        self.promotions = promotions
         self._copy_threads = max(1, copy_threads)
+        self._sync_timeout = sync_timeout
         self.counters = BlockCounters()
         self._lock = threading.Lock()
 
@@ -80,31 +107,185 @@ class BlockRules:
             for name, delta in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
+    def _on_disk(self, key: bytes) -> bool:
+        return self.l3 is not None and self.l3.blocks.holds(key)
+
     # ----------------------------------------------------------------- contains / get
     def contains(self, space: BlockSpaceId, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are held."""
+        """How many leading ``keys`` are held (L2 or L3)."""
         bound = bind_keys(space, keys)
         self._count(block_contains=1)
         with self.l2.lock:
-            return self.l2.blocks.held(bound)
+            return self._run(bound)
+
+    def _run(self, bound: Sequence[bytes]) -> int:
+        blocks = self.l2.blocks
+        held = blocks.held(bound)
+        if self.l3 is None:
+            return held
+        for key in bound[held:]:
+            if not (blocks.holds(key) or self.l3.blocks.holds(key)):
+                break
+            held += 1
+        return held
 
     def held(self, space: BlockSpaceId, keys: Sequence[bytes]) -> list[bool]:
         """Which of ``keys`` are held, each (what a client asks before it copies a put's data)."""
         bound = bind_keys(space, keys)
         with self.l2.lock:
-            return [self.l2.blocks.holds(key) for key in bound]
+            return [self.l2.blocks.holds(key) or self._on_disk(key) for key in bound]
 
-    def get(self, space: BlockSpaceId, keys: Sequence[bytes], *, max_fds: int) -> Served:
+    def get(
+        self, space: BlockSpaceId, keys: Sequence[bytes], *, max_fds: int, may_read: bool = True
+    ) -> Served:
+        """The leading held run, leased. Blocks only L3 holds are read (verified) first: into L2 when the
+        promotion rules say so, into a sealed memfd otherwise. With ``may_read=False`` (the event loop)
+        a run that needs the disk comes back with ``needs_disk`` set and nothing leased."""
         bound = bind_keys(space, keys)
         with self.l2.lock:
-            blocks = self.l2.blocks
-            held = blocks.held(bound)
-            lease = blocks.lease(bound[:held], max_fds=max_fds)
-            if held < len(bound):
-                blocks.count_miss()
+            held = self._run(bound)
+            run = bound[:held]
+            from_disk = [key for key in run if not self.l2.blocks.holds(key)]
+            if not from_disk:
+                lease = self.l2.blocks.lease(run, max_fds=max_fds)
+                return self._served(lease, held, len(bound))
+        if not may_read:
+            return Served(Lease(), held, needs_disk=True)
+        return self._get_with_disk(space, run, from_disk, held, len(bound), max_fds)
+
+    def _served(self, lease: Lease, held: int, asked: int) -> Served:
+        if held < asked:
+            self.l2.blocks.count_miss()
         served = lease.placements
         self._count(block_gets=1, block_get_blocks=len(served), block_get_bytes=sum(p.nbytes for p in served))
         return Served(lease, held)
+
+    def _get_with_disk(  # noqa: PLR0917 - one get's state, passed on
+        self,
+        space: BlockSpaceId,
+        run: list[bytes],
+        from_disk: list[bytes],
+        held: int,
+        asked: int,
+        max_fds: int,
+    ) -> Served:
+        assert self.l3 is not None
+        records: list[PackRecord] = []
+        total = 0
+        for key in from_disk:  # one reply reads at most _FILL_BYTES from the disk; the client asks again
+            record = self.l3.blocks.record(key)
+            if record is None or (records and total + record.nbytes > _FILL_BYTES):
+                break
+            records.append(record)
+            total += record.nbytes
+        self.l3.blocks.touch(r.key for r in records)
+        promote = bool(records) and self._promote(space, records, total)
+        read: set[bytes] = set()
+        memfd: tuple[int, dict[bytes, int]] | None = None
+        try:
+            if promote:
+                read = self._promote_into_l2(records)
+            elif records:
+                memfd = self._read_into_memfd(records)
+                read = set(memfd[1])
+            self.l3.blocks.count(hits=len(read), misses=0)
+            with self.l2.lock:
+                usable: list[bytes] = []
+                for key in run:  # the run as far as it is now readable, in order
+                    if not (self.l2.blocks.holds(key) or key in read):
+                        break
+                    usable.append(key)
+                in_l2 = [
+                    key for key in usable if self.l2.blocks.holds(key) and not (memfd and key in memfd[1])
+                ]
+                lease = self.l2.blocks.lease(in_l2, max_fds=max_fds - (1 if memfd else 0))
+            placements = iter(lease.placements)
+            merged: list[BlockPlacement] = []
+            memfd_at = len(lease.fds)
+            for key in usable:
+                if memfd is not None and key in memfd[1]:
+                    record = self.l3.blocks.record(key) or next(r for r in records if r.key == key)
+                    merged.append(BlockPlacement(memfd_at, memfd[1][key], record.nbytes, record.digest))
+                    continue
+                placement = next(placements, None)
+                if placement is None:  # out of descriptors: the client asks again for the rest
+                    break
+                merged.append(placement)
+            lease.placements = merged
+            if memfd is not None:
+                lease.fds.append(memfd[0])
+                memfd = None
+            return self._served(lease, held, asked)
+        finally:
+            if memfd is not None:
+                os.close(memfd[0])
+
+    def _promote(self, space: BlockSpaceId, records: list[PackRecord], total: int) -> bool:
+        if self.promotions is None:
+            return True
+        try:
+            return self.promotions.consider(records[-1].key.hex(), len(records) * space.block_tokens, total)
+        except Exception:  # a policy that fails promotes nothing; the run is still served
+            return False
+
+    def _promote_into_l2(self, records: list[PackRecord]) -> set[bytes]:
+        """Reads the run into new L2 slots, verified; returns the keys that made it."""
+        assert self.l3 is not None
+        blocks = self.l2.blocks
+        pending: list[Pending] = []
+        with self.l2.lock:
+            for record in records:
+                if blocks.holds(record.key):
+                    continue
+                slot_record = SlotRecord(
+                    key=record.key, space=record.space, identity=record.identity,
+                    block_tokens=record.block_tokens, parent=record.parent, nbytes=record.nbytes,
+                    digest=record.digest,
+                )  # fmt: skip
+                try:
+                    pending.append(blocks.reserve(slot_record))
+                except (NoSpace, TooLarge):
+                    break
+        done = 0
+        try:
+            done = self.l3.blocks.read_into([p.record.key for p in pending], [p.view for p in pending])
+        finally:
+            with self.l2.lock:
+                for index, slot in enumerate(pending):
+                    if index < done:
+                        blocks.commit(slot, slot.record.digest, durable=False)
+                    else:
+                        blocks.abort(slot)
+        if done and self.promotions is not None:
+            with contextlib.suppress(Exception):
+                self.promotions.settle(records[-1].key.hex())
+        self._count(block_promotions=done)
+        return {p.record.key for p in pending[:done]} | {r.key for r in records if blocks.holds(r.key)}
+
+    def _read_into_memfd(self, records: list[PackRecord]) -> tuple[int, dict[bytes, int]]:
+        """Reads the run into a sealed memfd (served once, not kept); returns it and each key's offset."""
+        assert self.l3 is not None
+        offsets, cursor = [], 0
+        for record in records:
+            offsets.append(cursor)
+            cursor += -(-max(record.nbytes, 1) // PAGE) * PAGE
+        fd = memfd("skippyd-blocks", cursor, seal=False)
+        try:
+            mapping = mmap.mmap(fd, cursor, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            view = memoryview(mapping)
+            views = [view[o : o + r.nbytes] for o, r in zip(offsets, records, strict=True)]
+            try:
+                done = self.l3.blocks.read_into([r.key for r in records], views)
+            finally:
+                for v in views:
+                    v.release()
+                view.release()
+                mapping.close()
+            seal_readonly(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, {r.key: o for r, o in zip(records[:done], offsets, strict=False)}
 
     # ----------------------------------------------------------------- put
     def put(
@@ -131,6 +312,8 @@ class BlockRules:
         parent_key = bind_keys(space, [parent])[0] if parent is not None else None
         space_digest = bytes.fromhex(space.digest)
         identity = bytes.fromhex(space.identity.digest)
+        to_disk = bool(durable) and self.writer is not None
+        epoch = self.writer.epoch if self.writer is not None else 0
         pending: list[tuple[int, Pending]] = []
         present = skipped = 0
         failure: SkippydError | None = None
@@ -139,7 +322,7 @@ class BlockRules:
             blocks.touch(bound)  # the held ones become the newest before anything is evicted for the rest
             taken: set[bytes] = set()
             for index, key in enumerate(bound):
-                if blocks.holds(key) or key in taken:
+                if blocks.holds(key) or key in taken or self._on_disk(key):
                     present += 1
                     continue
                 if offsets[index] < 0 or failure is not None:
@@ -165,26 +348,33 @@ class BlockRules:
                     blocks.abort(slot)
             raise
         stored = nbytes = 0
+        committed: list[bytes] = []
         with self.l2.lock:
             for (index, slot), digest in zip(pending, digests, strict=True):
                 parent_of = slot.record.parent
-                if parent_of is not None and not blocks.holds(parent_of):
+                if parent_of is not None and not (blocks.holds(parent_of) or self._on_disk(parent_of)):
                     blocks.abort(slot)  # a hole before it: contains could never reach it
                     skipped += 1
                     continue
-                if blocks.commit(slot, digest, durable=False):
+                if blocks.commit(slot, digest, durable=to_disk):
                     stored += 1
                     nbytes += sizes[index]
+                    committed.append(slot.record.key)
                 else:
                     present += 1
             blocks.touch(bound)
         if failure is not None and stored == 0 and present == 0:
             raise failure
+        durability = "none"
+        if to_disk and self.writer is not None:
+            durability = self.writer.submit(
+                committed, identity, epoch, nbytes, sync=durable == "sync", timeout=self._sync_timeout
+            )
         self._count(
             block_puts=1, block_put_offered=len(bound), block_put_stored=stored, block_put_present=present,
             block_bytes_offered=sum(sizes), block_bytes_written=nbytes,
         )  # fmt: skip
-        return PutOutcome(stored, present, skipped, nbytes, "none")
+        return PutOutcome(stored, present, skipped, nbytes, durability)
 
     def _fill(
         self,
@@ -210,12 +400,26 @@ class BlockRules:
 
     # ----------------------------------------------------------------- admin
     def evict_identity(self, identity_digest: str) -> int:
+        """Every block of an identity, from both tiers (queued durable writes of it are dropped)."""
+        identity = bytes.fromhex(identity_digest)
+        if self.writer is not None:
+            self.writer.forget(identity)
         with self.l2.lock:
-            return self.l2.blocks.remove_identity(bytes.fromhex(identity_digest))
+            removed = self.l2.blocks.remove_identity(identity)
+        if self.l3 is not None:
+            with self.l3.lock:
+                removed = max(removed, self.l3.blocks.remove_identity(identity))
+        return removed
 
     def clear(self) -> int:
+        if self.writer is not None:
+            self.writer.forget(None)
         with self.l2.lock:
-            return self.l2.blocks.clear()
+            removed = self.l2.blocks.clear()
+        if self.l3 is not None:
+            with self.l3.lock:
+                removed = max(removed, self.l3.blocks.clear())
+        return removed
 
     def stats(self) -> BlockCounters:
         with self._lock:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from . import __version__
+from .blocks import Served
 from .config import FIELDS, Config, config_values, derived_settings
 from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMismatch, describe
 from .fills import FillStats
@@ -318,6 +319,7 @@ class Handlers:
             blocks=tiers.blocks,
             l3=tiers.l3,
             durable=tiers.durable,
+            block_writer=tiers.block_writer,
             reconciliation=tiers.reconciliation,
             server=self.server.stats(),
             redis=self.coordinator.status() if self.coordinator is not None else RedisStatus(),
@@ -345,13 +347,12 @@ class Handlers:
             return Reply({"count": count, "held": bytes(held)})
         return Reply({"count": self.tiers.blocks.contains(space, keys)})
 
-    def op_blocks_get(self, session: Session, body: dict[str, Any]) -> Reply:
-        served = self.tiers.blocks.get(_space(body), _block_keys(body), max_fds=MAX_FDS)
-        lease = served.lease
-        return Reply(
-            {"held": served.held, "blocks": [[p.fd_index, p.offset, p.nbytes] for p in lease.placements]},
-            lease.fds,
-        )
+    def op_blocks_get(self, session: Session, body: dict[str, Any]) -> Reply | Deferred:
+        space, keys = _space(body), _block_keys(body)
+        served = self.tiers.blocks.get(space, keys, max_fds=MAX_FDS, may_read=False)
+        if served.needs_disk:  # some of the run is only in L3: read (and verify) it on a worker
+            return Deferred(lambda: _blocks_reply(self.tiers.blocks.get(space, keys, max_fds=MAX_FDS)))
+        return _blocks_reply(served)
 
     def op_blocks_put(self, session: Session, body: dict[str, Any]) -> Reply:
         space, keys = _space(body), _block_keys(body)
@@ -423,6 +424,14 @@ class Handlers:
         raise InvalidArgument("evict takes a digest (or a prefix of at least 8 hex digits), a key "
                               "(model, state, namespace, tokens), an identity's blocks (model, state, "
                               "namespace, blocks=true), or all=true")  # fmt: skip
+
+
+def _blocks_reply(served: Served) -> Reply:
+    lease = served.lease
+    return Reply(
+        {"held": served.held, "blocks": [[p.fd_index, p.offset, p.nbytes] for p in lease.placements]},
+        lease.fds,
+    )
 
 
 def _restore_reply(opened: Opened | None) -> Reply:

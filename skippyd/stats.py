@@ -22,6 +22,7 @@ from .fills import FillStats
 from .l2 import L2Stats
 from .l3 import L3Stats, Reconciliation
 from .latency import LatencyTracker
+from .packer import BlockWriterStats
 from .tiers import Counters
 from .workers import ThreadHealth
 
@@ -109,6 +110,7 @@ class Snapshot:
     blocks: BlockCounters = field(default_factory=BlockCounters)
     l3: L3Stats | None = None
     durable: DurableStats | None = None
+    block_writer: BlockWriterStats | None = None
     reconciliation: Reconciliation | None = None
     server: ServerStats = field(default_factory=ServerStats)
     redis: RedisStatus = field(default_factory=RedisStatus)
@@ -131,7 +133,10 @@ class Snapshot:
         if self.l3 is not None:
             doc["l3"] = _wire(self.l3)
         if self.durable is not None:
-            doc["durable"] = _wire(self.durable)
+            doc["durable"] = {
+                **_wire(self.durable),
+                **(_wire(self.block_writer) if self.block_writer else {}),
+            }
         if self.reconciliation is not None:
             report = self.reconciliation.as_dict()
             report["problems"] = report["problems"][:20]
@@ -154,6 +159,9 @@ class Snapshot:
             blocks=from_fields(BlockCounters, ops),
             l3=from_fields(L3Stats, doc["l3"]) if isinstance(doc.get("l3"), dict) else None,
             durable=from_fields(DurableStats, doc["durable"])
+            if isinstance(doc.get("durable"), dict)
+            else None,
+            block_writer=from_fields(BlockWriterStats, doc["durable"])
             if isinstance(doc.get("durable"), dict)
             else None,
             reconciliation=(

@@ -35,6 +35,7 @@ from .fills import PROMOTER, FillStats, FillTable, PromotionPolicy
 from .keys import Identity, cache_key, prefix_keys, token_count
 from .l2 import Held, L2Stats, L2Tier, copy_into
 from .l3 import L3Ref, L3Stats, L3Store, Reconciliation
+from .packer import BlockWriter, BlockWriterStats
 from .payload import Entry, EntryRef, TensorDecl, TensorSpec, plan_layout
 from .workers import Health
 
@@ -136,6 +137,7 @@ class TiersStats:
     fills: FillStats | None
     l3: L3Stats | None
     durable: DurableStats | None
+    block_writer: BlockWriterStats | None
     reconciliation: Reconciliation | None
 
 
@@ -196,7 +198,15 @@ class Tiers:
                 queue_size=promotion_queue, copy_threads=copy_threads,
             )  # fmt: skip
         self._lock = threading.Lock()
-        self.blocks = BlockRules(l2, copy_threads=copy_threads)
+        self.block_writer: BlockWriter | None = None
+        if l3 is not None:
+            self.block_writer = BlockWriter(l2, l3, self.health, queue_size=l3_queue * 64)
+            self.block_writer.recover()
+            self.block_writer.start()
+        self.blocks = BlockRules(
+            l2, l3=l3, writer=self.block_writer, promotions=promotions, copy_threads=copy_threads,
+            sync_timeout=sync_timeout,
+        )  # fmt: skip
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -496,6 +506,7 @@ class Tiers:
             fills=self.fills.stats() if self.fills is not None else None,
             l3=l3.stats() if l3 is not None else None,
             durable=self.writer.stats() if self.writer is not None else None,
+            block_writer=self.block_writer.stats() if self.block_writer is not None else None,
             reconciliation=l3.last_reconciliation if l3 is not None else None,
         )
 
@@ -510,6 +521,8 @@ class Tiers:
         Durable writes left undone keep their markers and are written by the next start."""
         if self.writer is not None:
             self.writer.close(timeout)
+        if self.block_writer is not None:
+            self.block_writer.close(timeout)
         if self.fills is not None:
             self.fills.close(timeout)
         if self.l3 is not None:

@@ -141,7 +141,7 @@ def test_a_leased_slot_is_not_reused_until_its_reader_lets_go(make_daemon: Any) 
         # fill the tier many times over: the leased slot must keep its bytes while we hold the view
         for round_ in range(8):
             more = blocks.keys(list(range(10_000 * (round_ + 1), 10_000 * (round_ + 1) + 16 * BLOCK)))
-            blocks.put(more, block_data(16, seed=100 + round_))
+            blocks.put(more, block_data(16, seed=100 + round_), durable=False)
         assert torch.equal(held, original[0])
         assert client.stats()["l2"]["block_slab_bytes"] <= 4 << 20
 
@@ -151,12 +151,12 @@ def test_eviction_takes_a_chain_from_its_tail(make_daemon: Any) -> None:
     with proc.client() as client:
         blocks = space(client)
         chain = blocks.keys(list(range(8 * BLOCK)))
-        blocks.put(chain, block_data(8, seed=8))
+        blocks.put(chain, block_data(8, seed=8), durable=False)  # L2 alone: what it evicts is gone
         before = blocks.contains(chain)
         assert before == 8
         # a second, newer chain that needs room: the first one loses blocks from its end only
         other = blocks.keys(list(range(50_000, 50_000 + 26 * BLOCK)))  # 34 blocks of 64 KiB > 2 MiB
-        blocks.put(other, block_data(26, seed=9))
+        blocks.put(other, block_data(26, seed=9), durable=False)
         held = blocks.contains(chain)
         assert 0 < held < 8
         stats = client.stats()["l2"]

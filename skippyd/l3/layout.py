@@ -5,6 +5,8 @@
       objects/<o[:2]>/<object>.obj   one data region, shared by every manifest with the same bytes+layout
       manifests/<k[:2]>/<key>.man    one entry's manifest (:mod:`.manifest`); its mtime is the last use
       links/<identity>/<count>.<key> which token counts an identity has (rebuilt when missing)
+      packs/<ns>-<rand>.pack         blocks, one immutable pack per group commit (:mod:`.packs`)
+      packs/<ns>-<rand>.dead         the indexes of a pack's records that were removed since
       quarantine/<ns>-<name>         files that failed verification, with <ns>-<name>.why: the reason
       tmp/                           writes in progress
 
@@ -46,6 +48,10 @@ class Layout:
         return self.root / "links"
 
     @property
+    def packs(self) -> Path:
+        return self.root / "packs"
+
+    @property
     def quarantine_dir(self) -> Path:
         return self.root / "quarantine"
 
@@ -54,7 +60,9 @@ class Layout:
         return self.root / "tmp"
 
     def create(self) -> None:
-        private_dirs(self.root, self.objects, self.manifests, self.links, self.quarantine_dir, self.tmp)
+        private_dirs(
+            self.root, self.objects, self.manifests, self.links, self.packs, self.quarantine_dir, self.tmp
+        )
 
     def object_path(self, name: str) -> Path:
         return self.objects / name[:2] / f"{name}.obj"

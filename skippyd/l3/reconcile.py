@@ -44,6 +44,7 @@ class Reconciliation:
     orphans_collected: int = 0
     objects_renamed: int = 0  # regions of earlier stores (named by digest alone) given their current name
     verified: int = 0
+    blocks: int = 0  # live blocks found in packs
     problems: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:

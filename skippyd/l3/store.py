@@ -37,6 +37,7 @@ from skippyd.payload import Entry, EntryRef, payload_digest
 from . import reconcile as recovery
 from .layout import Layout
 from .manifest import MAX_MANIFEST, SEGMENT_BYTES, Manifest, decode_manifest, encode_manifest, object_id
+from .packs import L3Blocks, L3BlockStats
 from .reconcile import Reconciliation
 
 __all__ = ["L3Ref", "L3Stats", "L3Store"]
@@ -56,7 +57,9 @@ class L3Ref:
 
 
 @dataclass(slots=True)
-class L3Stats:
+class L3Stats(L3BlockStats):
+    """The store's counters: its entries' below, its blocks' (``block_*``) from :class:`L3BlockStats`."""
+
     entries: int = 0
     objects: int = 0
     bytes: int = 0  # everything on disk: objects, manifests, quarantine, in-flight writes
@@ -127,6 +130,15 @@ class L3Store:
         self.last_reconciliation = Reconciliation()
         self.layout.create()
         self._lock_fd = take_owner_lock(self.directory)
+        self.blocks = L3Blocks(
+            self.layout.packs, self.layout.tmp, self._lock,
+            make_room=self._room_for_blocks, quarantine=self._quarantine_path,
+        )  # fmt: skip
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The store's lock: its entries and its blocks (:attr:`blocks`) change under it."""
+        return self._lock
 
     @classmethod
     def open(
@@ -158,6 +170,7 @@ class L3Store:
                 return
             self._closed = True
             self.flush_recency()
+            self.blocks.close()
             self._hasher.shutdown(wait=True)
             os.close(self._lock_fd)
 
@@ -183,9 +196,11 @@ class L3Store:
             for found in scan.found:  # oldest use first
                 self._index_record(_Record(found.manifest.entry.ref(), found.manifest.object, found.size,
                                            found.last_use))  # fmt: skip
-            self._quarantine_bytes = sum(size for _, size in self.layout.quarantined())
             report = scan.report
+            report.problems += self.blocks.reconcile()
+            self._quarantine_bytes = sum(size for _, size in self.layout.quarantined())
             report.manifests = len(self._index)
+            report.blocks = self.blocks.stats().block_count
         if verify_objects:
             self._verify_all(report, progress)
         if report.problems:
@@ -235,7 +250,13 @@ class L3Store:
                 del self._object_keys[record.object]
 
     def _used(self) -> int:
-        return self._object_bytes + self._manifest_bytes + self._quarantine_bytes + self._inflight
+        return (
+            self._object_bytes
+            + self._manifest_bytes
+            + self._quarantine_bytes
+            + self._inflight
+            + self.blocks.bytes
+        )
 
     def _drop_object_if_unused(self, name: str) -> None:
         if name not in self._object_keys and name in self._objects:
@@ -309,6 +330,7 @@ class L3Store:
 
     def flush_recency(self) -> None:
         with self._lock:
+            self.blocks.flush_recency()
             dirty, self._dirty = self._dirty, set()
             for key in dirty:
                 record = self._index.get(key)
@@ -455,10 +477,28 @@ class L3Store:
                 self._quarantine_bytes -= size
         while self._used() > target:
             victim = self._index.oldest()
+            oldest_pack = self.blocks.oldest_tick()
+            if oldest_pack is not None and (victim is None or oldest_pack < victim.last_use):
+                self.blocks.evict_oldest()
+                continue
             if victim is None:
                 return
             self._remove_record(victim)
             self._stats.evictions += 1
+
+    def _room_for_blocks(self, need: int) -> None:
+        """Admits a pack of ``need`` bytes (lock held): refused past the budget or the disk floor, room
+        made by eviction otherwise."""
+        if need > self.budget_bytes * _EVICT_TO:
+            self._stats.refused_writes += 1
+            raise TooLarge(f"a pack of {need} bytes does not fit the L3 budget ({self.budget_bytes})")
+        free = self.free_disk()
+        if free - need < self.min_free_bytes:
+            self._stats.refused_writes += 1
+            if free < need:
+                raise NoSpace(f"the L3 disk is full: {free} bytes free, the write needs {need}")
+            raise NoSpace("L3 is read-only: the write would take the disk below its minimum free space")
+        self._make_room(need)
 
     def _remove_record(self, record: _Record) -> None:
         self._unindex(record)
@@ -606,6 +646,9 @@ class L3Store:
             stats.inflight_bytes = self._inflight
             stats.free_disk_bytes = free
             stats.readonly = free < self.min_free_bytes
+            blocks = self.blocks.stats()
+            for name in L3BlockStats.__slots__:
+                setattr(stats, name, getattr(blocks, name))
             return stats
 
     def keys(self) -> list[str]:

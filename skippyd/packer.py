@@ -1,0 +1,266 @@
+"""The durable writer of blocks: L2 slots → L3 packs, in the background, one pack per batch.
+
+* **Intent survives a crash.** A durable block's slot record carries a flag from its commit until its
+  pack is fsynced; a new daemon re-queues every flagged block L3 lacks (:meth:`BlockWriter.recover`).
+* **Group commit.** The thread takes every job queued (up to ``batch_bytes``) and writes them as one
+  pack: one fsync per batch. While it reads a slot it holds a lease on it, like any reader.
+* **Evictions win.** Each job remembers the eviction epoch it was queued in; a pack's block whose
+  identity (or everything) was evicted since is dead on arrival, so nothing evicted comes back from L3.
+* A batch that L3 cannot take (disk floor, budget) is kept and tried again later (``deferred``); its
+  blocks keep their flag. A sync put waits for its own batch's fsync, within its timeout.
+* When nothing is queued, the thread compacts a pack that is at least half dead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from .errors import NoSpace, SkippydError, TooLarge
+from .l2 import L2Tier
+from .l2.slabs import Slab, SlotRecord
+from .l3 import L3Store
+from .l3.packs import BlockItem, PackRecord
+from .workers import Health
+
+__all__ = ["BlockWriter", "BlockWriterStats"]
+
+log = logging.getLogger("skippyd.packer")
+
+THREAD = "skippyd-l3-blocks"
+_RETRY_S = 5.0
+
+
+@dataclass(slots=True)
+class BlockWriterStats:
+    block_jobs_queued: int = 0
+    block_queue_depth: int = 0
+    block_backlog: int = 0  # blocks waiting for L3 to have room
+    block_writes_deferred: int = 0
+    block_write_failures: int = 0
+    block_recovered: int = 0
+
+
+@dataclass(slots=True)
+class _Job:
+    keys: list[bytes]
+    identity: bytes
+    epoch: int
+    nbytes: int
+    done: threading.Event | None = None
+    written: bool = False
+    attempts: int = 0
+    ready_at: float = 0.0
+
+
+@dataclass(slots=True)
+class _Evictions:
+    """Explicit evictions, in order: (epoch, identity or None for everything)."""
+
+    epoch: int = 0
+    log: list[tuple[int, bytes | None]] = field(default_factory=list)
+
+    def evicted_since(self, epoch: int, identity: bytes) -> bool:
+        return any(e > epoch and (who is None or who == identity) for e, who in self.log)
+
+
+class BlockWriter:
+    def __init__(
+        self, l2: L2Tier, l3: L3Store, health: Health, *, batch_bytes: int = 64 << 20, queue_size: int = 4096
+    ) -> None:
+        self.l2, self.l3, self.health = l2, l3, health
+        self._batch_bytes = batch_bytes
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
+        self._backlog: list[_Job] = []
+        self._lock = threading.Lock()
+        self._evictions = _Evictions()
+        self._stats = BlockWriterStats()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ------------------------------------------------------------------ the request side
+    @property
+    def epoch(self) -> int:
+        with self._lock:
+            return self._evictions.epoch
+
+    def submit(
+        self, keys: list[bytes], identity: bytes, epoch: int, nbytes: int, *, sync: bool, timeout: float
+    ) -> str:
+        """Queues these committed blocks for L3: ``"queued"``, ``"written"`` (sync, fsynced), or
+        ``"deferred"`` (the queue is full, or a sync wait ran out: written later unless evicted)."""
+        if not keys:
+            return "written" if sync else "queued"
+        job = _Job(keys, identity, epoch, nbytes, threading.Event() if sync else None)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            with self._lock:
+                self._stats.block_writes_deferred += 1
+                self._backlog.append(job)
+            return "deferred"
+        with self._lock:
+            self._stats.block_jobs_queued += 1
+        if job.done is None:
+            return "queued"
+        job.done.wait(timeout)
+        return "written" if job.written else "deferred"
+
+    def forget(self, identity: bytes | None) -> None:
+        """An explicit eviction: blocks of ``identity`` (None: all) queued before now are not written."""
+        with self._lock:
+            self._evictions.epoch += 1
+            self._evictions.log.append((self._evictions.epoch, identity))
+            del self._evictions.log[:-64]  # older evictions than the queue's oldest job do not matter
+
+    def _wanted(self, job: _Job) -> bool:
+        with self._lock:
+            return not self._evictions.evicted_since(job.epoch, job.identity)
+
+    # ------------------------------------------------------------------ lifecycle
+    def recover(self) -> int:
+        """Queues every block whose record still asks for an L3 copy (a crash came before its pack)."""
+        with self.l2.lock:
+            wanted = self.l2.blocks.durable_wanted()
+        by_identity: dict[bytes, list[bytes]] = {}
+        written = []
+        for record in wanted:
+            if self.l3.blocks.holds(record.key):
+                written.append(record.key)
+            else:
+                by_identity.setdefault(record.identity, []).append(record.key)
+        with self.l2.lock:
+            for key in written:
+                self.l2.blocks.mark_written(key)
+        count = 0
+        for identity, keys in by_identity.items():
+            job = _Job(keys, identity, self.epoch, 0)
+            with self._lock:
+                self._backlog.append(job)
+            count += len(job.keys)
+        with self._lock:
+            self._stats.block_recovered += count
+        return count
+
+    def start(self) -> None:
+        self._thread = self.health.start(THREAD, self._run)
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Writes what is queued (within ``timeout``), then stops; what is left keeps its flags."""
+        self._stopping = True
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=min(timeout, 1.0))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def stats(self) -> BlockWriterStats:
+        with self._lock:
+            stats = BlockWriterStats(**{n: getattr(self._stats, n) for n in BlockWriterStats.__slots__})
+            stats.block_backlog = sum(len(job.keys) for job in self._backlog)
+        stats.block_queue_depth = self._queue.qsize()
+        return stats
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        while True:
+            try:
+                first = self._queue.get(timeout=1.0)
+                stop = first is None
+            except queue.Empty:
+                first, stop = None, False
+            jobs = [first] if first is not None else []
+            total = jobs[0].nbytes if jobs else 0
+            while total < self._batch_bytes:
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                jobs.append(more)
+                total += more.nbytes
+            now = time.monotonic()
+            with self._lock:
+                ready = [job for job in self._backlog if job.ready_at <= now or stop]
+                self._backlog = [job for job in self._backlog if job not in ready]
+            jobs += ready
+            if jobs:
+                with self.health.guard(THREAD, "writing blocks to L3 failed"):
+                    self._write(jobs)
+            elif not stop:
+                with self.health.guard(THREAD, "compacting an L3 pack failed"):
+                    candidate = self.l3.blocks.compaction_candidate()
+                    if candidate:
+                        self.l3.blocks.compact(candidate)
+            if stop or (self._stopping and self._queue.empty()):
+                return
+
+    def _write(self, jobs: list[_Job]) -> None:
+        items: list[BlockItem] = []
+        owners: dict[bytes, _Job] = {}
+        leases: list[int] = []
+        views = []
+        live = [job for job in jobs if self._wanted(job)]
+        try:
+            with self.l2.lock:
+                by_slab: dict[int, tuple[Slab, list[int]]] = {}
+                for job in live:
+                    for key in job.keys:
+                        found = self.l2.blocks.data_of(key)
+                        if found is None or key in owners:
+                            continue
+                        slab, index, record = found
+                        by_slab.setdefault(id(slab), (slab, []))[1].append(index)
+                        view = slab.data(index, record.nbytes)
+                        views.append(view)
+                        owners[key] = job
+                        items.append(BlockItem(_pack_record(record), view))
+                for slab, indexes in by_slab.values():
+                    leases.append(slab.lease([(i, i) for i in sorted(indexes)]))
+            if items:
+                try:
+                    self.l3.blocks.write(items, wanted=lambda key: self._wanted(owners[key]))
+                except (NoSpace, TooLarge, OSError) as exc:
+                    self._defer(live, exc)
+                    return
+                except BaseException:
+                    self._defer(live, None)
+                    raise
+            with self.l2.lock:
+                for key in owners:
+                    if self.l3.blocks.holds(key):
+                        self.l2.blocks.mark_written(key)
+            for job in jobs:
+                job.written = True
+                if job.done is not None:
+                    job.done.set()
+        finally:
+            for view in views:
+                view.release()
+            for fd in leases:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _defer(self, jobs: list[_Job], exc: SkippydError | OSError | None) -> None:
+        with self._lock:
+            self._stats.block_writes_deferred += len(jobs)
+            if exc is None:
+                self._stats.block_write_failures += 1
+            for job in jobs:
+                job.attempts += 1
+                job.ready_at = time.monotonic() + min(60.0, _RETRY_S * job.attempts)
+                self._backlog.append(job)
+                if job.done is not None:
+                    job.done.set()  # its waiter hears "deferred"
+        if exc is not None:
+            log.warning("L3 cannot take %d block job(s) now (%s); they are retried later", len(jobs), exc)
+
+
+def _pack_record(r: SlotRecord) -> PackRecord:
+    return PackRecord(r.key, r.space, r.identity, r.block_tokens, r.parent, r.nbytes, r.digest)

@@ -1,0 +1,239 @@
+"""Blocks in L3 over a real daemon: packs survive kill -9 and reboots, reads verify, promotion, compaction."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+from blake3 import blake3
+from daemonutil import DaemonProcess, eventually
+
+import skippyd
+from skippyd.l3 import L3Store
+from skippyd.l3.packs import BlockItem, PackRecord
+
+MODEL, STATE = "block-model@sha256:1", "paged-kv-v1"
+BLOCK = 16
+NBYTES = 64 * 1024
+
+
+def block_data(count: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, generator=gen) for _ in range(count)]
+
+
+def blocks_of(client: skippyd.Client) -> skippyd.BlockSpace:
+    return client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+
+
+def reboot(proc: DaemonProcess) -> None:
+    """The daemon stopped and the tmpfs wiped, as a reboot leaves them: only L3 is left."""
+    shutil.rmtree(proc.shm_dir)
+    proc.shm_dir.mkdir()
+
+
+def packs(proc: DaemonProcess) -> list[Path]:
+    return sorted((proc.state_dir / "l3" / "packs").glob("*.pack"))
+
+
+def test_sync_blocks_come_back_from_l3_after_a_reboot(make_daemon: Any) -> None:
+    proc = make_daemon().start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(6 * BLOCK)))
+        data = block_data(6, seed=1)
+        put = blocks.put(keys, data, durable="sync")
+        assert (put.stored, put.durability) == (6, "written")
+        assert client.stats()["l3"]["block_count"] == 6
+    assert proc.stop() == 0
+    reboot(proc)
+    proc.start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        assert client.stats()["l2"]["block_count"] == 0
+        assert blocks.contains(keys) == 6
+        got = blocks.get(keys)
+        assert all(torch.equal(a, b) for a, b in zip(got, data, strict=True))
+        out = [torch.empty(NBYTES, dtype=torch.uint8) for _ in keys]
+        assert blocks.get_into(keys, out) == 6
+        assert all(torch.equal(a, b) for a, b in zip(out, data, strict=True))
+
+
+def test_an_l3_hit_is_promoted_into_l2_on_the_second_hit(make_daemon: Any) -> None:
+    proc = make_daemon().start()
+    with proc.client() as client:
+        keys = blocks_of(client).keys(list(range(4 * BLOCK)))
+        blocks_of(client).put(keys, block_data(4, seed=2), durable="sync")
+    proc.stop()
+    reboot(proc)
+    proc.start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        assert len(blocks.get(keys)) == 4
+        assert client.stats()["l2"]["block_count"] == 0  # first hit: served from a one-off memfd
+        assert len(blocks.get(keys)) == 4
+        stats = client.stats()
+        assert stats["l2"]["block_count"] == 4  # second hit within the window: promoted
+        assert stats["ops"]["block_promotions"] == 4
+
+
+def test_plain_durable_blocks_reach_l3_within_seconds_of_a_restart_after_kill_9(make_daemon: Any) -> None:
+    proc = make_daemon().start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(32 * BLOCK)))
+        put = blocks.put(keys, block_data(32, seed=3))
+        assert put.stored == 32 and put.durability in ("queued", "written")
+    proc.kill9()
+    proc.start()
+    with proc.client() as client:
+        eventually(lambda: client.stats()["l3"]["block_count"] == 32, timeout=20)
+    proc.stop()
+    reboot(proc)
+    proc.start()
+    with proc.client() as client:
+        assert blocks_of(client).contains(keys) == 32
+
+
+def test_kill_9_during_batch_puts_serves_no_torn_block_and_keeps_every_acknowledged_sync_block(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon().start()
+    expected: dict[bytes, torch.Tensor] = {}
+    acknowledged: list[bytes] = []
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(8 * BLOCK)))
+        data = block_data(8, seed=4)
+        blocks.put(keys, data, durable="sync")
+        acknowledged += keys
+        expected.update(zip(keys, data, strict=True))
+    stop = threading.Event()
+
+    def writer() -> None:
+        with proc.client() as client:
+            blocks = blocks_of(client)
+            for turn in range(1000):
+                if stop.is_set():
+                    return
+                chain = blocks.keys(list(range(100_000 * (turn + 1), 100_000 * (turn + 1) + 16 * BLOCK)))
+                chunk = block_data(16, seed=1000 + turn)
+                expected.update(zip(chain, chunk, strict=True))
+                try:
+                    put = blocks.put(chain, chunk, durable="sync")
+                except skippyd.SkippydError:
+                    return
+                if put.durability == "written":
+                    acknowledged.extend(chain)
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    eventually(lambda: len(acknowledged) > 8 + 32, timeout=30)
+    proc.kill9()
+    stop.set()
+    thread.join(30)
+    proc.start()  # tmpfs kept: L2 adopts what it holds, L3 reconciles its packs
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        held = [key for key in expected if blocks.contains([key]) == 1]
+        assert set(acknowledged) <= set(held)
+        for key in held:  # every block served has exactly the bytes that were put
+            (got,) = blocks.get([key])
+            assert torch.equal(got, expected[key])
+    proc.stop()
+    reboot(proc)
+    proc.start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        assert all(blocks.contains([key]) == 1 for key in acknowledged)
+
+
+def test_a_bit_flip_in_a_pack_is_a_miss_and_a_quarantine_never_wrong_bytes(make_daemon: Any) -> None:
+    proc = make_daemon().start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        data = block_data(4, seed=5)
+        blocks.put(keys, data, durable="sync")
+    proc.stop()
+    reboot(proc)
+    (pack,) = packs(proc)
+    raw = bytearray(pack.read_bytes())
+    raw[2 * NBYTES + 100] ^= 0x01  # inside the third block's bytes
+    pack.write_bytes(raw)
+    proc.start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        got = blocks.get(keys)
+        assert len(got) <= 2
+        assert all(torch.equal(a, b) for a, b in zip(got, data, strict=False))
+        stats = client.stats()["l3"]
+        assert stats["block_corrupt"] == 1
+        assert blocks.contains(keys) == 0  # the pack is out of service
+    quarantined = list((proc.state_dir / "l3" / "quarantine").iterdir())
+    assert any(p.name.endswith(".why") for p in quarantined)
+    assert "Traceback" not in proc.log_text()
+
+
+def test_evicting_an_identitys_blocks_removes_them_from_both_tiers_for_good(make_daemon: Any) -> None:
+    proc = make_daemon().start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        blocks.put(keys, block_data(4, seed=6), durable="sync")
+        other = client.blocks(model="other-model", state=STATE, block_tokens=BLOCK)
+        other.put(keys, block_data(4, seed=7), durable="sync")
+        assert client.evict(model=MODEL, state=STATE, blocks=True) == 4
+        assert blocks.contains(keys) == 0 and other.contains(keys) == 4
+    proc.kill9()
+    proc.start()
+    with proc.client() as client:
+        assert blocks_of(client).contains(keys) == 0
+        assert client.blocks(model="other-model", state=STATE, block_tokens=BLOCK).contains(keys) == 4
+
+
+def _item(identity: bytes, n: int) -> BlockItem:
+    data = bytes([n % 256]) * (5000 + n)
+    record = PackRecord(
+        key=bytes([n]) * 32, space=bytes(32), identity=identity, block_tokens=BLOCK, parent=None,
+        nbytes=len(data), digest=bytes(blake3(data).digest()),
+    )  # fmt: skip
+    return BlockItem(record, memoryview(data))
+
+
+def test_a_pack_left_mostly_dead_is_compacted_and_its_live_blocks_kept(tmp_path: Path) -> None:
+    a, b = b"a" * 32, b"b" * 32
+    with L3Store.open(tmp_path / "l3", 1 << 30) as store:
+        items = [_item(a, n) for n in range(6)] + [_item(b, n) for n in range(6, 8)]
+        assert store.blocks.write(items) == 8
+        assert store.blocks.compaction_candidate() is None
+        with store.lock:
+            assert store.blocks.remove_identity(a) == 6
+        candidate = store.blocks.compaction_candidate()
+        assert candidate is not None and sorted(candidate) == sorted(i.record.key for i in items[6:])
+        assert store.stats().block_dead_bytes > 0
+        assert store.blocks.compact(candidate)
+        stats = store.stats()
+        assert (stats.block_count, stats.block_packs, stats.block_dead_bytes) == (2, 1, 0)
+    with L3Store.open(tmp_path / "l3", 1 << 30) as store:  # and a restart finds just the new pack
+        assert store.stats().block_count == 2
+        for item in items[6:]:
+            view = memoryview(bytearray(item.record.nbytes))
+            assert store.blocks.read_into([item.record.key], [view]) == 1
+            assert bytes(view) == bytes(item.data)
+        assert not store.blocks.holds(items[0].record.key)
+
+
+def test_removed_blocks_stay_removed_after_a_restart_and_duplicates_resolve_to_the_newest(
+    tmp_path: Path,
+) -> None:
+    with L3Store.open(tmp_path / "l3", 1 << 30) as store:
+        first = [_item(b"a" * 32, n) for n in range(3)]
+        store.blocks.write(first)
+        with store.lock:
+            store.blocks.remove([first[1].record.key])
+    with L3Store.open(tmp_path / "l3", 1 << 30) as store:
+        assert [store.blocks.holds(i.record.key) for i in first] == [True, False, True]
