@@ -181,44 +181,75 @@ class BlockRules:
         self.l3.blocks.touch(r.key for r in records)
         promote = bool(records) and self._promote(space, records, total)
         read: set[bytes] = set()
-        memfd: tuple[int, dict[bytes, int]] | None = None
+        # blocks read for this reply alone: descriptors, and each key's descriptor (of those) and offset
+        extra_fds: list[int] = []
+        extra: dict[bytes, tuple[int, int]] = {}
         try:
             if promote:
                 read = self._promote_into_l2(records)
             elif records:
-                memfd = self._read_into_memfd(records)
-                read = set(memfd[1])
+                extra_fds, extra = self._read_for_once(records)
+                read = set(extra)
             self.l3.blocks.count(hits=len(read), misses=0)
             with self.l2.lock:
                 usable: list[bytes] = []
                 for key in run:  # the run as far as it is now readable, in order
-                    if not (self.l2.blocks.holds(key) or key in read):
+                    if not (key in extra or self.l2.blocks.holds(key) or key in read):
                         break
                     usable.append(key)
-                in_l2 = [
-                    key for key in usable if self.l2.blocks.holds(key) and not (memfd and key in memfd[1])
-                ]
-                lease = self.l2.blocks.lease(in_l2, max_fds=max_fds - (1 if memfd else 0))
+                in_l2 = [key for key in usable if key not in extra]
+                lease = self.l2.blocks.lease(in_l2, max_fds=max(1, max_fds - len(extra_fds)))
             placements = iter(lease.placements)
             merged: list[BlockPlacement] = []
-            memfd_at = len(lease.fds)
+            base = len(lease.fds)
             for key in usable:
-                if memfd is not None and key in memfd[1]:
-                    record = self.l3.blocks.record(key) or next(r for r in records if r.key == key)
-                    merged.append(BlockPlacement(memfd_at, memfd[1][key], record.nbytes, record.digest))
+                if key in extra:
+                    fd_index, offset = extra[key]
+                    record = next(r for r in records if r.key == key)
+                    merged.append(BlockPlacement(base + fd_index, offset, record.nbytes, record.digest))
                     continue
                 placement = next(placements, None)
                 if placement is None:  # out of descriptors: the client asks again for the rest
                     break
                 merged.append(placement)
             lease.placements = merged
-            if memfd is not None:
-                lease.fds.append(memfd[0])
-                memfd = None
+            lease.fds += extra_fds
+            extra_fds = []
             return self._served(lease, held, asked)
         finally:
-            if memfd is not None:
-                os.close(memfd[0])
+            for fd in extra_fds:
+                os.close(fd)
+
+    def _read_for_once(self, records: list[PackRecord]) -> tuple[list[int], dict[bytes, tuple[int, int]]]:
+        """Reads a run that has not earned a place in L2 for one reply: into free pre-faulted L2 slots
+        when there are enough (leased to the reply, then freed: nobody reuses them while it reads), else
+        into a sealed memfd."""
+        assert self.l3 is not None
+        blocks = self.l2.blocks
+        borrowed: list[Pending] = []
+        with self.l2.lock:
+            for record in records:
+                slot = blocks.reserve_free(_slot_record(record))
+                if slot is None:
+                    break
+                borrowed.append(slot)
+            if len(borrowed) < len(records) or len({id(p.home) for p in borrowed}) > 4:
+                for slot in borrowed:
+                    blocks.abort(slot)
+                borrowed = []
+        if not borrowed:
+            fd, offsets = self._read_into_memfd(records)
+            return [fd], {key: (0, offset) for key, offset in offsets.items()}
+        done = 0
+        try:
+            done = self.l3.blocks.read_into([r.key for r in records], [p.view for p in borrowed])
+            with self.l2.lock:
+                fds, where = blocks.lease_pending(borrowed[:done])
+        finally:
+            with self.l2.lock:
+                for slot in borrowed:
+                    blocks.abort(slot)  # free again; the reply's read locks keep them from reuse
+        return fds, {records[i].key: where[i] for i in range(done)}
 
     def _promote(self, space: BlockSpaceId, records: list[PackRecord], total: int) -> bool:
         if self.promotions is None:
@@ -237,13 +268,8 @@ class BlockRules:
             for record in records:
                 if blocks.holds(record.key):
                     continue
-                slot_record = SlotRecord(
-                    key=record.key, space=record.space, identity=record.identity,
-                    block_tokens=record.block_tokens, parent=record.parent, nbytes=record.nbytes,
-                    digest=record.digest,
-                )  # fmt: skip
                 try:
-                    pending.append(blocks.reserve(slot_record))
+                    pending.append(blocks.reserve(_slot_record(record)))
                 except (NoSpace, TooLarge):
                     break
         done = 0
@@ -424,6 +450,13 @@ class BlockRules:
     def stats(self) -> BlockCounters:
         with self._lock:
             return BlockCounters(**{name: getattr(self.counters, name) for name in BlockCounters.__slots__})
+
+
+def _slot_record(record: PackRecord) -> SlotRecord:
+    return SlotRecord(
+        key=record.key, space=record.space, identity=record.identity, block_tokens=record.block_tokens,
+        parent=record.parent, nbytes=record.nbytes, digest=record.digest,
+    )  # fmt: skip
 
 
 def _copy_and_hash(jobs: list[tuple[memoryview, memoryview]]) -> list[bytes]:

@@ -209,6 +209,11 @@ class Config:
     )
     l2_budget: int = _option(parse_size, "4GiB", "bytes the L2 tier may hold in tmpfs")
     max_entry: int = _option(parse_size, 0, "largest entry accepted (0: the L2 budget)")
+    l2_reserve: int = _option(
+        parse_size,
+        "256MiB",
+        "pre-faulted free L2 memory kept ahead of demand (at most a quarter of the budget)",
+    )
     staging_budget: int = _option(parse_size, "2GiB", "shared memory lent to clients for captures")
     fill_budget: int = _option(parse_size, "2GiB", "memory for L3 restores while L2 has no free room (memfd)")
     l3_dir: str = _option(_parse_dir_or_off, "", "L3 disk directory (default <state_dir>/l3; 'off' disables)")

@@ -120,6 +120,7 @@ def run(
             max_entry=config.entry_limit,
             l3_queue=config.l3_queue,
             fill_budget=config.fill_budget,
+            reserve_bytes=config.l2_reserve,
             sync_timeout=config.sync_timeout,
             health=health,
         )

@@ -23,6 +23,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from . import __version__
+from .blocks import BlockCounters
 from .config import parse_addr
 from .coordination import RedisStatus
 from .durable import DurableStats
@@ -31,6 +32,7 @@ from .fills import FillStats
 from .l2 import L2Stats
 from .l3 import L3Stats
 from .latency import BUCKETS_US, OpLatency
+from .packer import BlockWriterStats
 from .stats import ServerStats, Snapshot
 from .tiers import Counters
 
@@ -68,6 +70,18 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("admission_rejects", "admission_rejects", "L2: admissions refused for a digest mismatch", True),
         ("refused_bytes", "refused_bytes", "L2: bytes refused as larger than the whole budget", True),
         ("reader_held_drops", "reader_held_drops", "L2: evicted entries still read by a client", True),
+        ("block_count", "blocks", "L2: blocks held", False),
+        ("block_bytes", "block_bytes", "L2: tmpfs bytes held by blocks (their slots)", False),
+        ("block_slab_bytes", "block_slab_bytes", "L2: tmpfs bytes of block slabs (all slots, headers)",
+         False),
+        ("block_hits", "block_hits", "L2: blocks served from L2", True),
+        ("block_misses", "block_misses", "L2: block gets whose run ended before the last key", True),
+        ("block_evictions", "block_evictions", "L2: blocks evicted to make room", True),
+        ("block_cascade_evictions", "block_cascade_evictions",
+         "L2: blocks evicted with the block they continue (a chain's tail)", True),
+        ("block_prefaulted", "reserve_prefaulted_slots", "L2: slots the reserve faulted in ahead of demand",
+         True),
+        ("block_fresh_slots", "fresh_slots", "L2: slots a put had to fault in on its request path", True),
     )),
     "l3": (L3Stats, "skippyd_l3_", _rows(
         ("entries", "entries", "L3: entries held", False),
@@ -83,6 +97,28 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("corrupt", "corrupt", "L3: entries quarantined after failing verification", True),
         ("bytes_read", "read_bytes", "L3: bytes read", True),
         ("bytes_written", "written_bytes", "L3: bytes written", True),
+        ("block_count", "blocks", "L3: blocks held", False),
+        ("block_bytes", "block_bytes", "L3: bytes of live blocks in packs", False),
+        ("block_dead_bytes", "block_dead_bytes", "L3: bytes of removed blocks awaiting compaction", False),
+        ("block_packs", "block_packs", "L3: pack files", False),
+        ("block_hits", "block_hits", "L3: blocks read and verified for gets", True),
+        ("block_evictions", "block_evictions", "L3: blocks evicted to stay under the cap", True),
+        ("block_compactions", "block_compactions", "L3: packs compacted", True),
+        ("block_corrupt", "block_corrupt", "L3: packs quarantined after a block failed verification", True),
+    )),
+    "blocks": (BlockCounters, "skippyd_", _rows(
+        ("block_puts", "block_puts", "block puts", True),
+        ("block_bytes_offered", "block_offered_bytes", "bytes of the blocks puts named (held or not)", True),
+        ("block_bytes_written", "block_written_bytes", "bytes of the blocks puts stored (rest deduplicated)",
+         True),
+        ("block_get_bytes", "block_get_bytes", "bytes of the blocks gets served", True),
+        ("block_promotions", "block_promotions", "blocks an L3 hit brought into L2", True),
+    )),
+    "block_writer": (BlockWriterStats, "skippyd_", _rows(
+        ("block_queue_depth", "l3_block_queue_depth", "block write jobs queued", False),
+        ("block_backlog", "l3_block_backlog", "blocks waiting for L3 to have room", False),
+        ("block_writes_deferred", "l3_block_writes_deferred", "block write jobs deferred", True),
+        ("block_recovered", "l3_blocks_recovered", "durable blocks re-queued at start", True),
     )),
     "ops": (Counters, "skippyd_", _rows(
         ("corrupt_fallbacks", "corrupt_fallbacks", "restores that fell back to a shorter prefix", True),
@@ -157,7 +193,8 @@ class DaemonCollector(Collector):
         yield _metric("skippyd_uptime_seconds", "seconds since start", False, data.uptime_s)
         sections: dict[str, Any] = {
             "l2": data.l2, "l3": data.l3, "ops": data.ops, "fills": data.fills, "durable": data.durable,
-            "server": data.server, "redis": data.redis if data.redis.configured else None,
+            "blocks": data.blocks, "block_writer": data.block_writer, "server": data.server,
+            "redis": data.redis if data.redis.configured else None,
         }  # fmt: skip
         for name, (_cls, prefix, rows) in TABLES.items():
             stats = sections[name]

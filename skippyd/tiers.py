@@ -34,6 +34,7 @@ from .evictions import EvictionClock
 from .fills import PROMOTER, FillStats, FillTable, PromotionPolicy
 from .keys import Identity, cache_key, prefix_keys, token_count
 from .l2 import Held, L2Stats, L2Tier, copy_into
+from .l2.reserve import Reserve
 from .l3 import L3Ref, L3Stats, L3Store, Reconciliation
 from .packer import BlockWriter, BlockWriterStats
 from .payload import Entry, EntryRef, TensorDecl, TensorSpec, plan_layout
@@ -177,6 +178,7 @@ class Tiers:
         fill_budget: int = 2 << 30,
         sync_timeout: float = 20.0,
         health: Health | None = None,
+        reserve_bytes: int = 0,
     ) -> None:
         self.l2 = l2
         self.l3 = l3
@@ -203,6 +205,8 @@ class Tiers:
             self.block_writer = BlockWriter(l2, l3, self.health, queue_size=l3_queue * 64)
             self.block_writer.recover()
             self.block_writer.start()
+        self.reserve = Reserve(l2, min(reserve_bytes, l2.budget_bytes // 4), self.health)
+        self.reserve.start()
         self.blocks = BlockRules(
             l2, l3=l3, writer=self.block_writer, promotions=promotions, copy_threads=copy_threads,
             sync_timeout=sync_timeout,
@@ -519,6 +523,7 @@ class Tiers:
     def close(self, timeout: float = 10.0) -> None:
         """Lets queued durable writes finish (within ``timeout``), stops the threads, closes the tiers.
         Durable writes left undone keep their markers and are written by the next start."""
+        self.reserve.close()
         if self.writer is not None:
             self.writer.close(timeout)
         if self.block_writer is not None:

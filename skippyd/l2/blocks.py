@@ -22,6 +22,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ log = logging.getLogger("skippyd.l2")
 
 _HOLE, _FREE, _WRITING, _USED = 0, 1, 2, 3
 _SLAB_TARGET = 32 << 20
+_QUIET_S = 0.05  # the reserve waits this long after the last slot was taken
 
 
 @dataclass(slots=True)
@@ -58,6 +60,8 @@ class L2BlockStats:
     block_reader_held_slots: int = 0
     block_adopted: int = 0
     block_adopt_dropped: int = 0
+    block_prefaulted: int = 0  # free slots the reserve faulted in ahead of demand
+    block_fresh_slots: int = 0  # slots a put had to fault in itself
 
 
 @dataclass(slots=True)
@@ -86,9 +90,12 @@ class _SlabState:
 class _Group:
     """The slabs of one space and slot size, with their free (pre-faulted) slots and their holes."""
 
+    space: bytes
+    slot_size: int
     homes: list[_SlabState] = field(default_factory=list)
     free: deque[tuple[_SlabState, int]] = field(default_factory=deque)
     holes: list[tuple[_SlabState, int]] = field(default_factory=list)
+    used_at: float = 0.0  # when a put last took a slot of it (the reserve keeps active groups stocked)
 
 
 @dataclass(slots=True)
@@ -142,11 +149,15 @@ class L2Blocks:
         *,
         budget_bytes: int,
         make_room: Callable[[int], None],
+        room: Callable[[], int],
+        evict_one: Callable[[], bool],
         tick: Callable[[], int],
     ) -> None:
         self.directory = directory
         self._lock = lock
         self._make_room = make_room
+        self._room = room
+        self._evict_one = evict_one
         self._tick = tick
         self._slab_target = max(1 << 20, min(_SLAB_TARGET, budget_bytes // 16))
         self.max_block = min(64 << 20, budget_bytes // 4)
@@ -157,6 +168,7 @@ class L2Blocks:
         self._spaces: dict[bytes, SpaceSummary] = {}
         self._dirty: set[bytes] = set()
         self.charged = 0
+        self._demand_at = 0.0
         self._stats = L2BlockStats()
         private_dirs(directory)
 
@@ -235,12 +247,18 @@ class L2Blocks:
         if record.nbytes > self.max_block:
             raise TooLarge(f"a block of {record.nbytes} bytes is larger than L2 takes ({self.max_block})")
         size = slot_class(max(record.nbytes, 1))
-        group = self._groups.setdefault((record.space, size), _Group())
-        for _ in range(len(group.free)):  # a free, pre-faulted slot nobody still reads
-            home, index = group.free.popleft()
-            if home.slab.has_readers(index):
-                group.free.append((home, index))
-                continue
+        group = self._group(record.space, size)
+        group.used_at = self._demand_at = time.monotonic()
+        taken = self._take_free(group)
+        # A full tier: evict (the older of the oldest entry and the oldest block) until a free slot of this
+        # group turns up or there is room, giving back other groups' free slots first; this group's own
+        # free slots are reused, never punched and faulted in again.
+        while taken is None and self._room() < size:
+            if not (self.release_free(keep=group) or self._evict_one()):
+                break
+            taken = self._take_free(group)
+        if taken is not None:
+            home, index = taken
             home.state[index] = _WRITING
             return Pending(record, home, index, home.slab.data(index, record.nbytes), True)
         self._make_room(size)
@@ -253,7 +271,88 @@ class L2Blocks:
             raise
         home.state[index] = _WRITING
         self.charged += size
+        self._stats.block_fresh_slots += 1
         return Pending(record, home, index, home.slab.data(index, record.nbytes), False)
+
+    def _group(self, space: bytes, size: int) -> _Group:
+        group = self._groups.get((space, size))
+        if group is None:
+            group = self._groups[(space, size)] = _Group(space, size)
+        return group
+
+    def prefault(self, limit: int, *, active_s: float = 60.0) -> int:
+        """Adds one pre-faulted free slot to the active group that has the fewest, while the reserve
+        (free slots of active groups) is under ``limit`` and the budget has room without evicting
+        anything; returns the bytes added (0: nothing to do)."""
+        now = time.monotonic()
+        if now - self._demand_at < _QUIET_S:  # puts are running: faulting pages now would slow them down
+            return 0
+        active = [g for g in self._groups.values() if now - g.used_at < active_s]
+        if not active:
+            return 0
+        share = limit // len(active)
+        for group in sorted(active, key=lambda g: len(g.free) * g.slot_size):
+            size = group.slot_size
+            if len(group.free) * size + size > share:
+                continue
+            header = (
+                0 if group.holes else -(-(4096 + slots_for(size, self._slab_target) * 256) // 4096) * 4096
+            )
+            if self._room() < size + header:
+                return 0
+            home, index = self._hole(group, group.space, size)
+            try:
+                home.slab.allocate(index)
+            except NoSpace:
+                group.holes.append((home, index))
+                self._drop_if_empty(home, group)
+                return 0
+            self.charged += size
+            self._free(home, index)
+            self._stats.block_prefaulted += 1
+            return size
+        return 0
+
+    def reserve_free(self, record: SlotRecord) -> Pending | None:
+        """A free, pre-faulted slot for ``record`` if one is at hand, never by evicting (an L3 read that has
+        not earned a place in L2 yet borrows it)."""
+        size = slot_class(max(record.nbytes, 1))
+        group = self._groups.get((record.space, size))
+        taken = self._take_free(group) if group is not None else None
+        if taken is None:
+            return None
+        home, index = taken
+        home.state[index] = _WRITING
+        return Pending(record, home, index, home.slab.data(index, record.nbytes), True)
+
+    def lease_pending(self, pending: Sequence[Pending]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Read leases on slots still being filled (descriptors, and each slot's descriptor and offset)."""
+        fds: list[int] = []
+        where: list[tuple[int, int]] = []
+        at: dict[int, int] = {}
+        try:
+            for slot in pending:
+                key = id(slot.home)
+                if key not in at:
+                    at[key] = len(fds)
+                    indexes = sorted(p.index for p in pending if p.home is slot.home)
+                    fds.append(slot.home.slab.lease([(i, i) for i in indexes]))
+                where.append((at[key], slot.home.slab.offset(slot.index)))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds, where
+
+    def _take_free(self, group: _Group) -> tuple[_SlabState, int] | None:
+        """A free, pre-faulted slot of ``group`` that nobody still reads."""
+        for _ in range(len(group.free)):
+            home, index = group.free.popleft()
+            if home.slab.has_readers(index):
+                group.free.append((home, index))
+                continue
+            return home, index
+        return None
 
     def _hole(self, group: _Group, space: bytes, size: int) -> tuple[_SlabState, int]:
         if group.holes:
@@ -321,9 +420,12 @@ class L2Blocks:
         self._remove_chain(block.record.key)
         return True
 
-    def release_free(self) -> bool:
-        """Gives back one free slot's memory (and its slab's, once none is in use); False when none can."""
+    def release_free(self, *, keep: _Group | None = None) -> bool:
+        """Gives back one free slot's memory (and its slab's, once none is in use), of any group but
+        ``keep``; False when none can go."""
         for group in list(self._groups.values()):
+            if group is keep:
+                continue
             for _ in range(len(group.free)):
                 home, index = group.free.popleft()
                 if home.slab.has_readers(index):
@@ -445,7 +547,7 @@ class L2Blocks:
             if all(state == _HOLE for state in home.state):
                 slab.unlink()
                 continue
-            group = self._groups.setdefault((home.space, slab.slot_size), _Group())
+            group = self._group(home.space, slab.slot_size)
             group.homes.append(home)
             for index, state in enumerate(home.state):
                 if state == _FREE:

@@ -228,7 +228,7 @@ class L2Tier:
         self._lock_fd = take_owner_lock(self.directory)
         self.blocks = L2Blocks(
             self.directory / "blocks", self._lock, budget_bytes=self.budget_bytes,
-            make_room=self._free_room, tick=self._next_tick,
+            make_room=self._free_room, room=self._room, evict_one=self._evict_one, tick=self._next_tick,
         )  # fmt: skip
 
     @classmethod
@@ -637,6 +637,24 @@ class L2Tier:
         self._index.remove(slot.entry.key)
         self._dirty.discard(slot.entry.key)
         self._bytes -= slot.file.size
+
+    def prefault_step(self, limit: int) -> int:
+        """One step of the reserve: a free block slot faulted in ahead of demand, within ``limit`` bytes
+        of reserve and the budget's free room (never by evicting); returns the bytes it added."""
+        with self._lock:
+            if self._closed:
+                return 0
+            return self.blocks.prefault(limit)
+
+    def _evict_one(self) -> bool:
+        """Frees some memory: a free entry file, else the older of the oldest entry and the oldest block."""
+        if self._pool.drop_one():
+            return True
+        victim = self._index.oldest()
+        oldest_block = self.blocks.oldest_tick()
+        if oldest_block is not None and (victim is None or oldest_block < victim.last_use):
+            return self.blocks.evict_oldest()
+        return self._evict_oldest()
 
     def _evict_oldest(self) -> bool:
         victim = self._index.oldest()

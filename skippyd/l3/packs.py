@@ -200,7 +200,7 @@ class L3Blocks:
         self.bytes = 0  # every pack byte on disk
         self._live_bytes = 0
         self._stats = L3BlockStats()
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippyd-l3-blocks")
+        self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="skippyd-l3-blocks")
         private_dirs(directory)
 
     # ------------------------------------------------------------------ reconciliation

@@ -1,0 +1,348 @@
+"""Blocks over the daemon's socket, one run, each figure beside its reference measured in the same run.
+
+    python -m bench.blocks [--turns 8] [--conversations 10] [--write-docs]
+
+1. ``put`` of 64 MiB as 256 blocks of 256 KiB into a tier with room and into a full one, ``get_into``
+   the same, zero-copy ``get``: beside a numpy memcpy of the same 64 MiB;
+2. ``contains`` of 128 keys (a hit and a miss) and a ping, over the socket;
+3. a multi-turn chat through entries (one capture of the whole prefix per turn) and through blocks
+   (only the new blocks each turn): bytes held ÷ unique KV bytes, bytes the client sent, capture per
+   turn beside a memcpy of the turn's new bytes, a restore of the whole prefix into the engine's paged
+   buffer beside a memcpy of those bytes, and hit rates under a budget of one fifth of the working set;
+4. L3: ``get_into`` after a restart with the tmpfs wiped and the page cache dropped, beside a plain
+   read of the same bytes from a file on the same disk (cache dropped too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench._common import BenchDaemon, fmt_time, machine, median, percentile, table, timed, write_section
+
+MODEL, STATE = "bench-model", "paged-bf16"
+MiB = 1 << 20
+BLOCK_TOKENS = 256
+
+
+def _memcpy(nbytes: int, reps: int = 9) -> float:
+    src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    dst = np.ones_like(src)
+    return median(timed(lambda: np.copyto(dst, src), reps=reps))
+
+
+def _blocks(count: int, nbytes: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 255, nbytes, dtype=np.uint8) for _ in range(count)]
+
+
+def bulk_rows(workdir: Path) -> list[list[str]]:
+    import skippyd
+
+    count, nbytes = 256, 256 * 1024
+    total = count * nbytes
+    memcpy = _memcpy(total)
+    rows = [["numpy memcpy of 64 MiB (reference)", fmt_time(memcpy), "1.00×"]]
+    daemon = BenchDaemon(workdir / "bulk", "--l2-reserve", "128MiB", budget="512MiB").start()
+    try:
+        client = skippyd.Client(daemon.socket, timeout=120)
+        space = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK_TOKENS)
+        data = _blocks(count, nbytes, seed=1)
+        round_ = [0]
+
+        def put_new() -> None:
+            round_[0] += 1
+            keys = [f"{round_[0]}:{i}".encode() for i in range(count)]
+            put = space.put(keys, data, durable=False)
+            assert put.stored == count
+
+        # a connection's first put sets up its staging buffer (once per connection, as an engine does), and
+        # the block group is in use from then on: the reserve stocks it
+        space.put([f"warm-up:{i}".encode() for i in range(count)], data, durable=False)
+        room = []
+        for _ in range(3):  # a tier with room, the reserve refilled between puts (as between turns)
+            time.sleep(2.0)
+            room += timed(put_new, reps=1)
+        while round_[0] < 8:  # 512 MiB of budget: from here on every put evicts an older one
+            put_new()
+        full = timed(put_new, reps=6)
+        rows.append(
+            ["put 256 × 256 KiB, tier with room", fmt_time(median(room)), f"{memcpy / median(room):.2f}×"]
+        )
+        rows.append(
+            ["put 256 × 256 KiB, tier full (evicts)", fmt_time(median(full)), f"{memcpy / median(full):.2f}×"]
+        )
+        keys = [f"{round_[0]}:{i}".encode() for i in range(count)]
+        out = [np.empty(nbytes, dtype=np.uint8) for _ in range(count)]
+        got = timed(lambda: space.get_into(keys, out), reps=9)
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+        rows.append(["get_into 256 × 256 KiB", fmt_time(median(got)), f"{memcpy / median(got):.2f}×"])
+        zero = timed(lambda: space.get(keys), reps=21)
+        rows.append(
+            ["get zero-copy 256 × 256 KiB (views)", fmt_time(median(zero)), f"{memcpy / median(zero):.1f}×"]
+        )
+        client.close()
+    finally:
+        daemon.cleanup()
+    return rows
+
+
+def small_rows(workdir: Path) -> list[list[str]]:
+    import skippyd
+
+    daemon = BenchDaemon(workdir / "small", budget="256MiB").start()
+    try:
+        client = skippyd.Client(daemon.socket)
+        space = client.blocks(model=MODEL, state=STATE, block_tokens=16)
+        keys = space.keys(list(range(128 * 16)))
+        space.put(keys, [b"x" * 4096] * len(keys), durable=False)
+        hit = timed(lambda: space.contains(keys), reps=2000)
+        miss = timed(lambda: space.contains([b"absent", *keys[1:]]), reps=2000)
+        ping = timed(client.ping, reps=2000)
+        client.close()
+    finally:
+        daemon.cleanup()
+    return [
+        ["contains, 128 keys, all held", fmt_time(median(hit)), fmt_time(percentile(hit, 99))],
+        ["contains, 128 keys, first missing", fmt_time(median(miss)), fmt_time(percentile(miss, 99))],
+        ["ping (protocol round trip, reference)", fmt_time(median(ping)), fmt_time(percentile(ping, 99))],
+    ]
+
+
+class Chat:
+    """Conversations of ``turns`` turns, each adding ``new_tokens`` tokens; KV of ``token_bytes`` a token."""
+
+    def __init__(self, conversations: int, turns: int, new_tokens: int, token_bytes: int) -> None:
+        self.conversations, self.turns = conversations, turns
+        self.new_tokens, self.token_bytes = new_tokens, token_bytes
+        self.block_bytes = BLOCK_TOKENS * token_bytes
+        self._kv: dict[int, np.ndarray] = {}
+
+    def tokens(self, conv: int, turn: int) -> list[int]:
+        return [conv * 1_000_000 + i for i in range(self.new_tokens * (turn + 1))]
+
+    def kv(self, conv: int) -> np.ndarray:
+        """The engine's KV of a whole conversation (bytes per token, position-major)."""
+        if conv not in self._kv:
+            size = self.new_tokens * self.turns * self.token_bytes
+            self._kv[conv] = np.random.default_rng(conv).integers(0, 255, size, dtype=np.uint8)
+        return self._kv[conv]
+
+    def unique_bytes(self) -> int:
+        return self.conversations * self.new_tokens * self.turns * self.token_bytes
+
+
+def chat_rows(workdir: Path, chat: Chat) -> tuple[list[list[str]], list[list[str]]]:
+    import torch
+
+    import skippyd
+
+    results: dict[str, dict[str, Any]] = {}
+    working_set = chat.unique_bytes()
+    for shape in ("entries", "blocks"):
+        for budget_name, budget in (("room", working_set * 4), ("fifth", working_set // 5)):
+            daemon = BenchDaemon(workdir / f"{shape}-{budget_name}", budget=str(max(budget, 8 * MiB))).start()
+            try:
+                client = skippyd.Client(daemon.socket, timeout=300)
+                space = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK_TOKENS)
+                sent = 0
+                capture_s: list[float] = []
+                new_s: list[float] = []
+                hits = restorable = restored = lookups = 0
+                for turn in range(chat.turns):
+                    for conv in range(chat.conversations):
+                        tokens = chat.tokens(conv, turn)
+                        n = len(tokens)
+                        kv = chat.kv(conv)
+                        if turn:  # the next turn starts by restoring what the last one left
+                            lookups += 1
+                            restorable += n - chat.new_tokens
+                            got = _restore(client, space, shape, chat, tokens[: n - chat.new_tokens])
+                            hits += got > 0
+                            restored += got
+                        start = time.perf_counter()
+                        if shape == "entries":
+                            with contextlib.suppress(skippyd.TooLarge):  # larger than the budget: not kept
+                                client.capture(model=MODEL, state=STATE, tokens=tokens,
+                                               tensors={"kv": torch.from_numpy(kv[: n * chat.token_bytes])},
+                                               durable=False)  # fmt: skip
+                            sent += n * chat.token_bytes
+                        else:
+                            keys = space.keys(tokens)
+                            held = space.contains(keys)
+                            blocks = [
+                                kv[i * chat.block_bytes : (i + 1) * chat.block_bytes]
+                                for i in range(held, len(keys))
+                            ]
+                            put = space.put(
+                                keys[held:], blocks, durable=False, parent=keys[held - 1] if held else None
+                            )
+                            sent += sum(len(b) for b in blocks)
+                            del put
+                        capture_s.append(time.perf_counter() - start)
+                        new_s.append(_memcpy(chat.new_tokens * chat.token_bytes, reps=3))
+                stats = client.stats()["l2"]
+                held_bytes = stats["bytes"] + stats["block_bytes"]
+                results[f"{shape}-{budget_name}"] = {
+                    "held": held_bytes, "sent": sent, "capture": capture_s, "new": new_s,
+                    "hit_rate": hits / max(lookups, 1), "restored": restored / max(restorable, 1),
+                }  # fmt: skip
+                if budget_name == "room":
+                    conv = 0
+                    tokens = chat.tokens(conv, chat.turns - 1)
+                    prefix = len(tokens) // BLOCK_TOKENS * BLOCK_TOKENS
+                    paged = [
+                        np.empty(chat.block_bytes, dtype=np.uint8) for _ in range(prefix // BLOCK_TOKENS)
+                    ]
+                    restore = partial(_restore, client, space, shape, chat, tokens[:prefix], paged)
+                    samples = timed(restore, reps=9)
+                    results[f"{shape}-room"]["restore"] = median(samples)
+                    results[f"{shape}-room"]["restore_memcpy"] = _memcpy(prefix * chat.token_bytes)
+                client.close()
+            finally:
+                daemon.cleanup()
+    rows = []
+    for shape in ("entries", "blocks"):
+        room, fifth = results[f"{shape}-room"], results[f"{shape}-fifth"]
+        capture = room["capture"]
+        ratio = [c / m for c, m in zip(capture, room["new"], strict=True)]
+        rows.append([
+            shape,
+            f"{room['held'] / working_set:.2f}",
+            f"{room['sent'] / working_set:.2f}",
+            fmt_time(median(capture)), fmt_time(percentile(capture, 99)),
+            f"{median(ratio):.1f}×", f"{percentile(ratio, 99):.1f}×",
+            f"{room['restore'] / room['restore_memcpy']:.2f}×",
+            f"{fifth['hit_rate']:.2f}", f"{fifth['restored']:.2f}",
+        ])  # fmt: skip
+    return rows, []
+
+
+def _restore(  # noqa: PLR0917 - one workload's parts, passed through
+    client: Any, space: Any, shape: str, chat: Chat, tokens: list[int], paged: list[np.ndarray] | None = None
+) -> int:
+    """Restores the longest held prefix of ``tokens`` into the engine's paged buffer; returns its tokens."""
+    if shape == "entries":
+        restored = client.restore(model=MODEL, state=STATE, tokens=tokens)
+        if restored is None:
+            return 0
+        flat = restored.tensors["kv"].numpy()
+        count = restored.token_count // BLOCK_TOKENS
+        pages = (
+            paged if paged is not None else [np.empty(chat.block_bytes, dtype=np.uint8) for _ in range(count)]
+        )
+        for i in range(min(count, len(pages))):  # the engine's pages are elsewhere: one copy into them
+            np.copyto(pages[i], flat[i * chat.block_bytes : (i + 1) * chat.block_bytes])
+        return int(restored.token_count)
+    keys = space.keys(tokens)
+    pages = paged if paged is not None else [np.empty(chat.block_bytes, dtype=np.uint8) for _ in keys]
+    return int(space.get_into(keys, pages)) * BLOCK_TOKENS
+
+
+def l3_rows(workdir: Path) -> list[list[str]]:
+    import skippyd
+
+    count, nbytes = 256, 256 * 1024
+    data = _blocks(count, nbytes, seed=3)
+    daemon = BenchDaemon(workdir / "l3", budget="512MiB").start()
+    keys = [f"l3:{i}".encode() for i in range(count)]
+    out = [np.empty(nbytes, dtype=np.uint8) for _ in range(count)]
+    try:
+        with skippyd.Client(daemon.socket, timeout=120) as client:
+            client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK_TOKENS).put(keys, data, durable="sync")
+        reads, plains = [], []
+        plain_path = workdir / "plain.bin"
+        plain_path.write_bytes(b"".join(d.tobytes() for d in data))
+        buffer = memoryview(bytearray(count * nbytes))
+        packs = workdir / "l3" / "state" / "l3" / "packs"
+        for _ in range(3):
+            daemon.stop(wipe_tmpfs=True)
+            daemon.start()
+            for pack in packs.glob("*.pack"):
+                _drop(pack)
+            with skippyd.Client(daemon.socket, timeout=120) as client:
+                space = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK_TOKENS)
+                start = time.perf_counter()
+                assert space.get_into(keys, out) == count
+                reads.append(time.perf_counter() - start)
+            _drop(plain_path)
+            start = time.perf_counter()
+            fd = os.open(plain_path, os.O_RDONLY)
+            try:
+                done = 0
+                while done < len(buffer):
+                    done += os.preadv(fd, [buffer[done : done + (4 << 20)]], done)
+            finally:
+                os.close(fd)
+            plains.append(time.perf_counter() - start)
+        assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
+    finally:
+        daemon.cleanup()
+    return [
+        ["plain read of 64 MiB, page cache dropped (reference)", fmt_time(median(plains)), "1.00×"],
+        ["get_into 256 × 256 KiB from L3 after a restart, cache dropped", fmt_time(median(reads)),
+         f"{median(plains) / median(reads):.2f}×"],
+    ]  # fmt: skip
+
+
+def _drop(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--conversations", type=int, default=10)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--token-bytes", type=int, default=8192, help="KV bytes per token (all layers)")
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="skbb-", dir="/tmp"))
+    try:
+        bulk = bulk_rows(workdir)
+        small = small_rows(workdir)
+        chat = Chat(args.conversations, args.turns, args.new_tokens, args.token_bytes)
+        chat_table, _ = chat_rows(workdir, chat)
+        l3 = l3_rows(workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    text = "\n\n".join([
+        "Bulk block transfers (64 MiB as 256 blocks of 256 KiB; speed relative to a numpy memcpy of the same "
+        "bytes measured in this run; targets: put ≥ 0.5×, get_into ≥ 0.6×, get ≤ 0.5 ms):\n\n"
+        + table(["operation", "median", "vs memcpy"], bulk),
+        "Small requests (target: contains of 128 keys ≤ 0.3 ms):\n\n"
+        + table(["operation", "p50", "p99"], small),
+        f"Multi-turn chat: {chat.conversations} conversations × {chat.turns} turns of {chat.new_tokens} new "
+        f"tokens, {chat.token_bytes} KV bytes a token, blocks of {BLOCK_TOKENS} tokens; entries capture the "
+        "whole prefix each turn, blocks put only the new whole blocks (the partial tail is left to the next "
+        "turn). held and sent are ÷ the unique KV bytes; capture is per turn, ÷ a memcpy of the turn's new "
+        "bytes; restore is the longest prefix into the engine's paged buffer ÷ a memcpy of those bytes; "
+        "hit rate and tokens restored ÷ restorable are under an L2 budget of one fifth "
+        "of the working set:\n\n"
+        + table(["shape", "held ÷ unique", "sent ÷ unique", "capture p50", "capture p99", "÷ new memcpy p50",
+                 "÷ new memcpy p99", "restore ÷ memcpy", "hit rate (⅕)", "restored (⅕)"], chat_table),
+        "L3 (target ≥ 0.6× a plain read):\n\n" + table(["operation", "median", "vs plain read"], l3),
+    ])  # fmt: skip
+    print(text)
+    if args.write_docs:
+        write_section("blocks", f"Machine: {machine()}. `python -m bench.blocks`, one run.\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()

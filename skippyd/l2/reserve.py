@@ -1,0 +1,54 @@
+"""The reserve: pre-faulted free memory kept ahead of demand, so no put faults pages on its request path.
+
+Faulting fresh tmpfs pages runs at ≈ 1 GB/s on these machines against ≈ 12 GB/s for rewriting mapped
+memory. A background thread keeps free, pre-faulted block slots of the block groups puts used in the last
+minute, up to ``limit`` bytes in all, and only while the L2 budget has room without evicting anything;
+those slots are the first memory given back when anything else needs room.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from skippyd.workers import Health
+
+from .tier import L2Tier
+
+__all__ = ["Reserve"]
+
+THREAD = "skippyd-l2-reserve"
+_STEP_BYTES = 64 << 20  # faulted per wake-up at most, so the thread never holds the tier for long
+
+
+class Reserve:
+    def __init__(self, tier: L2Tier, limit: int, health: Health, *, interval: float = 0.05) -> None:
+        self.tier = tier
+        self.limit = limit
+        self.health = health
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.limit > 0:
+            self._thread = self.health.start(THREAD, self._run)
+
+    def fill(self) -> int:
+        """Faults in what the reserve lacks (up to one step); returns the bytes added."""
+        added = 0
+        while added < _STEP_BYTES and not self._stop.is_set():
+            step = self.tier.prefault_step(self.limit)
+            if not step:
+                break
+            added += step
+        return added
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            with self.health.guard(THREAD, "filling the L2 reserve failed"):
+                self.fill()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
