@@ -27,6 +27,7 @@ import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from blake3 import blake3
@@ -446,6 +447,29 @@ class BlockRules:
             with self.l3.lock:
                 removed = max(removed, self.l3.blocks.clear())
         return removed
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Blocks per identity in each tier (what ``ls`` shows), most blocks first."""
+        rows: dict[bytes, dict[str, Any]] = {}
+
+        def row(identity: bytes) -> dict[str, Any]:
+            return rows.setdefault(
+                identity,
+                {"identity": identity.hex(), "l2_blocks": 0, "l2_bytes": 0, "l3_blocks": 0, "l3_bytes": 0},
+            )
+
+        with self.l2.lock:
+            for space in self.l2.blocks.spaces():
+                item = row(space.identity)
+                item["l2_blocks"] += space.count
+                item["l2_bytes"] += space.nbytes
+        if self.l3 is not None:
+            with self.l3.lock:
+                for identity, (count, nbytes) in self.l3.blocks.identities().items():
+                    item = row(identity)
+                    item["l3_blocks"] += count
+                    item["l3_bytes"] += nbytes
+        return sorted(rows.values(), key=lambda r: -(r["l2_blocks"] + r["l3_blocks"]))
 
     def stats(self) -> BlockCounters:
         with self._lock:

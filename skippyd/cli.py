@@ -309,15 +309,31 @@ def _stat(key: str, value: Any) -> str:
 @_socket_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document")
 @click.option("--limit", default=0, show_default=True, help="at most this many entries (0: all)")
-def ls_command(socket: str | None, config_file: str | None, as_json: bool, limit: int) -> None:
-    """Cached entries, most recently used first."""
+@click.option("--blocks", "only_blocks", is_flag=True, help="only the blocks held per identity")
+def ls_command(
+    socket: str | None, config_file: str | None, as_json: bool, limit: int, only_blocks: bool
+) -> None:
+    """Cached entries, most recently used first, after the blocks held per identity."""
     with _client(socket, config_file) as client:
-        entries = client.ls(limit)
+        entries = [] if only_blocks else client.ls(limit)
+        blocks = client.block_summary()
     if as_json:
-        click.echo(json.dumps(entries, indent=2, sort_keys=True))
+        click.echo(json.dumps(blocks if only_blocks else entries, indent=2, sort_keys=True))
         return
+    if blocks:
+        click.echo(f"{'BLOCKS OF':16}  {'L2':>8}  {'L2 SIZE':>9}  {'L3':>8}  {'L3 SIZE':>9}")
+        for b in blocks:
+            click.echo(
+                f"{b['identity'][:16]}  {b['l2_blocks']:>8}  {human_size(b['l2_bytes']):>9}  "
+                f"{b['l3_blocks']:>8}  {human_size(b['l3_bytes']):>9}"
+            )
+        if entries:
+            click.echo("")
     if not entries:
-        click.echo("no entries")
+        if not only_blocks:
+            click.echo("no entries" if not blocks else "no entries (only blocks)")
+        elif not blocks:
+            click.echo("no blocks")
         return
     click.echo(
         f"{'DIGEST':16}  {'IDENTITY':8}  {'TOKENS':>8}  {'KIND':14}  {'TIER':5}  {'SIZE':>9}  {'AGE':>7}"
@@ -339,6 +355,9 @@ def ls_command(socket: str | None, config_file: str | None, as_json: bool, limit
 @click.option("--state", default=None, help="the entry's state (with --model)")
 @click.option("--namespace", default="", help="the entry's namespace (with --model)")
 @click.option("--tokens", "tokens_file", default=None, help="with --model: " + TOKENS_HELP)
+@click.option(
+    "--blocks", "of_blocks", is_flag=True, help="with --model and --state: every block of that identity"
+)
 def evict(
     *,
     socket: str | None,
@@ -349,12 +368,21 @@ def evict(
     state: str | None,
     namespace: str,
     tokens_file: str | None,
+    of_blocks: bool,
 ) -> None:
     """Remove entries: by payload digest (a prefix of at least 8 hex digits, as `ls` prints, will do),
-    by key (--model, --state, [--namespace,] --tokens), or all of them."""
+    by key (--model, --state, [--namespace,] --tokens), an identity's blocks (--blocks --model --state
+    [--namespace]), or all entries and blocks."""
     by_key = model is not None or state is not None or tokens_file is not None
     if sum((digest is not None, everything, by_key)) != 1:
-        _fail("give exactly one of --digest D, --all, or --model M --state S --tokens FILE", 2)
+        _fail("give exactly one of --digest D, --all, or --model M --state S --tokens FILE (or --blocks)", 2)
+    if of_blocks:
+        if model is None or state is None or tokens_file is not None:
+            _fail("evicting blocks needs --model and --state (and no --tokens)", 2)
+        with _client(socket, config_file) as client:
+            removed = client.evict(model=model, state=state, namespace=namespace, blocks=True)
+        click.echo(f"removed {plural(removed, 'block')}")
+        return
     if by_key and (model is None or state is None or tokens_file is None):
         _fail("evicting by key needs --model, --state and --tokens", 2)
     tokens = read_tokens(tokens_file) if tokens_file is not None else None

@@ -188,6 +188,10 @@ def _ls_request(limit: int) -> _Request[list[dict[str, Any]]]:
     return _Request({"op": "ls", "limit": limit}, lambda reply: list(reply["entries"]))
 
 
+def _block_summary_request() -> _Request[list[dict[str, Any]]]:
+    return _Request({"op": "ls", "limit": 1}, lambda reply: list(reply.get("blocks", [])))
+
+
 def _evict_request(  # noqa: PLR0917 - the evict() keywords, passed through
     digest: str | None,
     everything: bool,
@@ -598,6 +602,11 @@ class Client:
         """The entries held, most recently used first (at most ``limit``; 0: all)."""
         return self._do(_ls_request(limit))
 
+    def block_summary(self) -> list[dict[str, Any]]:
+        """Blocks held per identity: ``identity`` (digest), ``l2_blocks``, ``l2_bytes``, ``l3_blocks``,
+        ``l3_bytes``; most blocks first."""
+        return self._do(_block_summary_request())
+
     def evict(
         self,
         *,
@@ -924,6 +933,10 @@ class AsyncClient:
     async def ls(self, limit: int = 0) -> list[dict[str, Any]]:
         """As :meth:`Client.ls`."""
         return await self._do(_ls_request(limit))
+
+    async def block_summary(self) -> list[dict[str, Any]]:
+        """As :meth:`Client.block_summary`."""
+        return await self._do(_block_summary_request())
 
     async def evict(
         self,

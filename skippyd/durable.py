@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -74,13 +75,23 @@ class PendingMarks:
         private_dirs(directory)
 
     def mark(self, key: str, digest: str) -> None:
+        """Writes the marker; a full tmpfs is :class:`NoSpace` (the capture is refused, nothing is left)."""
         temp = self.directory / new_name(".tmp")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
-            os.write(fd, digest.encode())
-        finally:
-            os.close(fd)
-        os.rename(temp, self.directory / key)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                if os.write(fd, digest.encode()) != len(digest):
+                    raise OSError(errno.ENOSPC, "short write")
+            finally:
+                os.close(fd)
+            os.rename(temp, self.directory / key)
+        except OSError as exc:
+            remove(temp)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise NoSpace(
+                    f"no room on the L2 tmpfs for a durable write's intent: {exc.strerror}"
+                ) from exc
+            raise
 
     def clear(self, key: str, digest: str | None = None) -> None:
         """Removes the marker of ``key`` (only if it still names ``digest``, when given)."""

@@ -400,7 +400,13 @@ class Handlers:
         total = len(entries)
         if limit:
             entries = entries[:limit]
-        return Reply({"entries": [item.to_wire() for item in entries], "total": total})
+        return Reply(
+            {
+                "entries": [item.to_wire() for item in entries],
+                "total": total,
+                "blocks": self.tiers.blocks.summary(),
+            }
+        )
 
     def op_evict(self, session: Session, body: dict[str, Any]) -> Reply:
         """By payload digest (or a unique prefix of one, at least 8 hex digits), by cache key (identity +

@@ -228,3 +228,64 @@ def test_a_get_longer_than_one_reply_comes_back_whole(make_daemon: Any) -> None:
         assert blocks.put(keys, data).stored == 600
         got = blocks.get(keys)
         assert len(got) == 600 and torch.equal(got[599], data[599])
+
+
+def test_ls_summarises_blocks_per_identity_and_evict_drops_one_identitys_blocks(
+    daemon: DaemonProcess,
+) -> None:
+    import json
+    import subprocess
+    import sys
+
+    with daemon.client() as client:
+        space(client).put([b"a", b"b"], block_data(2, seed=13, nbytes=4096), durable=False)
+        space(client, model="second-model").put([b"a"], block_data(1, seed=14, nbytes=4096), durable=False)
+
+    def cli(*args: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-m", "skippyd", *args, "--socket", str(daemon.socket)],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        return done.stdout
+
+    summary = json.loads(cli("ls", "--blocks", "--json"))
+    assert sorted((row["l2_blocks"], row["l2_bytes"]) for row in summary) == [(1, 4096), (2, 8192)]
+    assert "BLOCKS OF" in cli("ls")
+    assert "removed 2 blocks" in cli("evict", "--blocks", "--model", MODEL, "--state", STATE)
+    with daemon.client() as client:
+        assert space(client).contains([b"a"]) == 0
+        assert space(client, model="second-model").contains([b"a"]) == 1
+
+
+def test_the_reserve_faults_slots_in_ahead_of_demand_and_gives_them_back_first(make_daemon: Any) -> None:
+    from daemonutil import eventually
+
+    proc = make_daemon("--l2-reserve", "2MiB", budget="16MiB").start()
+    with proc.client() as client:
+        blocks = space(client)
+        blocks.put([b"first"], block_data(1, seed=15), durable=False)
+        eventually(lambda: client.stats()["l2"]["block_free_slots"] >= 8, timeout=10)
+        fresh = client.stats()["l2"]["block_fresh_slots"]
+        blocks.put([f"k{i}".encode() for i in range(8)], block_data(8, seed=16), durable=False)
+        assert client.stats()["l2"]["block_fresh_slots"] == fresh  # every slot came from the reserve
+        # entries that need the whole budget get it: the reserve is the first memory given back
+        tensor = torch.zeros(15 << 20 >> 2, dtype=torch.float32)
+        client.capture(model=MODEL, state=STATE, tokens=[1, 2, 3], tensors={"kv": tensor}, durable=False)
+        assert client.lookup(model=MODEL, state=STATE, tokens=[1, 2, 3]) is not None
+
+
+def test_the_reserve_keeps_a_pre_faulted_file_for_the_next_capture_of_a_size_it_saw(make_daemon: Any) -> None:
+    from daemonutil import eventually
+
+    proc = make_daemon("--l2-reserve", "16MiB", budget="64MiB").start()
+    with proc.client() as client:
+        tensor = torch.ones(1 << 20, dtype=torch.float32)  # 4 MiB
+        client.capture(model=MODEL, state=STATE, tokens=[1], tensors={"kv": tensor}, durable=False)
+        eventually(lambda: client.stats()["l2"]["prefaulted_files"] >= 1, timeout=10)
+        before = client.stats()["l2"]
+        client.capture(model=MODEL, state=STATE, tokens=[2], tensors={"kv": tensor * 2}, durable=False)
+        after = client.stats()["l2"]
+        assert after["fresh_files"] == before["fresh_files"]  # no capture faulted pages in itself
+        assert after["reused_files"] == before["reused_files"] + 1
+        restored = client.restore(model=MODEL, state=STATE, tokens=[2])
+        assert restored is not None and torch.equal(restored.tensors["kv"], tensor * 2)

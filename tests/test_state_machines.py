@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from l2util import IDENT, admit_bytes, borrow, key_of
@@ -1246,3 +1247,21 @@ def test_a_sync_write_superseded_by_a_newer_capture_reports_none_and_the_newer_i
     assert reply == "none"
     assert rig.writer.wait_idle(timeout=5)
     assert rig.l3_digest(newer.key) == newer.digest
+
+
+def test_an_intent_marker_on_a_full_tmpfs_is_no_space_and_leaves_nothing(mount_tmpfs: Any) -> None:
+    from skippyd.errors import NoSpace
+
+    fs = Path(mount_tmpfs("1m"))
+    marks = PendingMarks(fs / "pending")
+    fd = os.open(fs / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while os.write(fd, b"x" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    with pytest.raises(NoSpace, match="intent"):
+        marks.mark("a" * 64, "b" * 64)
+    assert list((fs / "pending").iterdir()) == []

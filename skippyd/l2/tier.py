@@ -76,6 +76,7 @@ class L2Stats(L2BlockStats):
     reader_held_drops: int = 0
     adopted: int = 0
     adopt_dropped: int = 0
+    prefaulted_files: int = 0  # free entry files the reserve faulted in ahead of demand
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +218,7 @@ class L2Tier:
         self._stats = L2Stats(budget_bytes=self.budget_bytes)
         self._tick = 0
         self._dirty: set[str] = set()
+        self._entry_demand: dict[int, float] = {}  # size class -> when a capture last had to fault one in
         self._closed = False
         self._entries_dir = self.directory / "entries"
         # Files at least this large keep their mapping between uses (re-mapping costs a page-table
@@ -399,6 +401,8 @@ class L2Tier:
             raise
 
     def _fresh(self, size: int) -> File:
+        with self._lock:
+            self._entry_demand[size] = time.monotonic()  # the reserve keeps a file of this class ready
         try:
             file = self._pool.fresh(size)
         except NoSpace:
@@ -638,13 +642,41 @@ class L2Tier:
         self._dirty.discard(slot.entry.key)
         self._bytes -= slot.file.size
 
-    def prefault_step(self, limit: int) -> int:
-        """One step of the reserve: a free block slot faulted in ahead of demand, within ``limit`` bytes
-        of reserve and the budget's free room (never by evicting); returns the bytes it added."""
+    def prefault_step(self, limit: int, *, active_s: float = 60.0) -> int:
+        """One step of the reserve: a free block slot, or a free entry file of a size class a capture had
+        to fault in within ``active_s``, faulted in ahead of demand, within ``limit`` bytes of reserve and
+        the budget's free room (never by evicting); returns the bytes it added."""
         with self._lock:
             if self._closed:
                 return 0
-            return self.blocks.prefault(limit)
+            added = self.blocks.prefault(limit // 2 if self._entry_demand else limit)
+            if added:
+                return added
+            now = time.monotonic()
+            for size, when in list(self._entry_demand.items()):
+                if now - when >= active_s:
+                    del self._entry_demand[size]
+            wanted = [
+                size for size in sorted(self._entry_demand)
+                if not self._pool.has_free(size) and size <= limit // 2 and self._room() >= size
+            ]  # fmt: skip
+            if not wanted:
+                return 0
+            size = wanted[0]
+            self._reserved += size  # held while the file is faulted in outside the lock
+        try:
+            file = self._pool.fresh(size)
+            file.prefault()
+        except Exception:
+            with self._lock:
+                self._reserved -= size
+            raise
+        with self._lock:
+            self._reserved -= size
+            self._pool.note_fresh()
+            self._pool.recycle(file, room=self._room())
+            self._stats.prefaulted_files += 1
+            return size
 
     def _evict_one(self) -> bool:
         """Frees some memory: a free entry file, else the older of the oldest entry and the oldest block."""
