@@ -27,7 +27,7 @@ from skippyd.protocol import HEADER, MAGIC, FrameDecoder, FrameType, encode_fram
 
 FRAMES = 20_000
 OPS = ["hello", "ping", "stage", "capture", "lookup", "restore", "ran", "stats", "ls", "evict", "config",
-       "nope", "", "CAPTURE"]  # fmt: skip
+       "blocks_put", "blocks_contains", "blocks_get", "nope", "", "CAPTURE"]  # fmt: skip
 DTYPES = ["float32", "bfloat16", "uint8", "bool", "float8_e4m3fn", "complex128", "f99", "", "torch.float32"]
 
 
@@ -109,6 +109,17 @@ class Fuzzer:
                     "durable": r.choice([True, False, "sync"])}  # fmt: skip
         if op in ("lookup", "restore"):
             return {"op": op, **ident}
+        if op.startswith("blocks_"):
+            keys = [os.urandom(r.choice([1, 32, 64])) for _ in range(r.randint(0, 5))]
+            space = {k: ident[k] for k in ("model", "state", "namespace")}
+            body = {"op": op, **space, "block_tokens": r.choice([16, 256]), "keys": keys}
+            if op == "blocks_put":
+                body["sizes"] = [r.randint(0, 4096) for _ in keys]
+                body["offsets"] = [r.choice([-1, 0, 4096]) for _ in keys]
+                body["durable"] = r.choice([True, False, "sync"])
+            if op == "blocks_contains":
+                body["each"] = r.choice([True, False])
+            return body
         if op == "ran":
             return {"op": op, "model": "m", "tokens": ident["tokens"]}
         if op == "stage":
@@ -146,6 +157,13 @@ class Fuzzer:
             "digest": lambda: r.choice(["ab" * 3, "Z" * 64, "0" * 65, "abcdef01", self.scalar()]),
             "all": lambda: r.choice(["yes", 1, self.scalar()]),
             "versions": lambda: r.choice([[2], [], self.deep(r.randint(1, 500), False), self.value()]),
+            "keys": lambda: r.choice([[b""], [bytes(65)], [self.scalar()], self.value(), [b"k"] * 9000]),
+            "sizes": lambda: r.choice([[-1], [1 << 40], [self.scalar()], self.value()]),
+            "offsets": lambda: r.choice([[-2], [1 << 40], [self.scalar()], self.value()]),
+            "block_tokens": lambda: r.choice([0, -1, 1 << 20, True, self.scalar()]),
+            "parent": lambda: r.choice([b"", bytes(65), self.scalar()]),
+            "each": lambda: r.choice(["yes", 1, self.scalar()]),
+            "blocks": lambda: r.choice(["yes", 1, self.scalar()]),
         }
         return table.get(name, self.value)()
 
@@ -153,7 +171,8 @@ class Fuzzer:
         """A valid request of a random operation with 0 to 3 of its fields (or new ones) made hostile."""
         r = self.rng
         body = self.valid(r.choice(OPS))
-        names = [*body, "meta", "durable", "tensors", "kind", "all", "digest", "limit", "size", "versions"]
+        names = [*body, "meta", "durable", "tensors", "kind", "all", "digest", "limit", "size", "versions",
+                 "keys", "sizes", "offsets", "block_tokens", "parent", "each", "blocks"]  # fmt: skip
         for _ in range(r.choice([0, 1, 1, 1, 2, 2, 3])):
             name = r.choice(names)
             if r.random() < 0.1:
