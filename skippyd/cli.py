@@ -554,6 +554,7 @@ def nodes(include_gone: bool, as_json: bool, **redis: Any) -> None:
 
 _REPAIRS = (
     "temporary_removed",
+    "block_packs_quarantined",
     "manifests_quarantined",
     "objects_quarantined",
     "dangling_links_dropped",
@@ -614,7 +615,8 @@ def l3_fsck(
         click.echo(json.dumps({"clean": clean, **doc}, indent=2))
     else:
         click.echo(
-            f"{path}: {report.manifests} entries, {report.objects} objects, {report.verified} verified"
+            f"{path}: {report.manifests} entries, {report.objects} objects, {report.verified} verified; "
+            f"{report.blocks} blocks, {report.blocks_verified} verified"
         )
         for key in repairs:
             click.echo(f"  {key.replace('_', ' ')}: {doc[key]}")

@@ -45,6 +45,8 @@ class Reconciliation:
     objects_renamed: int = 0  # regions of earlier stores (named by digest alone) given their current name
     verified: int = 0
     blocks: int = 0  # live blocks found in packs
+    blocks_verified: int = 0
+    block_packs_quarantined: int = 0
     problems: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:

@@ -197,12 +197,19 @@ class L3Store:
                 self._index_record(_Record(found.manifest.entry.ref(), found.manifest.object, found.size,
                                            found.last_use))  # fmt: skip
             report = scan.report
-            report.problems += self.blocks.reconcile()
+            block_problems = self.blocks.reconcile()
+            report.block_packs_quarantined = sum("quarantined" in p for p in block_problems)
+            report.problems += block_problems
             self._quarantine_bytes = sum(size for _, size in self.layout.quarantined())
             report.manifests = len(self._index)
             report.blocks = self.blocks.stats().block_count
         if verify_objects:
             self._verify_all(report, progress)
+            corrupt_before = self.blocks.stats().block_corrupt
+            report.blocks_verified, problems = self.blocks.verify_all()
+            report.block_packs_quarantined = self.blocks.stats().block_corrupt - corrupt_before
+            report.problems += problems
+            report.blocks = self.blocks.stats().block_count
         if report.problems:
             log.warning(
                 "L3 reconciliation: %d problem(s); first: %s", len(report.problems), report.problems[0]
