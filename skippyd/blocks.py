@@ -179,7 +179,8 @@ class BlockRules:
                 break
             records.append(record)
             total += record.nbytes
-        self.l3.blocks.touch(r.key for r in records)
+        with self.l3.lock:
+            self.l3.blocks.touch([r.key for r in records])
         promote = bool(records) and self._promote(space, records, total)
         read: set[bytes] = set()
         # blocks read for this reply alone: descriptors, and each key's descriptor (of those) and offset
@@ -191,7 +192,8 @@ class BlockRules:
             elif records:
                 extra_fds, extra = self._read_for_once(records)
                 read = set(extra)
-            self.l3.blocks.count(hits=len(read), misses=0)
+            with self.l3.lock:
+                self.l3.blocks.count(hits=len(read), misses=0)
             with self.l2.lock:
                 usable: list[bytes] = []
                 for key in run:  # the run as far as it is now readable, in order
