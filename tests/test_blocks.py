@@ -289,3 +289,21 @@ def test_the_reserve_keeps_a_pre_faulted_file_for_the_next_capture_of_a_size_it_
         assert after["reused_files"] == before["reused_files"] + 1
         restored = client.restore(model=MODEL, state=STATE, tokens=[2])
         assert restored is not None and torch.equal(restored.tensors["kv"], tensor * 2)
+
+
+def test_a_restart_keeps_a_chains_tail_first_eviction_order(make_daemon: Any) -> None:
+    proc = make_daemon(budget="2MiB").start()
+    with proc.client() as client:
+        blocks = space(client)
+        chain = blocks.keys(list(range(8 * BLOCK)))
+        blocks.put(chain, block_data(8, seed=17), durable=False)
+    assert proc.stop() == 0
+    proc.start()
+    with proc.client() as client:
+        blocks = space(client)
+        assert blocks.contains(chain) == 8
+        other = blocks.keys(list(range(70_000, 70_000 + 26 * BLOCK)))
+        blocks.put(other, block_data(26, seed=18), durable=False)
+        held = blocks.contains(chain)
+        assert 0 < held < 8  # the adopted chain lost blocks from its end, not its head
+        assert client.stats()["l2"]["block_count"] == held + blocks.contains(other)

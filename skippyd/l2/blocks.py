@@ -27,6 +27,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from blake3 import blake3
 
@@ -117,8 +118,7 @@ class Pending:
     recycled: bool
 
 
-@dataclass(frozen=True, slots=True)
-class BlockPlacement:
+class BlockPlacement(NamedTuple):
     """Where one served block is: the index of the descriptor it is in, its offset there, its size."""
 
     fd_index: int
@@ -151,7 +151,7 @@ class L2Blocks:
         make_room: Callable[[int], None],
         room: Callable[[], int],
         evict_one: Callable[[], bool],
-        tick: Callable[[], int],
+        tick: Callable[[int], int],
     ) -> None:
         self.directory = directory
         self._lock = lock
@@ -226,8 +226,7 @@ class L2Blocks:
             raise
         if hit:
             self._stats.block_hits += len(chosen)
-            for block in reversed(chosen):
-                self._touch(block)
+            self._touch_all(reversed(chosen))
         return lease
 
     def count_miss(self, blocks: int = 1) -> None:
@@ -375,7 +374,7 @@ class L2Blocks:
         if record.key in self._blocks:
             self.abort(pending, released=True)
             return False
-        tick = self._tick()
+        tick = self._tick(1)
         final = SlotRecord(
             key=record.key, space=record.space, identity=record.identity, block_tokens=record.block_tokens,
             parent=record.parent, nbytes=record.nbytes, digest=digest, last_use=tick, durable=durable,
@@ -610,17 +609,22 @@ class L2Blocks:
         summary.count += 1
         summary.nbytes += block.home.slab.slot_size
 
-    def _touch(self, block: _Block) -> None:
-        block.last_use = self._tick()
-        self._blocks.move_to_end(block.record.key)
-        self._dirty.add(block.record.key)
+    def _touch_all(self, blocks: Iterable[_Block]) -> None:
+        """Marks ``blocks`` used, in this order (the last becomes the newest), with consecutive ticks (kept
+        in their records, so a restart keeps the order)."""
+        listed = list(blocks)
+        tick = self._tick(len(listed))
+        order, dirty = self._blocks, self._dirty
+        for block in listed:
+            block.last_use = tick
+            tick += 1
+            order.move_to_end(block.record.key)
+            dirty.add(block.record.key)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Marks held ``keys`` used, the last first (so a chain's head stays its newest)."""
-        for key in reversed(keys):
-            block = self._blocks.get(key)
-            if block is not None:
-                self._touch(block)
+        found = (self._blocks.get(key) for key in reversed(keys))
+        self._touch_all(block for block in found if block is not None)
 
 
 def _digest_holds(slab: Slab, index: int, record: SlotRecord) -> bool:

@@ -624,9 +624,11 @@ class L2Tier:
         if self._closed:
             raise SkippydError("the L2 tier is closed")
 
-    def _next_tick(self) -> int:
-        self._tick = max(self._tick + 1, time.time_ns())
-        return self._tick
+    def _next_tick(self, count: int = 1) -> int:
+        """The first of ``count`` new consecutive recency ticks (ns since the epoch, never repeated)."""
+        first = max(self._tick + 1, time.time_ns())
+        self._tick = first + count - 1
+        return first
 
     def _touch(self, slot: _Slot) -> None:
         slot.last_use = self._next_tick()
