@@ -339,10 +339,27 @@ class BlockRules:
                 raise InvalidArgument(f"block {index} lies outside the staging buffer")
         bound = bind_keys(space, keys)
         parent_key = bind_keys(space, [parent])[0] if parent is not None else None
+        seq = self.writer.begin() if self.writer is not None else 0
+        try:
+            return self._put(space, bound, parent_key, sizes, offsets, source, durable, seq)
+        finally:
+            if self.writer is not None:
+                self.writer.end(seq)
+
+    def _put(  # noqa: PLR0917 - one put's state, passed on
+        self,
+        space: BlockSpaceId,
+        bound: list[bytes],
+        parent_key: bytes | None,
+        sizes: Sequence[int],
+        offsets: Sequence[int],
+        source: memoryview,
+        durable: bool | str,
+        seq: int,
+    ) -> PutOutcome:
         space_digest = bytes.fromhex(space.digest)
         identity = bytes.fromhex(space.identity.digest)
         to_disk = bool(durable) and self.writer is not None
-        epoch = self.writer.epoch if self.writer is not None else 0
         pending: list[tuple[int, Pending]] = []
         present = skipped = 0
         failure: SkippydError | None = None
@@ -397,7 +414,7 @@ class BlockRules:
         durability = "none"
         if to_disk and self.writer is not None:
             durability = self.writer.submit(
-                committed, identity, epoch, nbytes, sync=durable == "sync", timeout=self._sync_timeout
+                committed, identity, seq, nbytes, sync=durable == "sync", timeout=self._sync_timeout
             )
         self._count(
             block_puts=1, block_put_offered=len(bound), block_put_stored=stored, block_put_present=present,

@@ -4,8 +4,9 @@
   pack is fsynced; a new daemon re-queues every flagged block L3 lacks (:meth:`BlockWriter.recover`).
 * **Group commit.** The thread takes every job queued (up to ``batch_bytes``) and writes them as one
   pack: one fsync per batch. While it reads a slot it holds a lease on it, like any reader.
-* **Evictions win.** Each job remembers the eviction epoch it was queued in; a pack's block whose
-  identity (or everything) was evicted since is dead on arrival, so nothing evicted comes back from L3.
+* **Evictions win.** Each job runs under an :class:`~skippyd.evictions.EvictionClock` number taken when
+  its put began; a pack's block whose identity (or everything) was evicted since is dead on arrival, so
+  nothing evicted comes back from L3.
 * A batch that L3 cannot take (disk floor, budget) is kept and tried again later (``deferred``); its
   blocks keep their flag. A sync put waits for its own batch's fsync, within its timeout.
 * When nothing is queued, the thread compacts a pack that is at least half dead.
@@ -19,9 +20,10 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .errors import NoSpace, SkippydError, TooLarge
+from .evictions import EvictionClock
 from .l2 import L2Tier
 from .l2.slabs import Slab, SlotRecord
 from .l3 import L3Store
@@ -50,7 +52,7 @@ class BlockWriterStats:
 class _Job:
     keys: list[bytes]
     identity: bytes
-    epoch: int
+    seq: int  # its number on the writer's eviction clock (ended once the job is done or dropped)
     nbytes: int
     done: threading.Event | None = None
     written: bool = False
@@ -58,15 +60,8 @@ class _Job:
     ready_at: float = 0.0
 
 
-@dataclass(slots=True)
-class _Evictions:
-    """Explicit evictions, in order: (epoch, identity or None for everything)."""
-
-    epoch: int = 0
-    log: list[tuple[int, bytes | None]] = field(default_factory=list)
-
-    def evicted_since(self, epoch: int, identity: bytes) -> bool:
-        return any(e > epoch and (who is None or who == identity) for e, who in self.log)
+def _mark(identity: bytes) -> str:
+    return "blocks:" + identity.hex()
 
 
 class BlockWriter:
@@ -78,25 +73,28 @@ class BlockWriter:
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._backlog: list[_Job] = []
         self._lock = threading.Lock()
-        self._evictions = _Evictions()
+        self._clock = EvictionClock()
         self._stats = BlockWriterStats()
         self._thread: threading.Thread | None = None
         self._stopping = False
 
     # ------------------------------------------------------------------ the request side
-    @property
-    def epoch(self) -> int:
-        with self._lock:
-            return self._evictions.epoch
+    def begin(self) -> int:
+        """The eviction-clock number of a put that may queue blocks (pair it with :meth:`end`)."""
+        return self._clock.begin()
+
+    def end(self, seq: int) -> None:
+        self._clock.end(seq)
 
     def submit(
-        self, keys: list[bytes], identity: bytes, epoch: int, nbytes: int, *, sync: bool, timeout: float
+        self, keys: list[bytes], identity: bytes, seq: int, nbytes: int, *, sync: bool, timeout: float
     ) -> str:
-        """Queues these committed blocks for L3: ``"queued"``, ``"written"`` (sync, fsynced), or
-        ``"deferred"`` (the queue is full, or a sync wait ran out: written later unless evicted)."""
+        """Queues these committed blocks (of a put begun at ``seq``) for L3: ``"queued"``, ``"written"``
+        (sync, fsynced), or ``"deferred"`` (the queue is full, or a sync wait ran out: written later unless
+        evicted)."""
         if not keys:
             return "written" if sync else "queued"
-        job = _Job(keys, identity, epoch, nbytes, threading.Event() if sync else None)
+        job = _Job(keys, identity, self._clock.begin(since=seq), nbytes, threading.Event() if sync else None)
         try:
             self._queue.put_nowait(job)
         except queue.Full:
@@ -112,15 +110,15 @@ class BlockWriter:
         return "written" if job.written else "deferred"
 
     def forget(self, identity: bytes | None) -> None:
-        """An explicit eviction: blocks of ``identity`` (None: all) queued before now are not written."""
-        with self._lock:
-            self._evictions.epoch += 1
-            self._evictions.log.append((self._evictions.epoch, identity))
-            del self._evictions.log[:-64]  # older evictions than the queue's oldest job do not matter
+        """An explicit eviction: the blocks of ``identity`` (None: all) of puts begun before now are never
+        written."""
+        if identity is None:
+            self._clock.evict(None)
+        else:
+            self._clock.evict(_mark(identity))
 
     def _wanted(self, job: _Job) -> bool:
-        with self._lock:
-            return not self._evictions.evicted_since(job.epoch, job.identity)
+        return not self._clock.cancelled(_mark(job.identity), job.seq)
 
     # ------------------------------------------------------------------ lifecycle
     def recover(self) -> int:
@@ -139,7 +137,7 @@ class BlockWriter:
                 self.l2.blocks.mark_written(key)
         count = 0
         for identity, keys in by_identity.items():
-            job = _Job(keys, identity, self.epoch, 0)
+            job = _Job(keys, identity, self._clock.begin(), 0)
             with self._lock:
                 self._backlog.append(job)
             count += len(job.keys)
@@ -207,6 +205,9 @@ class BlockWriter:
         leases: list[int] = []
         views = []
         live = [job for job in jobs if self._wanted(job)]
+        for job in jobs:
+            if job not in live:  # evicted while it waited: done, nothing to write
+                self._finish(job)
         try:
             with self.l2.lock:
                 by_slab: dict[int, tuple[Slab, list[int]]] = {}
@@ -236,16 +237,20 @@ class BlockWriter:
                 for key in owners:
                     if self.l3.blocks.holds(key):
                         self.l2.blocks.mark_written(key)
-            for job in jobs:
+            for job in live:
                 job.written = True
-                if job.done is not None:
-                    job.done.set()
+                self._finish(job)
         finally:
             for view in views:
                 view.release()
             for fd in leases:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+
+    def _finish(self, job: _Job) -> None:
+        self._clock.end(job.seq)
+        if job.done is not None:
+            job.done.set()
 
     def _defer(self, jobs: list[_Job], exc: SkippydError | OSError | None) -> None:
         with self._lock:

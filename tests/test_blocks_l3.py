@@ -265,3 +265,29 @@ def test_l3_fsck_verifies_every_block_and_quarantines_a_pack_with_a_flipped_bit(
     assert code == 1 and doc["block_packs_quarantined"] == 1 and doc["blocks"] == 0
     code, doc = fsck()
     assert code == 0 and doc["blocks"] == 0
+
+
+def test_an_eviction_stays_in_force_for_a_queued_write_however_many_evictions_follow(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    from skippyd.blocks import BlockRules
+    from skippyd.keys import bind_keys, block_space
+    from skippyd.l2 import L2Tier
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        writer = BlockWriter(l2, l3, Health())  # not started: the queued job waits for us
+        rules = BlockRules(l2, l3=l3, writer=writer)
+        space = block_space(MODEL, STATE, "", BLOCK)
+        data = memoryview(bytes(4096))
+        assert rules.put(space, [b"k"], [4096], [0], data).durability == "queued"
+        # an eviction that came while the put ran (its block was committed after the eviction swept L2)
+        writer.forget(bytes.fromhex(space.identity.digest))
+        for n in range(100):  # many evictions of other identities after it
+            writer.forget(bytes([n]) * 32)
+        job = writer._queue.get_nowait()
+        assert job is not None
+        writer._write([job])
+        assert l2.blocks.held(bind_keys(space, [b"k"])) == 1  # still in L2: the write alone decided
+        assert l3.stats().block_count == 0
