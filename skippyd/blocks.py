@@ -205,10 +205,11 @@ class BlockRules:
             placements = iter(lease.placements)
             merged: list[BlockPlacement] = []
             base = len(lease.fds)
+            by_key = {r.key: r for r in records}
             for key in usable:
                 if key in extra:
                     fd_index, offset = extra[key]
-                    record = next(r for r in records if r.key == key)
+                    record = by_key[key]
                     merged.append(BlockPlacement(base + fd_index, offset, record.nbytes, record.digest))
                     continue
                 placement = next(placements, None)

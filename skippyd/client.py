@@ -189,7 +189,7 @@ def _ls_request(limit: int) -> _Request[list[dict[str, Any]]]:
 
 
 def _block_summary_request() -> _Request[list[dict[str, Any]]]:
-    return _Request({"op": "ls", "limit": 1}, lambda reply: list(reply.get("blocks", [])))
+    return _Request({"op": "ls", "blocks": True}, lambda reply: list(reply.get("blocks", [])))
 
 
 def _evict_request(  # noqa: PLR0917 - the evict() keywords, passed through

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 from . import __version__
 from .blocks import Served
@@ -393,6 +393,8 @@ class Handlers:
         )
 
     def op_ls(self, session: Session, body: dict[str, Any]) -> Reply:
+        if _bool(body, "blocks", False):  # the blocks held per identity instead of the entries
+            return Reply({"blocks": self.tiers.blocks.summary()})
         limit = body.get("limit", 0)
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise InvalidArgument("limit must be a non-negative integer")
@@ -481,7 +483,7 @@ def _tokens(body: dict[str, Any]) -> bytes:
     return tokens
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -505,7 +507,7 @@ def _block_keys(body: dict[str, Any]) -> list[bytes]:
 
 def _uint(body: dict[str, Any], name: str) -> int:
     value = body.get(name)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not _is_int(value) or value < 0:
         raise InvalidArgument(f"{name} must be a non-negative integer")
     return value
 

@@ -277,9 +277,7 @@ class L2Tier:
                 self._stats.adopted += 1
             self._stats.adopt_dropped += found.dropped
             while self._room() < 0:
-                if not (self._pool.drop_one() or self.blocks.release_free() or self._evict_oldest()):
-                    if self.blocks.evict_oldest():
-                        continue
+                if not (self.blocks.release_free() or self._evict_one()):
                     break
 
     def close(self) -> None:
@@ -417,15 +415,13 @@ class L2Tier:
         """Frees budget for ``size`` bytes: free entry files first, then free block slots, then the least
         recently used entry or block, whichever is older. With ``claim``, an evicted entry's file of
         exactly ``size`` bytes is returned for reuse instead of being unlinked."""
-        blocks = self.blocks
         while self._room() < size:
-            if self._pool.drop_one() or blocks.release_free():
+            if self._pool.drop_one() or self.blocks.release_free():
+                continue
+            if self._oldest_is_block():
+                self.blocks.evict_oldest()
                 continue
             victim = self._index.oldest()
-            oldest_block = blocks.oldest_tick()
-            if oldest_block is not None and (victim is None or oldest_block < victim.last_use):
-                blocks.evict_oldest()
-                continue
             if victim is None:
                 raise NoSpace("the L2 budget is held by captures still in flight; retry shortly")
             self._detach(victim)
@@ -680,15 +676,17 @@ class L2Tier:
             self._stats.prefaulted_files += 1
             return size
 
+    def _oldest_is_block(self) -> bool:
+        """Whether the least recently used thing the tier holds is a block (else an entry, or nothing)."""
+        oldest_block = self.blocks.oldest_tick()
+        victim = self._index.oldest()
+        return oldest_block is not None and (victim is None or oldest_block < victim.last_use)
+
     def _evict_one(self) -> bool:
         """Frees some memory: a free entry file, else the older of the oldest entry and the oldest block."""
         if self._pool.drop_one():
             return True
-        victim = self._index.oldest()
-        oldest_block = self.blocks.oldest_tick()
-        if oldest_block is not None and (victim is None or oldest_block < victim.last_use):
-            return self.blocks.evict_oldest()
-        return self._evict_oldest()
+        return self.blocks.evict_oldest() if self._oldest_is_block() else self._evict_oldest()
 
     def _evict_oldest(self) -> bool:
         victim = self._index.oldest()

@@ -197,9 +197,9 @@ class L3Store:
                 self._index_record(_Record(found.manifest.entry.ref(), found.manifest.object, found.size,
                                            found.last_use))  # fmt: skip
             report = scan.report
-            block_problems = self.blocks.reconcile()
-            report.block_packs_quarantined = sum("quarantined" in p for p in block_problems)
-            report.problems += block_problems
+            dropped_before = self.blocks.stats().block_dropped_packs
+            report.problems += self.blocks.reconcile()
+            report.block_packs_quarantined = self.blocks.stats().block_dropped_packs - dropped_before
             self._quarantine_bytes = sum(size for _, size in self.layout.quarantined())
             report.manifests = len(self._index)
             report.blocks = self.blocks.stats().block_count
