@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from bench._common import BenchDaemon, fmt_time, machine, median, percentile, table, timed, write_section
+from bench.l3 import drop_cache, plain_read
 
 MODEL, STATE = "bench-model", "paged-bf16"
 MiB = 1 << 20
@@ -313,27 +314,22 @@ def l3_rows(workdir: Path) -> list[list[str]]:
         reads, plains = [], []
         plain_path = workdir / "plain.bin"
         plain_path.write_bytes(b"".join(d.tobytes() for d in data))
+        os.sync()  # written back, so dropping the cache really drops it
         buffer = memoryview(bytearray(count * nbytes))
         packs = workdir / "l3" / "state" / "l3" / "packs"
         for _ in range(3):
             daemon.stop(wipe_tmpfs=True)
             daemon.start()
-            for pack in packs.glob("*.pack"):
-                _drop(pack)
+            for pack in packs.glob("*.pack"):  # (packs are fsynced by the daemon)
+                drop_cache(pack)
             with skippyd.Client(daemon.socket, timeout=120) as client:
                 space = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK_TOKENS)
                 start = time.perf_counter()
                 assert space.get_into(keys, out) == count
                 reads.append(time.perf_counter() - start)
-            _drop(plain_path)
+            drop_cache(plain_path)
             start = time.perf_counter()
-            fd = os.open(plain_path, os.O_RDONLY)
-            try:
-                done = 0
-                while done < len(buffer):
-                    done += os.preadv(fd, [buffer[done : done + (4 << 20)]], done)
-            finally:
-                os.close(fd)
+            plain_read(plain_path, buffer)
             plains.append(time.perf_counter() - start)
         assert all(np.array_equal(a, b) for a, b in zip(out, data, strict=True))
     finally:
@@ -343,15 +339,6 @@ def l3_rows(workdir: Path) -> list[list[str]]:
         ["get_into 256 × 256 KiB from L3 after a restart, cache dropped", fmt_time(median(reads)),
          f"{median(plains) / median(reads):.2f}×"],
     ]  # fmt: skip
-
-
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def main() -> None:

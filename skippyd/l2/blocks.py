@@ -191,43 +191,22 @@ class L2Blocks:
     def lease(self, keys: Sequence[bytes], *, max_fds: int, hit: bool = True) -> Lease:
         """The leading held ``keys`` (at most ``max_fds`` slabs of them) leased for reading; touches
         them from the last to the first when ``hit``."""
-        lease = Lease()
-        slabs: dict[int, int] = {}  # id(slab state) -> fd index
-        runs: list[list[tuple[int, int]]] = []
-        homes: list[_SlabState] = []
         chosen: list[_Block] = []
         for key in keys:
             block = self._blocks.get(key)
             if block is None:
                 break
-            at = slabs.get(id(block.home))
-            if at is None:
-                if len(homes) == max_fds:
-                    break
-                at = slabs[id(block.home)] = len(homes)
-                homes.append(block.home)
-                runs.append([])
-            spans = runs[at]
-            if spans and spans[-1][1] + 1 == block.index:
-                spans[-1] = (spans[-1][0], block.index)
-            else:
-                spans.append((block.index, block.index))
             chosen.append(block)
-            lease.placements.append(
-                BlockPlacement(
-                    at, block.home.slab.offset(block.index), block.record.nbytes, block.record.digest
-                )
-            )
-        try:
-            for home, spans in zip(homes, runs, strict=True):
-                lease.fds.append(home.slab.lease(spans))
-        except BaseException:
-            lease.close()
-            raise
+        fds, where = _lease_slots([(b.home, b.index) for b in chosen], max_fds)
+        chosen = chosen[: len(where)]
+        placements = [
+            BlockPlacement(at, offset, b.record.nbytes, b.record.digest)
+            for b, (at, offset) in zip(chosen, where, strict=True)
+        ]
         if hit:
             self._stats.block_hits += len(chosen)
             self._touch_all(reversed(chosen))
-        return lease
+        return Lease(fds, placements)
 
     def count_miss(self, blocks: int = 1) -> None:
         self._stats.block_misses += blocks
@@ -326,22 +305,7 @@ class L2Blocks:
 
     def lease_pending(self, pending: Sequence[Pending]) -> tuple[list[int], list[tuple[int, int]]]:
         """Read leases on slots still being filled (descriptors, and each slot's descriptor and offset)."""
-        fds: list[int] = []
-        where: list[tuple[int, int]] = []
-        at: dict[int, int] = {}
-        try:
-            for slot in pending:
-                key = id(slot.home)
-                if key not in at:
-                    at[key] = len(fds)
-                    indexes = sorted(p.index for p in pending if p.home is slot.home)
-                    fds.append(slot.home.slab.lease([(i, i) for i in indexes]))
-                where.append((at[key], slot.home.slab.offset(slot.index)))
-        except BaseException:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return fds, where
+        return _lease_slots([(p.home, p.index) for p in pending], max_fds=len(pending))
 
     def _take_free(self, group: _Group) -> tuple[_SlabState, int] | None:
         """A free, pre-faulted slot of ``group`` that nobody still reads."""
@@ -625,6 +589,41 @@ class L2Blocks:
         """Marks held ``keys`` used, the last first (so a chain's head stays its newest)."""
         found = (self._blocks.get(key) for key in reversed(keys))
         self._touch_all(block for block in found if block is not None)
+
+
+def _lease_slots(
+    slots: Sequence[tuple[_SlabState, int]], max_fds: int
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """One read-locked descriptor per slab for the leading ``slots`` that fit in ``max_fds`` slabs, each
+    holding a lock on every run of consecutive slots it serves; and each leased slot's descriptor index and
+    offset, in order."""
+    at: dict[int, int] = {}  # id(slab state) -> descriptor index
+    homes: list[_SlabState] = []
+    runs: list[list[tuple[int, int]]] = []
+    where: list[tuple[int, int]] = []
+    for home, index in slots:
+        fd_index = at.get(id(home))
+        if fd_index is None:
+            if len(homes) == max_fds:
+                break
+            fd_index = at[id(home)] = len(homes)
+            homes.append(home)
+            runs.append([])
+        spans = runs[fd_index]
+        if spans and spans[-1][1] + 1 == index:
+            spans[-1] = (spans[-1][0], index)
+        else:
+            spans.append((index, index))
+        where.append((fd_index, home.slab.offset(index)))
+    fds: list[int] = []
+    try:
+        for home, spans in zip(homes, runs, strict=True):
+            fds.append(home.slab.lease(spans))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds, where
 
 
 def _digest_holds(slab: Slab, index: int, record: SlotRecord) -> bool:
