@@ -241,8 +241,8 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
     click.echo(f"  node       {snap.node}")
     hits, misses = plural(l2.hits, "hit"), plural(l2.misses, "miss", "misses")
     click.echo(
-        f"  L2         {plural(l2.entries, 'entry')}, {human_size(l2.bytes)} of "
-        f"{human_size(l2.budget_bytes)}, {hits} / {misses}"
+        f"  L2         {plural(l2.entries, 'entry')}, {plural(l2.block_count, 'block')}, "
+        f"{human_size(l2.bytes + l2.block_slab_bytes)} of {human_size(l2.budget_bytes)}, {hits} / {misses}"
     )
     l3 = snap.l3
     if l3 is not None:
@@ -251,7 +251,8 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
         durable = snap.durable
         waiting = durable.queue_depth + durable.backlog if durable is not None else 0
         click.echo(
-            f"  L3         {plural(l3.entries, 'entry')}, {used}, {l3.corrupt} quarantined, "
+            f"  L3         {plural(l3.entries, 'entry')}, {plural(l3.block_count, 'block')}, {used}, "
+            f"{l3.corrupt + l3.block_corrupt} quarantined, "
             f"{plural(waiting, 'write')} waiting{flags}"
         )
     else:

@@ -251,6 +251,8 @@ def test_ls_summarises_blocks_per_identity_and_evict_drops_one_identitys_blocks(
     summary = json.loads(cli("ls", "--blocks", "--json"))
     assert sorted((row["l2_blocks"], row["l2_bytes"]) for row in summary) == [(1, 4096), (2, 8192)]
     assert "BLOCKS OF" in cli("ls")
+    status = cli("status")
+    assert "0 entries, 3 blocks, " in status  # the blocks' memory counts in what status says L2 holds
     assert "removed 2 blocks" in cli("evict", "--blocks", "--model", MODEL, "--state", STATE)
     with daemon.client() as client:
         assert space(client).contains([b"a"]) == 0
