@@ -55,6 +55,7 @@ __all__ = [
 
 _MAX_TOKENS_BYTES = 8 << 20  # 2M tokens
 MAX_BLOCKS_PER_REQUEST = 8192
+MAX_BLOCK_BYTES = 64 << 20  # one block's size, sent or not (a larger one is too_large before any tier)
 _INLINE_TOKEN_BYTES = 32 * 1024  # prompts above 8k tokens are hashed off the event loop
 
 INLINE, WORKER, BY_PROMPT = "inline", "worker", "by_prompt"
@@ -366,6 +367,8 @@ class Handlers:
         for size, offset in zip(sizes, offsets, strict=True):
             if not _is_int(size) or size < 0 or not _is_int(offset) or offset < -1:
                 raise InvalidArgument("each size is a non-negative integer, each offset one too or -1")
+            if size > MAX_BLOCK_BYTES:
+                raise TooLarge(f"a block of {size} bytes is larger than a block may be ({MAX_BLOCK_BYTES})")
         parent = body.get("parent")
         if parent is not None and (
             not isinstance(parent, bytes) or not 1 <= len(parent) <= MAX_BLOCK_KEY_BYTES

@@ -23,7 +23,14 @@ def _hit_rate(hits: int, misses: int) -> str:
 
 
 def _table(title: str, columns: list[str]) -> Table:
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False)
+    table = Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        title_justify="left",
+        pad_edge=False,
+        show_edge=False,
+        collapse_padding=True,
+    )  # widest figures of every column still fit in 80
     for index, column in enumerate(columns):
         table.add_column(column, justify="left" if index == 0 else "right", no_wrap=True)
     return table

@@ -11,7 +11,7 @@ import torch
 from daemonutil import DaemonProcess
 
 import skippyd
-from skippyd.errors import InvalidArgument
+from skippyd.errors import InvalidArgument, TooLarge
 
 MODEL, STATE = "block-model@sha256:0", "paged-kv-v1"
 BLOCK = 16
@@ -91,6 +91,20 @@ def test_engine_keys_of_1_and_64_bytes_work_and_0_or_65_are_refused(daemon: Daem
                         "keys": [bad],
                     }
                 )
+    assert "Traceback" not in daemon.log_text()
+
+
+def test_a_block_size_no_block_may_have_is_refused_even_for_a_held_block(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(BLOCK)))
+        blocks.put(keys, block_data(1, seed=3, nbytes=4096))
+        base = {"op": "blocks_put", "model": MODEL, "state": STATE, "block_tokens": BLOCK, "keys": keys}
+        for size in (2**63, (64 << 20) + 1):  # not sent (offset -1): the block is held, its size a lie
+            with pytest.raises(TooLarge, match="larger than a block may be"):
+                client._call({**base, "sizes": [size], "offsets": [-1]})
+        stats = client.stats()  # the lie was counted nowhere: the counters still encode
+        assert stats["ops"]["block_bytes_offered"] == 4096
     assert "Traceback" not in daemon.log_text()
 
 
