@@ -61,22 +61,34 @@ def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     return listed
 
 
-def _block_bytes(item: Any) -> memoryview:
-    """The bytes of one block: a tensor's (any dtype or device, copied to the CPU if it is elsewhere) or
-    a C-contiguous buffer's."""
+Part = Any  # a memoryview of a buffer's bytes, or a torch tensor (copied as it lies: any strides, any device)
+
+
+def _part(item: Any) -> Part:
     if type(item).__module__.startswith("torch"):
-        t = item.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        flat = t.contiguous().reshape(-1)
-        return memoryview(flat.view(_torch().uint8).numpy()).cast("B") if flat.numel() else memoryview(b"")
+        return item.detach()
     try:
         view = memoryview(item)
     except TypeError:
-        raise InvalidArgument(f"block data must be a tensor or a buffer, not {type(item).__name__}") from None
+        raise InvalidArgument(
+            f"block data must be a tensor, a buffer or a list of them, not {type(item).__name__}"
+        ) from None
     if not view.c_contiguous:
         raise InvalidArgument("block buffers must be C-contiguous")
     return view.cast("B")
+
+
+def _part_bytes(part: Part) -> int:
+    return len(part) if isinstance(part, memoryview) else int(part.numel() * part.element_size())
+
+
+def _block_parts(item: Any) -> list[Part]:
+    """The pieces of one block, in order: a tensor (any dtype, device or strides: nothing is copied until
+    the bytes go into the staging buffer), a C-contiguous buffer, or a list or tuple of them (the block
+    is their bytes one after another)."""
+    if isinstance(item, list | tuple):
+        return [_part(piece) for piece in item]
+    return [_part(item)]
 
 
 def _torch() -> Any:
@@ -114,19 +126,36 @@ def _plan_batches(sizes: Sequence[int], held: Sequence[bool], limit: int) -> lis
     return batches
 
 
-def _write_blocks(region: memoryview, jobs: list[tuple[int, memoryview]]) -> None:
-    """Copies each block's bytes to its offset in the staging region (two threads for large puts)."""
+def _copy_part(region: memoryview, offset: int, part: Part) -> int:
+    """Copies one piece to ``offset`` of the staging region; returns its size."""
     import numpy as np
 
-    def run(part: list[tuple[int, memoryview]]) -> None:
-        for offset, data in part:
-            if len(data):
-                np.copyto(
-                    np.frombuffer(region, dtype=np.uint8, count=len(data), offset=offset),
-                    np.frombuffer(data, dtype=np.uint8),
-                )
+    size = _part_bytes(part)
+    if not size:
+        return 0
+    if isinstance(part, memoryview):
+        target = np.frombuffer(region, dtype=np.uint8, count=size, offset=offset)
+        np.copyto(target, np.frombuffer(part, dtype=np.uint8))
+        return size
+    torch = _torch()
+    into = torch.frombuffer(region, dtype=torch.uint8, count=size, offset=offset)
+    try:  # strided and device tensors are copied as they lie, straight into the staging buffer
+        into.view(part.dtype).view(part.shape).copy_(part)
+    except RuntimeError:  # a dtype the bytes cannot be viewed as at this offset: go through its bytes
+        into.copy_(part.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    return size
 
-    total = sum(len(data) for _, data in jobs)
+
+def _write_blocks(region: memoryview, jobs: list[tuple[int, list[Part]]]) -> None:
+    """Copies each block's pieces to its offset in the staging region (two threads for large puts)."""
+
+    def run(part: list[tuple[int, list[Part]]]) -> None:
+        for start, pieces in part:
+            at = start
+            for piece in pieces:
+                at += _copy_part(region, at, piece)
+
+    total = sum(_part_bytes(piece) for _, pieces in jobs for piece in pieces)
     if total < _PARALLEL_BYTES or len(jobs) < 2:
         run(jobs)
         return
@@ -315,8 +344,8 @@ class _Space:
         if parent is not None:
             _check_keys([parent])
         mode = _check_durable(durable)
-        views = [_block_bytes(item) for item in data]
-        sizes = [len(v) for v in views]
+        views = [_block_parts(item) for item in data]
+        sizes = [sum(_part_bytes(piece) for piece in pieces) for pieces in views]
         held = [False] * len(listed)
         if len(listed) > 1:  # ask which are held first, so only the others are copied
             held = []

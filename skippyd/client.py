@@ -64,7 +64,10 @@ __all__ = [
 class CaptureResult:
     """What a capture stored. ``l3``: a durable copy is on disk (``durable="sync"``) or queued for it
     (``durable=True``); ``durability`` says which: ``"written"``, ``"queued"``, ``"deferred"`` (L3
-    cannot take it now: written later unless evicted first) or ``"none"``."""
+    cannot take it now: written later unless evicted first) or ``"none"``. ``blocks_stored``,
+    ``blocks_present`` and ``blocks_nbytes``: for a capture that also put whole blocks (the transformers
+    integration), the blocks newly written (and their bytes) and those already held; ``nbytes`` is the
+    entry's own bytes."""
 
     digest: str
     token_count: int
@@ -72,6 +75,9 @@ class CaptureResult:
     l2: bool
     l3: bool
     durability: str = "none"
+    blocks_stored: int = 0
+    blocks_present: int = 0
+    blocks_nbytes: int = 0
 
 
 Durable = bool | Literal["sync"]

@@ -211,6 +211,24 @@ def test_puts_of_buffers_any_dtype_and_get_into_buffers(daemon: DaemonProcess) -
             blocks.get_into(keys[:1], [bytearray(10)])
 
 
+def test_a_block_may_be_a_list_of_pieces_strided_tensors_included(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(2 * BLOCK)))
+        kv = torch.randn(1, 4, 2 * BLOCK, 8)  # [batch, heads, tokens, dim]: a block's slice is strided
+        halves = [kv[..., i * BLOCK : (i + 1) * BLOCK, :] for i in range(2)]
+        assert not halves[0].is_contiguous()
+        tail = np.arange(10, dtype=np.uint8)
+        put = blocks.put(keys, [[halves[0], tail], (halves[1], halves[1].to(torch.float16))])
+        sizes = [halves[0].numel() * 4 + 10, halves[1].numel() * 6]
+        assert (put.stored, put.nbytes) == (2, sum(sizes))
+        got = blocks.get(keys)
+        assert [len(t) for t in got] == sizes
+        assert bytes(got[0].numpy()) == halves[0].contiguous().numpy().tobytes() + tail.tobytes()
+        second = halves[1].contiguous()
+        assert bytes(got[1].numpy()) == second.numpy().tobytes() + second.to(torch.float16).numpy().tobytes()
+
+
 def test_async_block_calls_match_the_blocking_ones(daemon: DaemonProcess) -> None:
     async def main() -> tuple[int, int, list[bytes]]:
         async with skippyd.AsyncClient(daemon.socket) as client:

@@ -14,6 +14,16 @@ Works with the unified ``DynamicCache`` of transformers 5.x: attention layers (`
 window layers), linear-attention / recurrent layers (``LinearAttentionLayer``: conv and recurrent states,
 as in Mamba, Mamba2 and the mamba half of hybrids) and layers that hold both (Zamba2, Falcon-H1).
 
+Blocks. A capture at token count T stores the attention KV of its whole blocks (``block_tokens``, default
+256) as skippyd blocks, chained over the identity and every earlier token, and the rest as one small
+entry at T that names them: the partial block's KV, sliding-window layers and, for recurrent layers, their
+state at exactly T. Capturing turn N+1 of a conversation after turn N therefore writes only the new blocks
+and a small entry; a restore of any captured T is exact (the entry, then its blocks); and an attention-only
+model also restores the longest run of leading blocks any capture of the same prefix left, entry or not.
+A block holds, for each attention layer in order, its keys then its values (``[1, heads, block_tokens,
+head_dim]`` each); a model whose block would pass 64 MiB splits its layers over several block spaces.
+``block_tokens=0`` stores one whole entry per capture instead.
+
 The skippyd ``state`` string is derived from the model: a format version, the cache layer kinds, the
 shape and dtype of every cached tensor (read off a one-token probe of the model, done once per model) and
 a hash of its architecture config. A model whose config differs in anything that shapes or computes the
@@ -27,6 +37,7 @@ This module runs in the engine (client side); the daemon never imports torch or 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import threading
@@ -45,11 +56,13 @@ if TYPE_CHECKING:
     from skippyd.client import CaptureResult, Client
 
 __all__ = [
+    "DEFAULT_BLOCK_TOKENS",
     "FORMAT_VERSION",
     "STEPWISE_MODEL_TYPES",
     "LayerSpec",
     "ModelProfile",
     "TensorShape",
+    "block_states",
     "capture",
     "default_model_id",
     "prefill",
@@ -59,7 +72,17 @@ __all__ = [
 ]
 
 #: Bumped whenever the tensor naming, the meta layout or the rebuild changes: old entries then miss.
-FORMAT_VERSION = 1
+#: 2: the attention KV of whole blocks lives in blocks; the entry holds the tail and names them.
+FORMAT_VERSION = 2
+
+#: Tokens per block of attention KV (vLLM's and LMCache's usual chunk).
+DEFAULT_BLOCK_TOKENS = 256
+
+#: The largest block skippyd takes (``blocks_put``); a model's layers are split over block spaces below it.
+MAX_BLOCK_BYTES = 64 << 20
+
+#: Shorter entries tried when the longest one's blocks have gone (evicted before it).
+_FALLBACK_TRIES = 8
 
 #: Model types whose recurrent mixers, in transformers 5.x, ignore the cached recurrent state when more than
 #: one token is fed at once (their multi-token path runs the selective scan from a zero state; only the
@@ -148,14 +171,85 @@ _profiles_lock = threading.Lock()
 def _layer_classes() -> dict[type, str]:
     from transformers import cache_utils as cu
 
+    joined = _joined_classes()
     return {
         cu.DynamicLayer: "attn",
+        joined[cu.DynamicLayer]: "attn",
         cu.DynamicSlidingWindowLayer: "sliding",
         cu.LinearAttentionLayer: "linear",
         cu.LinearAttentionAndFullAttentionLayer: "hybrid",
+        joined[cu.LinearAttentionAndFullAttentionLayer]: "hybrid",
         cu.LinearAttentionAndSlidingWindowAttentionLayer: "hybrid_sliding",
         cu.DummyLayer: "dummy",
     }
+
+
+class _JoinedKV:
+    """A cache layer whose keys and values are held as pieces (block views and the entry's tail) until
+    they are first needed: the first ``update`` joins them with the new tokens in ONE ``torch.cat`` (what
+    a plain layer's update copies anyway), any other read joins them alone. The joined tensors are the
+    same bytes a plain layer holds, so a continuation computes exactly what it would have."""
+
+    _pieces: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None  # until a layer holds some
+
+    def _hold(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+        self.__dict__["_keys"] = self.__dict__["_values"] = None
+        self.__dict__["_pieces"] = (keys, values, length)
+
+    def _join(self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None) -> None:
+        assert self._pieces is not None
+        keys, values, _ = self._pieces
+        self.__dict__["_pieces"] = None
+        self.__dict__["_keys"] = torch.cat([*keys, *([] if new_keys is None else [new_keys])], dim=-2)
+        self.__dict__["_values"] = torch.cat([*values, *([] if new_values is None else [new_values])], dim=-2)
+
+    @property
+    def keys(self) -> Any:
+        if self._pieces is not None:
+            self._join()
+        return self.__dict__.get("_keys")
+
+    @keys.setter
+    def keys(self, value: Any) -> None:
+        if self._pieces is not None:
+            self._join()
+        self.__dict__["_keys"] = value
+
+    @property
+    def values(self) -> Any:
+        if self._pieces is not None:
+            self._join()
+        return self.__dict__.get("_values")
+
+    @values.setter
+    def values(self, value: Any) -> None:
+        if self._pieces is not None:
+            self._join()
+        self.__dict__["_values"] = value
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if self._pieces is not None:
+            self._join(key_states, value_states)
+            return self.__dict__["_keys"], self.__dict__["_values"]
+        return super().update(key_states, value_states, *args, **kwargs)  # type: ignore[misc]
+
+    def get_seq_length(self) -> int:
+        if self._pieces is not None:
+            return self._pieces[2]
+        return super().get_seq_length()  # type: ignore[misc, no-any-return]
+
+
+_joined: dict[type, type] = {}
+
+
+def _joined_classes() -> dict[type, type]:
+    """The joined-on-first-use variants of the two full-attention layer classes (made once)."""
+    if not _joined:
+        from transformers import cache_utils as cu
+
+        for base in (cu.DynamicLayer, cu.LinearAttentionAndFullAttentionLayer):
+            _joined[base] = type(f"Joined{base.__name__}", (_JoinedKV, base), {"__module__": __name__})
+    return _joined
 
 
 def _layer_kind(layer: Any, index: int) -> str:
@@ -326,9 +420,143 @@ def profile(model: Any) -> ModelProfile:
         return built
 
 
+def block_states(model: Any, *, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> list[str]:
+    """The ``state`` of every block space ``model``'s attention KV blocks live in (one, unless a block of
+    every layer together would pass 64 MiB): what ``skippyd evict --blocks --state`` takes."""
+    layout = _layout(profile(model), block_tokens)
+    return [] if layout is None else [group.state for group in layout.groups]
+
+
 def state_id(model: Any) -> str:
     """The skippyd ``state`` string of ``model``'s cache (format, layer kinds, shapes, dtype, config)."""
     return profile(model).state
+
+
+# ----------------------------------------------------------------------------------------- blocks
+_BLOCK_KINDS = frozenset({"attn", "hybrid"})  # full attention: the KV of token t never changes after t
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Layers whose KV shares one block space (all of them, unless a block would pass 64 MiB)."""
+
+    state: str
+    layers: tuple[int, ...]
+    block_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    block_tokens: int
+    groups: tuple[_Group, ...]
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(index for group in self.groups for index in group.layers)
+
+
+def _tensor_bytes(t: TensorShape, tokens: int) -> int:
+    count = 1
+    for dim, size in enumerate(t.shape):
+        count *= tokens if dim == t.seq_dim else size
+    return count * t.dtype.itemsize
+
+
+def _kv_bytes(spec: LayerSpec, tokens: int) -> int:
+    """Bytes of one attention layer's keys plus values over ``tokens`` tokens."""
+    return sum(_tensor_bytes(t, tokens) for t in spec.tensors[:2])
+
+
+def _layout(prof: ModelProfile, block_tokens: int) -> _Layout | None:
+    """How ``prof``'s attention KV is cut into blocks of ``block_tokens`` (None: no full-attention layer)."""
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, int) or not 1 <= block_tokens <= 65536:
+        raise InvalidArgument(
+            f"block_tokens must be an integer from 1 to 65536 (0: no blocks), not {block_tokens!r}"
+        )
+    layers = [i for i, spec in enumerate(prof.layers) if spec.kind in _BLOCK_KINDS]
+    if not layers:
+        return None
+    groups: list[list[int]] = [[]]
+    sizes = [0]
+    for index in layers:
+        size = _kv_bytes(prof.layers[index], block_tokens)
+        if size > MAX_BLOCK_BYTES:
+            raise InvalidArgument(
+                f"block_tokens={block_tokens} makes one layer's block {size} bytes, more than a block may be "
+                f"({MAX_BLOCK_BYTES}): use fewer tokens per block"
+            )
+        if sizes[-1] + size > MAX_BLOCK_BYTES:
+            groups.append([])
+            sizes.append(0)
+        groups[-1].append(index)
+        sizes[-1] += size
+    return _Layout(
+        block_tokens,
+        tuple(
+            _Group(f"{prof.state}:kv{group[0]}-{group[-1]}", tuple(group), size)
+            for group, size in zip(groups, sizes, strict=True)
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Store:
+    """Where one model's state lives: the client, the model id and the namespace."""
+
+    client: Client
+    model_id: str
+    namespace: str
+
+    def spaces(self, layout: _Layout) -> list[Any]:
+        return [
+            self.client.blocks(
+                model=self.model_id, state=g.state, namespace=self.namespace, block_tokens=layout.block_tokens
+            )
+            for g in layout.groups
+        ]
+
+    def entry(self, prof: ModelProfile, tokens: Any, device: torch.device) -> Any:
+        return self.client.restore(
+            model=self.model_id, state=prof.state, namespace=self.namespace, tokens=tokens, device=device
+        )
+
+
+def _leading_blocks(store: _Store, layout: _Layout, seq: Any, want: int) -> list[list[torch.Tensor]]:
+    """Zero-copy views of the leading held blocks of ``seq`` (at most ``want``), the same run in every
+    group: a group that holds fewer cuts the run for all."""
+    views: list[list[torch.Tensor]] = []
+    limit = want
+    for group, space in zip(layout.groups, store.spaces(layout), strict=True):
+        if not limit:
+            break
+        got = space.get(space.keys(seq[: limit * layout.block_tokens]))
+        for index, block in enumerate(got):
+            if block.numel() != group.block_bytes:
+                raise Mismatch(
+                    f"block {index} of {group.state} holds {block.numel()} bytes, this model's blocks "
+                    f"{group.block_bytes}"
+                )
+        limit = min(limit, len(got))
+        views.append(got)
+    return [group[:limit] for group in views] if limit else []
+
+
+def _block_pieces(
+    prof: ModelProfile, layout: _Layout, views: list[list[torch.Tensor]]
+) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    """Per attention layer, its keys and values over the blocks: ``[1, heads, block_tokens, dim]`` views."""
+    pieces: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {i: ([], []) for i in layout.layers}
+    for group, blocks in zip(layout.groups, views, strict=True):
+        for block in blocks:
+            offset = 0
+            for index in group.layers:
+                for which, t in enumerate(prof.layers[index].tensors[:2]):
+                    shape = list(t.shape)
+                    shape[t.seq_dim] = layout.block_tokens
+                    size = _tensor_bytes(t, layout.block_tokens)
+                    pieces[index][which].append(block[offset : offset + size].view(t.dtype).view(shape))
+                    offset += size
+    return pieces
 
 
 # ----------------------------------------------------------------------------------------- tokens
@@ -446,9 +674,15 @@ def capture(
     tokens: Any,
     model_id: str | None = None,
     namespace: str = "",
-    durable: bool = True,
+    durable: bool | str = True,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
 ) -> CaptureResult:
     """Stores ``cache``, the state of ``model`` after exactly ``tokens``, in skippyd.
+
+    The attention KV of every whole block of ``block_tokens`` goes into skippyd's blocks (only the
+    blocks not held yet are copied and sent), the rest into one entry at ``len(tokens)`` that names them;
+    the result's ``blocks_stored``/``blocks_nbytes`` say what was newly written. ``block_tokens=0``
+    stores everything as one entry.
 
     Refuses (``InvalidArgument``) a cache whose token count differs from ``tokens``, a batch other than
     one sequence, and any recurrent layer whose state is missing or empty, so a hybrid is never stored as
@@ -459,10 +693,12 @@ def capture(
     seq, n = _tokens(tokens)
     if n < 1:
         raise InvalidArgument("tokens must hold at least one token")
+    layout = _layout(prof, block_tokens) if block_tokens != 0 else None
     tensors, layers_meta = _collect(prof, cache, n)
     import transformers
 
-    meta = {
+    mid = model_id or prof.model_id
+    meta: dict[str, Any] = {
         "format": FORMAT_VERSION,
         "model_type": prof.model_type,
         "dtype": _dtype_name(prof.dtype),
@@ -471,17 +707,35 @@ def capture(
         "config_hash": prof.config_hash,
         "transformers": str(transformers.__version__),
         "torch": str(torch.__version__),
+        "blocks": None,
     }
-    return client.capture(
-        model=model_id or prof.model_id,
+    count = n // layout.block_tokens if layout is not None else 0
+    stored = present = nbytes = 0
+    if layout is not None and count:
+        span = layout.block_tokens
+        for group, space in zip(layout.groups, _Store(client, mid, namespace).spaces(layout), strict=True):
+            data = [
+                [tensors[f"{index}.{part}"][..., b * span : (b + 1) * span, :]
+                 for index in group.layers for part in ("k", "v")]
+                for b in range(count)
+            ]  # fmt: skip
+            put = space.put(space.keys(seq[: count * span]), data, durable=durable)
+            stored, present, nbytes = stored + put.stored, present + put.present, nbytes + put.nbytes
+        for index in layout.layers:  # the entry keeps the partial block
+            for part in ("k", "v"):
+                tensors[f"{index}.{part}"] = tensors[f"{index}.{part}"][..., count * span :, :]
+        meta["blocks"] = {"tokens": layout.block_tokens, "count": count}
+    result = client.capture(
+        model=mid,
         state=prof.state,
         namespace=namespace,
         tokens=seq,
         tensors=tensors,
         kind=prof.kind,
         meta=meta,
-        durable=durable,
+        durable=durable,  # type: ignore[arg-type]
     )
+    return dataclasses.replace(result, blocks_stored=stored, blocks_present=present, blocks_nbytes=nbytes)
 
 
 # ----------------------------------------------------------------------------------------- restore
@@ -500,6 +754,79 @@ def _check_entry(prof: ModelProfile, kind: str, meta: Mapping[str, Any], count: 
         raise Mismatch("the entry was captured from a model with another dtype or config")
 
 
+def _blocks_of(meta: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The ``(block_tokens, count)`` an entry names, or None for an entry that holds everything."""
+    info = meta.get("blocks")
+    if info is None:
+        return None
+    tokens, count = (info.get("tokens"), info.get("count")) if isinstance(info, Mapping) else (None, None)
+    if not (isinstance(tokens, int) and isinstance(count, int) and 1 <= tokens <= 65536 and count >= 1):
+        raise Mismatch(f"the entry names its blocks as {info!r}")
+    return tokens, count
+
+
+@dataclass(slots=True)
+class _Found:
+    """What a restore rebuilds from: an entry (or none) and the views of the blocks before it."""
+
+    count: int
+    tail: Mapping[str, torch.Tensor]
+    layout: _Layout | None
+    blocks: int
+    pieces: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+def _find(
+    store: _Store, prof: ModelProfile, seq: Any, *, target: torch.device, block_tokens: int
+) -> _Found | None:
+    """The longest restorable prefix: an entry whose blocks are all held (a shorter entry if the longest
+    one's blocks have gone) or, for an attention-only model, the longest leading run of blocks."""
+    blocks_alone = prof.kind == KIND_KV and all(spec.kind in _BLOCK_KINDS | {"dummy"} for spec in prof.layers)
+    found: _Found | None = None
+    best_run: tuple[_Layout, list[list[torch.Tensor]]] | None = None
+    n = len(seq)
+    hit = store.entry(prof, seq, target)
+    for _ in range(_FALLBACK_TRIES):
+        if hit is None:
+            break
+        _check_entry(prof, hit.kind, hit.meta, hit.token_count)
+        named = _blocks_of(hit.meta)
+        if named is None:
+            found = _Found(hit.token_count, hit.tensors, None, 0, {})
+            break
+        span, count = named
+        layout = _layout(prof, span)
+        if layout is None:
+            raise Mismatch("the entry names blocks, but this model has no attention layer to hold them")
+        want = max(count, n // span) if blocks_alone else count  # one get answers both questions
+        views = _leading_blocks(store, layout, seq, want)
+        held = len(views[0]) if views else 0
+        if (
+            blocks_alone
+            and held
+            and (best_run is None or held * span > len(best_run[1][0]) * best_run[0].block_tokens)
+        ):
+            best_run = (layout, views)
+        if held >= count:
+            found = _Found(hit.token_count, hit.tensors, layout, count, _block_pieces(prof, layout, views))
+            break
+        if hit.token_count <= 1:  # its blocks have gone: a shorter entry may still be whole
+            break
+        hit = store.entry(prof, seq[: hit.token_count - 1], target)
+    if blocks_alone and block_tokens and best_run is None and n >= block_tokens:
+        layout = _layout(prof, block_tokens)
+        if layout is not None:
+            views = _leading_blocks(store, layout, seq, n // block_tokens)
+            if views:
+                best_run = (layout, views)
+    if best_run is not None:
+        layout, views = best_run
+        run = len(views[0]) * layout.block_tokens
+        if found is None or run > found.count:
+            return _Found(run, {}, layout, len(views[0]), _block_pieces(prof, layout, views))
+    return found
+
+
 def restore(
     client: Client,
     model: Any,
@@ -508,14 +835,19 @@ def restore(
     model_id: str | None = None,
     namespace: str = "",
     device: str | torch.device | None = None,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
 ) -> tuple[DynamicCache, int] | None:
     """The longest captured prefix of ``tokens`` as a ``DynamicCache`` ``model`` accepts, and its length.
 
     ``None`` on a miss. The caller feeds ``tokens[n:]`` on top of the cache (see :func:`prefill`, which
-    steps one token at a time where transformers needs it). Attention keys and values are zero-copy views
-    of the daemon's entry on the CPU (copy-on-write: nothing written reaches the cache); conv and
-    recurrent states are copied into the layers' own buffers, as transformers updates them in place.
-    An entry that does not fit the model raises :class:`~skippyd.errors.Mismatch`.
+    steps one token at a time where transformers needs it). On the CPU the attention keys and values
+    stay zero-copy views of the daemon's blocks and entry (copy-on-write: nothing written reaches the
+    store) until the first forward joins them with its new tokens, in the one copy a cache's update makes
+    anyway; on a device they are copied there. Conv and recurrent states are copied into the layers' own
+    buffers, as transformers updates them in place. An entry whose blocks have been evicted is passed
+    over for a shorter one; an attention-only model also restores the longest run of leading blocks of
+    ``block_tokens`` (any capture's). An entry that does not fit the model raises
+    :class:`~skippyd.errors.Mismatch`.
     """
     from transformers import DynamicCache
 
@@ -523,35 +855,54 @@ def restore(
     seq, n = _tokens(tokens)
     if n < 1:
         raise InvalidArgument("tokens must hold at least one token")
+    if block_tokens != 0:
+        _layout(prof, block_tokens)  # checks the value
     target = torch.device(device) if device is not None else _model_device(model)
-    hit = client.restore(
-        model=model_id or prof.model_id, state=prof.state, namespace=namespace, tokens=seq, device=target
-    )
-    if hit is None:
+    store = _Store(client, model_id or prof.model_id, namespace)
+    found = _find(store, prof, seq, target=target, block_tokens=block_tokens)
+    if found is None:
         return None
-    count = hit.token_count
-    _check_entry(prof, hit.kind, hit.meta, count)
+    count = found.count
+    blocked = set(found.layout.layers) if found.layout is not None else set()
+    span = found.blocks * (found.layout.block_tokens if found.layout is not None else 0)
     expected = {t.name for spec in prof.layers for t in spec.tensors}
-    if set(hit.tensors) != expected:
+    if (found.tail or not blocked) and set(found.tail) != expected:  # blocks alone: no entry, no tail
         raise Mismatch("the entry's tensors are not the ones this model's cache holds")
     cache = DynamicCache(config=model.config)
     if len(cache.layers) != len(prof.layers):
         raise Mismatch(f"the model's cache has {len(cache.layers)} layers, its profile {len(prof.layers)}")
+    joined = _joined_classes()
     layers: list[Any] = list(cache.layers)
     for index, (layer, spec) in enumerate(zip(layers, prof.layers, strict=True)):
         if _layer_kind(layer, index) != spec.kind:
             raise Mismatch(f"cache layer {index} is no longer a {spec.kind} layer")
         for t in spec.tensors:
-            _check_shape(hit.tensors[t.name], t, _attn_len(spec, count), "restore")
-        if spec.kind in _ATTN_KINDS:
-            keys, values = hit.tensors[f"{index}.k"], hit.tensors[f"{index}.v"]
-            layer.lazy_initialization(keys, values)  # sets device (and the window tensor) like a first update
-            layer.keys, layer.values = keys, values
+            if t.name in found.tail:
+                tail_len = count - span if index in blocked and t.seq_dim >= 0 else _attn_len(spec, count)
+                _check_shape(found.tail[t.name], t, tail_len, "restore")
+        if index in blocked:
+            keys, values = found.pieces[index]
+            keys, values = list(keys), list(values)
+            if found.tail and count > span:
+                keys.append(found.tail[f"{index}.k"])
+                values.append(found.tail[f"{index}.v"])
+            layer.lazy_initialization(keys[0], values[0])
+            if target.type == "cpu":
+                held: Any = object.__new__(joined[type(layer)])  # the same layer, holding pieces
+                held.__dict__.update(layer.__dict__)
+                held._hold(keys, values, count)
+                cache.layers[index] = held
+            else:
+                layer.keys, layer.values = _joined_on(keys, target), _joined_on(values, target)
+        elif spec.kind in _ATTN_KINDS:
+            k, v = found.tail[f"{index}.k"], found.tail[f"{index}.v"]
+            layer.lazy_initialization(k, v)  # sets device (and the window tensor) like a first update
+            layer.keys, layer.values = k, v
             if spec.kind in _SLIDING_KINDS:
                 layer.cumulative_length = count
         for s in range(spec.states):
-            conv = hit.tensors.get(f"{index}.c{s}")
-            rec = hit.tensors.get(f"{index}.r{s}")
+            conv = found.tail.get(f"{index}.c{s}")
+            rec = found.tail.get(f"{index}.r{s}")
             if conv is not None:
                 layer.lazy_initialization(conv_states=conv, state_idx=s, conv_kernel_size=int(conv.shape[-1]))
                 layer.conv_states[s].copy_(conv)
@@ -562,10 +913,25 @@ def restore(
     return cache, count
 
 
+def _joined_on(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The pieces joined along the tokens, in one tensor on ``device`` (each piece copied there once)."""
+    shape = list(pieces[0].shape)
+    shape[-2] = sum(int(p.shape[-2]) for p in pieces)
+    out = torch.empty(shape, dtype=pieces[0].dtype, device=device)
+    at = 0
+    for piece in pieces:
+        width = int(piece.shape[-2])
+        out[..., at : at + width, :].copy_(piece)
+        at += width
+    return out
+
+
 # ----------------------------------------------------------------------------------------- prefill
 def _has_state(cache: Any) -> bool:
     for layer in cache.layers:
         if any(getattr(layer, "has_previous_state", {}).values()):
+            return True
+        if isinstance(layer, _JoinedKV) and layer.get_seq_length() > 0:  # without joining its pieces
             return True
         keys = getattr(layer, "keys", None)
         if isinstance(keys, torch.Tensor) and keys.numel() > 0:

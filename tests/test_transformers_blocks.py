@@ -1,0 +1,273 @@
+"""The transformers integration on blocks, against a real ``skippyd serve``.
+
+A capture stores the attention KV of its whole blocks as skippyd blocks and the rest (the partial
+block, recurrent state at exactly T) as one small entry naming them. These tests prove what that buys
+and that nothing is lost: a conversation's next turn writes only its new blocks, every captured length
+restores exactly (the continuation's logits equal, bit for bit, those on the cache that never left the
+process), an attention-only model restores the leading blocks another conversation left, an entry whose
+blocks were evicted gives way to a shorter whole one, and a model whose block would pass the block limit
+splits its layers over several block spaces. The models are tests/hfmodels.py's (Llama-style attention,
+Zamba2 and Jamba hybrids).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hfmodels
+import torch
+from daemonutil import DaemonProcess
+
+import skippyd
+from skippyd.errors import InvalidArgument
+from skippyd.integrations import transformers as skt
+
+B = skt.DEFAULT_BLOCK_TOKENS
+CONT = 8
+TOL = {"llama": 1e-4, "zamba2": 1e-3, "jamba": 1e-3}  # see tests/test_transformers.py
+
+
+@pytest.fixture(scope="module")
+def hf_daemon() -> Iterator[DaemonProcess]:
+    root = Path(tempfile.mkdtemp(prefix="sk-hfb-", dir="/tmp"))
+    proc = DaemonProcess(root, "--redis-url", "none").start()
+    try:
+        yield proc
+    finally:
+        proc.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def client(hf_daemon: DaemonProcess) -> Iterator[skippyd.Client]:
+    with hf_daemon.client() as c:
+        yield c
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest) -> str:
+    return str(request.node.name)
+
+
+@pytest.fixture(scope="module")
+def built() -> Callable[[str], Any]:
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            cache[name] = hfmodels.build(name)
+        return cache[name]
+
+    return get
+
+
+def prefilled(model: Any, tokens: torch.Tensor) -> Any:
+    _, cache = skt.prefill(model, tokens)
+    return cache
+
+
+def continued(model: Any, cache: Any, tokens: torch.Tensor) -> torch.Tensor:
+    logits, _ = skt.prefill(model, tokens, cache=cache)
+    return logits
+
+
+def pieces_held(layer: Any) -> int:
+    """How many pieces a restored layer still holds unjoined (0: joined into one tensor)."""
+    return 0 if layer._pieces is None else len(layer._pieces[0])
+
+
+def kv_bytes_per_token(cache: Any) -> int:
+    total = 0
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.numel():
+            total += 2 * keys[..., :1, :].numel() * keys.element_size()
+    return total
+
+
+def state_bytes(cache: Any) -> int:
+    total = 0
+    for layer in cache.layers:
+        for attr in ("conv_states", "recurrent_states"):
+            for t in (getattr(layer, attr, None) or {}).values():
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
+
+
+@pytest.mark.parametrize("name", ["llama", "zamba2", "jamba"])
+def test_a_next_turn_writes_only_its_new_blocks_and_every_captured_length_restores_exactly(
+    name: str, client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    model = built(name)
+    tokens = hfmodels.prompt(1200)
+    turns = [300, 700, 1100]
+    written_before = client.stats()["ops"]["block_bytes_written"]
+    written = 0
+    for earlier, length in zip([0, *turns], turns, strict=False):
+        cache = prefilled(model, tokens[:length])
+        result = skt.capture(client, model, cache, tokens=tokens[:length], namespace=namespace)
+        assert (result.blocks_stored, result.blocks_present) == (length // B - earlier // B, earlier // B)
+        per_token = kv_bytes_per_token(cache)
+        assert result.blocks_nbytes == result.blocks_stored * B * per_token
+        # the entry is the tail only: the partial block's KV and the recurrent state
+        assert result.nbytes <= (length % B) * per_token + state_bytes(cache) + 64 * 1024
+        written += result.blocks_nbytes
+    assert client.stats()["ops"]["block_bytes_written"] - written_before == written  # no block twice
+
+    for length in turns:
+        query = tokens[: length + CONT]
+        hit = skt.restore(client, model, tokens=query, namespace=namespace)
+        assert hit is not None
+        cache, count = hit
+        assert count == length
+        expected = continued(model, prefilled(model, tokens[:length]), query[length:])
+        assert torch.equal(continued(model, cache, query[length:]), expected), length
+
+
+def test_restored_attention_is_joined_by_the_first_forward_not_before(
+    client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    model = built("llama")
+    tokens = hfmodels.prompt(3 * B + 40)
+    skt.capture(
+        client,
+        model,
+        prefilled(model, tokens[: 3 * B + 32]),
+        tokens=tokens[: 3 * B + 32],
+        namespace=namespace,
+    )
+    hit = skt.restore(client, model, tokens=tokens, namespace=namespace)
+    assert hit is not None
+    cache, count = hit
+    assert count == 3 * B + 32
+    layer = cache.layers[0]
+    assert isinstance(layer, skt._JoinedKV) and pieces_held(layer) == 4  # 3 blocks + the tail: no copy yet
+    assert cache.get_seq_length() == count and pieces_held(layer) == 4  # the length needs no join
+    logits = continued(model, cache, tokens[count:])
+    joined = layer.keys
+    assert pieces_held(layer) == 0 and isinstance(joined, torch.Tensor)
+    assert joined.shape[-2] == len(tokens) and joined.is_contiguous()
+    assert torch.equal(logits, continued(model, prefilled(model, tokens[:count]), tokens[count:]))
+
+
+@pytest.mark.parametrize("name", ["llama", "zamba2"])
+def test_a_restored_and_continued_cache_is_captured_like_any_other(
+    name: str, client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    model = built(name)
+    tokens = hfmodels.prompt(760)
+    skt.capture(client, model, prefilled(model, tokens[:300]), tokens=tokens[:300], namespace=namespace)
+    hit = skt.restore(client, model, tokens=tokens[:750], namespace=namespace)
+    assert hit is not None and hit[1] == 300
+    _, cache = skt.prefill(model, tokens[300:750], cache=hit[0])  # the engine's next turn
+    result = skt.capture(client, model, cache, tokens=tokens[:750], namespace=namespace)
+    assert (result.blocks_stored, result.blocks_present) == (1, 1)
+    again = skt.restore(client, model, tokens=tokens, namespace=namespace)
+    assert again is not None and again[1] == 750
+    assert torch.equal(continued(model, again[0], tokens[750:]), continued(model, cache, tokens[750:]))
+
+
+def test_an_attention_model_restores_the_leading_blocks_another_conversation_left(
+    client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    model = built("llama")
+    first = hfmodels.prompt(700)
+    skt.capture(client, model, prefilled(model, first), tokens=first, namespace=namespace)
+    other = torch.cat([first[:600], hfmodels.prompt(300, seed=99)])  # shares 600 tokens, not the entry
+    hit = skt.restore(client, model, tokens=other, namespace=namespace)
+    assert hit is not None
+    cache, count = hit
+    assert count == 2 * B  # the whole blocks of the shared 600 tokens
+    logits = continued(model, cache, other[count:])
+    assert torch.equal(logits, continued(model, prefilled(model, other[:count]), other[count:]))
+    with torch.no_grad():
+        full = model(input_ids=other[None]).logits[0, count:]
+    assert float((logits[0] - full).abs().max()) <= TOL["llama"]
+
+
+def test_a_hybrid_never_restores_blocks_without_its_recurrent_state(
+    client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    model = built("zamba2")
+    first = hfmodels.prompt(700)
+    skt.capture(client, model, prefilled(model, first), tokens=first, namespace=namespace)
+    other = torch.cat([first[:600], hfmodels.prompt(300, seed=99)])
+    assert skt.restore(client, model, tokens=other, namespace=namespace) is None
+
+
+@pytest.mark.parametrize("name", ["llama", "zamba2"])
+def test_an_entry_whose_blocks_were_evicted_gives_way_to_a_shorter_whole_one(
+    name: str, client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    model = built(name)
+    tokens = hfmodels.prompt(700)
+    for length in (100, 600):  # 100 tokens: no whole block, all in its entry; 600: two blocks + a tail
+        skt.capture(
+            client, model, prefilled(model, tokens[:length]), tokens=tokens[:length], namespace=namespace
+        )
+    prof = skt.profile(model)
+    for state in skt.block_states(model):
+        assert client.evict(model=prof.model_id, state=state, namespace=namespace, blocks=True) == 2
+    hit = skt.restore(client, model, tokens=tokens, namespace=namespace)
+    assert hit is not None
+    cache, count = hit
+    assert count == 100
+    expected = continued(model, prefilled(model, tokens[:100]), tokens[100:108])
+    assert torch.equal(continued(model, cache, tokens[100:108]), expected)
+
+
+def test_block_tokens_zero_stores_one_whole_entry_and_restores_it(
+    client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    model = built("zamba2")
+    tokens = hfmodels.prompt(600)
+    cache = prefilled(model, tokens[:520])
+    result = skt.capture(client, model, cache, tokens=tokens[:520], namespace=namespace, block_tokens=0)
+    assert result.blocks_stored == 0 and result.nbytes >= 520 * kv_bytes_per_token(cache)
+    hit = skt.restore(client, model, tokens=tokens, namespace=namespace)
+    assert hit is not None and hit[1] == 520
+    expected = continued(model, prefilled(model, tokens[:520]), tokens[520:])
+    assert torch.equal(continued(model, hit[0], tokens[520:]), expected)
+
+
+def test_a_model_whose_block_would_pass_the_limit_splits_its_layers_over_block_spaces(
+    client: skippyd.Client, namespace: str, built: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = built("llama")  # two attention layers
+    tokens = hfmodels.prompt(2 * B + 50)
+    cache = prefilled(model, tokens[: 2 * B + 10])
+    one_layer = kv_bytes_per_token(cache) // 2 * B
+    monkeypatch.setattr(skt, "MAX_BLOCK_BYTES", one_layer)  # room for one layer's block, not two
+    states = skt.block_states(model)
+    assert len(states) == 2 and states[0].endswith(":kv0-0") and states[1].endswith(":kv1-1")
+    result = skt.capture(client, model, cache, tokens=tokens[: 2 * B + 10], namespace=namespace)
+    assert result.blocks_stored == 4  # two blocks in each space
+    hit = skt.restore(client, model, tokens=tokens, namespace=namespace)
+    assert hit is not None and hit[1] == 2 * B + 10
+    expected = continued(model, prefilled(model, tokens[: 2 * B + 10]), tokens[2 * B + 10 :])
+    assert torch.equal(continued(model, hit[0], tokens[2 * B + 10 :]), expected)
+    monkeypatch.setattr(skt, "MAX_BLOCK_BYTES", one_layer - 1)
+    with pytest.raises(InvalidArgument, match="fewer tokens per block"):
+        skt.capture(client, model, cache, tokens=tokens[: 2 * B + 10], namespace=namespace)
+
+
+def test_block_tokens_out_of_range_is_refused_with_one_clear_line(
+    client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    model = built("llama")
+    tokens = hfmodels.prompt(40)
+    bad: Any
+    for bad in (-1, 65537, True, 2.5):
+        with pytest.raises(InvalidArgument, match="block_tokens must be an integer"):
+            skt.capture(
+                client, model, prefilled(model, tokens), tokens=tokens, namespace=namespace, block_tokens=bad
+            )
