@@ -14,7 +14,10 @@
   slots when the promotion rules say so (the second hit within the window, across the scope), into a
   sealed memfd served once otherwise.
 * **durable**: a stored block's record asks for an L3 copy until its pack is fsynced
-  (:mod:`skippyd.packer`); ``"sync"`` waits for that fsync.
+  (:mod:`skippyd.packer`); ``"sync"`` waits for that fsync. With an :data:`Admission` policy
+  (``l3_block_admission = "second-put"``) a ``durable=True`` put keeps its blocks in L2 only and counts
+  them; a block offered again within the window (by any put, across the scope) is then marked for its
+  L3 copy, sparing the SSD the blocks nobody comes back for. ``"sync"`` always writes.
 
 Nothing here touches sockets or imports torch.
 """
@@ -22,10 +25,11 @@ Nothing here touches sockets or imports torch.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +47,13 @@ from .l3.packs import PackRecord
 from .packer import BlockWriter
 from .shm import PAGE, _copy_pool, memfd, seal_readonly
 
-__all__ = ["BlockCounters", "BlockRules", "PutOutcome", "Served"]
+__all__ = ["Admission", "BlockCounters", "BlockRules", "PutOutcome", "Served"]
+
+log = logging.getLogger(__name__)
+
+#: The L3 admission count: one ``(key, block_tokens, bytes)`` per block only L2 holds, a yes or no for each
+#: (``Coordinator.admit``: the promotion rules in their own scope, in Redis; ``LocalPromotions``).
+Admission = Callable[[Sequence[tuple[str, int, int]]], list[bool]]
 
 _PARALLEL_BYTES = 1 << 20  # puts smaller than this are copied and hashed on the calling thread
 _FILL_BYTES = 64 << 20  # what one get reads from L3 at most
@@ -81,6 +91,8 @@ class BlockCounters:
     block_get_blocks: int = 0
     block_get_bytes: int = 0
     block_promotions: int = 0  # blocks an L3 hit brought into L2
+    block_admission_waits: int = 0  # blocks a put offered once: kept in L2 only until a second put
+    block_admissions: int = 0  # blocks a second put within the window admitted to L3
 
 
 class BlockRules:
@@ -91,6 +103,7 @@ class BlockRules:
         l3: L3Store | None = None,
         writer: BlockWriter | None = None,
         promotions: PromotionPolicy | None = None,
+        admission: Admission | None = None,
         copy_threads: int = 2,
         sync_timeout: float = 20.0,
     ) -> None:
@@ -98,6 +111,7 @@ class BlockRules:
         self.l3 = l3
         self.writer = writer
         self.promotions = promotions
+        self.admission = admission
         self._copy_threads = max(1, copy_threads)
         self._sync_timeout = sync_timeout
         self.counters = BlockCounters()
@@ -361,6 +375,7 @@ class BlockRules:
         space_digest = bytes.fromhex(space.digest)
         identity = bytes.fromhex(space.identity.digest)
         to_disk = bool(durable) and self.writer is not None
+        held_back = to_disk and durable is True and self.admission is not None  # L3 on a second put only
         pending: list[tuple[int, Pending]] = []
         present = skipped = 0
         failure: SkippydError | None = None
@@ -403,7 +418,7 @@ class BlockRules:
                     blocks.abort(slot)  # a hole before it: contains could never reach it
                     skipped += 1
                     continue
-                if blocks.commit(slot, digest, durable=to_disk):
+                if blocks.commit(slot, digest, durable=to_disk and not held_back):
                     stored += 1
                     nbytes += sizes[index]
                     committed.append(slot.record.key)
@@ -413,7 +428,14 @@ class BlockRules:
         if failure is not None and stored == 0 and present == 0:
             raise failure
         durability = "none"
-        if to_disk and self.writer is not None:
+        if held_back:
+            committed, nbytes_to_disk = self._admit(space, bound)
+            if committed:
+                assert self.writer is not None
+                durability = self.writer.submit(
+                    committed, identity, seq, nbytes_to_disk, sync=False, timeout=self._sync_timeout
+                )
+        elif to_disk and self.writer is not None:
             durability = self.writer.submit(
                 committed, identity, seq, nbytes, sync=durable == "sync", timeout=self._sync_timeout
             )
@@ -422,6 +444,36 @@ class BlockRules:
             block_bytes_offered=sum(sizes), block_bytes_written=nbytes,
         )  # fmt: skip
         return PutOutcome(stored, present, skipped, nbytes, durability)
+
+    def _admit(self, space: BlockSpaceId, bound: Sequence[bytes]) -> tuple[list[bytes], int]:
+        """Counts every block of a put that only L2 holds toward L3 admission (one call for the put, in
+        Redis across the scope or in this process) and marks the ones offered a second time within the
+        window for an L3 copy: the keys to write and their bytes. A policy that fails admits nothing;
+        the blocks stay in L2 and the next put counts them again."""
+        assert self.admission is not None
+        blocks = self.l2.blocks
+        with self.l2.lock:
+            waiting = []
+            for key in bound:
+                record = blocks.record(key)
+                if record is not None and not record.durable and not self._on_disk(key):
+                    waiting.append((key, record.nbytes))
+        if not waiting:
+            return [], 0
+        try:
+            answers = self.admission([(key.hex(), space.block_tokens, size) for key, size in waiting])
+        except Exception:  # the put is done; only its L3 copy waits for a later put
+            log.warning("block admission could not be counted; the put's blocks stay in L2", exc_info=True)
+            answers = [False] * len(waiting)
+        admitted: list[bytes] = []
+        nbytes = 0
+        with self.l2.lock:
+            for (key, size), yes in zip(waiting, answers, strict=True):
+                if yes and blocks.want_written(key):
+                    admitted.append(key)
+                    nbytes += size
+        self._count(block_admission_waits=len(waiting) - len(admitted), block_admissions=len(admitted))
+        return admitted, nbytes
 
     def _fill(
         self,

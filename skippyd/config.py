@@ -220,6 +220,11 @@ class Config:
     l3_budget: int = _option(parse_size, "64GiB", "hard cap on bytes L3 keeps on disk")
     l3_min_free: int = _option(parse_size, "2GiB", "L3 goes read-only below this much free disk")
     l3_queue: int = _option(_parse_int, 64, "durable writes holding L2 memory (more wait as keys)")
+    l3_block_admission: str = _option(
+        _parse_choice("always", "second-put"),
+        "always",
+        "blocks of durable puts go to L3 always, or on a second put within promotion_window (SSD wear)",
+    )
     sync_timeout: float = _option(
         parse_duration, "20s", 'how long a durable="sync" capture waits for its fsync'
     )

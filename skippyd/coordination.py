@@ -318,23 +318,33 @@ class LocalPromotions:
         self._obs: dict[str, list[Any]] = {}  # digest -> [first_seen, hits, terminal]
 
     def consider(self, digest: str, token_count: int, payload_bytes: int, /) -> bool:
+        return self.consider_many([(digest, token_count, payload_bytes)])[0]
+
+    def consider_many(self, items: Sequence[tuple[str, int, int]], /) -> list[bool]:
+        """:meth:`consider` for each ``(key, token_count, payload_bytes)``, in order, under one lock."""
         rules = self.settings
         now = self._clock()
         with self._lock:
             obs = self._obs
             for key in [k for k, o in obs.items() if now - o[0] > rules.window_s]:
                 del obs[key]
-            if len(obs) >= rules.max_observations and digest not in obs and obs:
-                oldest = min(obs.items(), key=lambda item: (item[1][0], item[0]))[0]
-                del obs[oldest]
-            entry = obs.setdefault(digest, [now, 0, False])
-            if entry[2]:
-                return False
-            entry[1] = min(entry[1] + 1, 255)
-            if payload_bytes > rules.max_bytes:
-                entry[2] = True
-                return False
-            return token_count >= rules.worth_tokens or entry[1] >= 2
+            return [self._consider(obs, now, key, tokens, size) for key, tokens, size in items]
+
+    def _consider(
+        self, obs: dict[str, list[Any]], now: float, digest: str, token_count: int, size: int
+    ) -> bool:
+        rules = self.settings
+        if len(obs) >= rules.max_observations and digest not in obs and obs:
+            oldest = min(obs.items(), key=lambda item: (item[1][0], item[0]))[0]
+            del obs[oldest]
+        entry = obs.setdefault(digest, [now, 0, False])
+        if entry[2]:
+            return False
+        entry[1] = min(entry[1] + 1, 255)
+        if size > rules.max_bytes:
+            entry[2] = True
+            return False
+        return token_count >= rules.worth_tokens or entry[1] >= 2
 
     def settle(self, digest: str, /) -> None:
         with self._lock:
@@ -393,15 +403,27 @@ class Promotions:
         digest (the contract's name for it: the promotion is decided per content, whatever the key)."""
         if not isinstance(manifest_key, str) or not manifest_key:
             raise InvalidArgument("manifest_key (the payload digest) must be a non-empty string")
+        return self.consider_many([(manifest_key, token_count, payload_bytes)])[0]
+
+    def consider_many(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
+        """:meth:`consider` for each ``(key, token_count, payload_bytes)`` in one script call, in order
+        (how the daemon counts a block put's blocks toward L3 admission)."""
+        listed = list(items)
+        for key, _, _ in listed:
+            if not isinstance(key, str) or not key:
+                raise InvalidArgument("every observed key must be a non-empty string")
+        if not listed:
+            return []
         rules = self.settings
+        argv: list[Any] = [int(rules.window_s * 1000), int(rules.max_bytes), int(rules.worth_tokens),
+                           int(rules.max_observations)]  # fmt: skip
+        for key, tokens, size in listed:
+            argv += [key, int(tokens), int(size)]
         with _redis_errors("promotion count failed"):
-            answer = self._run(
-                "promo_consider.lua",
-                self._keys,
-                [manifest_key, int(token_count), int(payload_bytes), int(rules.window_s * 1000),
-                 int(rules.max_bytes), int(rules.worth_tokens), int(rules.max_observations)],
-            )  # fmt: skip
-        return bool(int(answer))
+            answers = self._run("promo_consider.lua", self._keys, argv)
+        if not isinstance(answers, list) or len(answers) != len(listed):
+            raise CoordinationUnavailable(f"promo_consider.lua answered {answers!r} for {len(listed)} items")
+        return [bool(int(a)) for a in answers]
 
     def settle(self, manifest_key: str) -> None:
         """A promotion was attempted: the observation is terminal (no more promotions in the window)."""
@@ -476,6 +498,13 @@ class Coordinator:
             max_observations=promotion.max_observations,
         )  # fmt: skip
         self.local = LocalPromotions(promotion)
+        # blocks' L3 admission: the same second-hit rules, counted in a scope of their own
+        self.admissions = Promotions(
+            self.client, scope=f"{scope}/l3-admission", prefix=prefix, window_s=promotion.window_s,
+            max_bytes=promotion.max_bytes, worth_tokens=promotion.worth_tokens,
+            max_observations=promotion.max_observations,
+        )  # fmt: skip
+        self.local_admissions = LocalPromotions(promotion)
         self._buffer: collections.deque[bytes] = collections.deque()
         # a batch whose call failed, kept with its id and sent again first: Redis applies an id once, so
         # this is safe whether or not the failed call ran (a timeout cannot tell)
@@ -518,6 +547,18 @@ class Coordinator:
                 return answer
         self.counters["promotions_local"] += 1
         return self.local.consider(digest, token_count, payload_bytes)
+
+    def admit(self, items: Sequence[tuple[str, int, int]], /) -> list[bool]:
+        """Counts block puts toward L3 admission (:data:`skippyd.blocks.Admission`), in Redis across the
+        scope, or locally by the same rules while Redis is away."""
+        if not self.degraded:
+            try:
+                answers = self.admissions.consider_many(items)
+            except SkippydError as exc:
+                self._degrade(str(exc))
+            else:
+                return answers
+        return self.local_admissions.consider_many(items)
 
     def settle(self, digest: str, /) -> None:
         self.local.settle(digest)

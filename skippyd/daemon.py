@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from . import __version__
+from .blocks import Admission
 from .config import Config, human_size
 from .coordination import Coordinator, LocalPromotions, PromotionSettings
 from .errors import ConfigError
@@ -91,6 +92,11 @@ def run(
             )
             stack.callback(coordinator.close)
             promotions = coordinator
+        admission: Admission | None = None
+        if config.l3_block_admission == "second-put":
+            admission = (
+                coordinator.admit if coordinator is not None else LocalPromotions(promotion).consider_many
+            )
         l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=config.copy_threads)
         try:
             held = l2.bytes_to_verify(config.shm_path)
@@ -116,6 +122,7 @@ def run(
             l2,
             l3=l3,
             promotions=promotions,
+            admission=admission,
             copy_threads=config.copy_threads,
             max_entry=config.entry_limit,
             l3_queue=config.l3_queue,

@@ -17,6 +17,7 @@ from pathlib import Path
 from .config import Config, embedded_redis_url, human_size
 from .display import plural
 from .errors import SkippydError
+from .l2.slabs import SLAB_SUFFIX, BadSlab, describe
 from .stats import Snapshot
 
 __all__ = ["Finding", "diagnose"]
@@ -123,7 +124,8 @@ def check_tmpfs(config: Config) -> Iterator[Finding]:
         return
     st = os.statvfs(_existing(shm))
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
-    held = sum(p.stat().st_size for p in shm.rglob("*") if p.is_file()) if shm.exists() else 0
+    # allocated bytes, not sizes: block slabs are sparse (a free slot is a hole until it is used)
+    held = sum(p.stat().st_blocks * 512 for p in shm.rglob("*") if p.is_file()) if shm.exists() else 0
     if size < config.l2_budget:
         yield Finding(
             WARN,
@@ -166,6 +168,43 @@ def check_tmpfs(config: Config) -> Iterator[Finding]:
                 f"L2 dir {shm} belongs to uid {shm.stat().st_uid}, not this user",
                 "run doctor as the daemon's user, or chown it",
             )
+
+
+def check_slabs(config: Config) -> Iterator[Finding]:
+    """The block slabs on the L2 tmpfs, read without opening them for writing (the daemon may run)."""
+    directory = config.shm_path / "blocks"
+    if not directory.is_dir():
+        return
+    count = committed = wanted = allocated = 0
+    classes: set[int] = set()
+    for path in sorted(directory.glob(f"*{SLAB_SUFFIX}")):
+        try:
+            facts = describe(path)
+        except (BadSlab, OSError) as exc:
+            yield Finding(
+                WARN,
+                f"L2 block slab {path.name} is damaged ({exc})",
+                "the daemon drops it (and the blocks in it) at its next start; nothing wrong is served",
+            )
+            continue
+        count += 1
+        committed += facts.committed
+        wanted += facts.durable_wanted
+        allocated += facts.allocated
+        classes.add(facts.slot_size)
+    if count:
+        sizes = ", ".join(human_size(size) for size in sorted(classes))
+        yield Finding(
+            OK,
+            f"L2 block slabs: {plural(count, 'slab')} ({sizes} slots), {plural(committed, 'block')}, "
+            f"{human_size(allocated)} of tmpfs",
+        )
+    if wanted:
+        yield Finding(
+            INFO,
+            f"{plural(wanted, 'L2 block')} still wait for their L3 copy",
+            "written by the daemon's block writer; a daemon restart re-queues them, a reboot loses them",
+        )
 
 
 def check_l3(config: Config) -> Iterator[Finding]:
@@ -288,6 +327,19 @@ def check_daemon(daemon: Snapshot | None) -> Iterator[Finding]:
         f"daemon {daemon.version} answers: node {daemon.node}, "
         f"{plural(daemon.l2.entries, 'L2 entry', 'L2 entries')}",
     )
+    l2 = daemon.l2
+    if l2.block_count or l2.block_slabs:
+        yield Finding(
+            OK,
+            f"the daemon holds {plural(l2.block_count, 'block')} in L2 ({human_size(l2.block_bytes)} "
+            f"in {plural(l2.block_slabs, 'slab')})",
+        )
+    if l2.block_adopt_dropped:
+        yield Finding(
+            WARN,
+            f"{plural(l2.block_adopt_dropped, 'L2 block')} failed verification at start and were dropped",
+            "something wrote to the tmpfs behind the daemon's back, or memory is failing (check dmesg)",
+        )
     l3 = daemon.l3
     if l3 is not None and l3.readonly:
         yield Finding(FAIL, "the daemon's L3 is read-only (disk below its floor)", "free disk space")
@@ -345,6 +397,7 @@ def diagnose(config: Config, daemon: Snapshot | None) -> list[Finding]:
         check_socket(config, daemon is not None),
         check_redis(config, daemon),
         check_tmpfs(config),
+        check_slabs(config),
         check_l3(config),
         check_budgets(config),
         check_daemon(daemon),

@@ -116,6 +116,9 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
          True),
         ("block_get_bytes", "block_get_bytes", "bytes of the blocks gets served", True),
         ("block_promotions", "block_promotions", "blocks an L3 hit brought into L2", True),
+        ("block_admission_waits", "block_admission_waits", "blocks kept from L3 until a second put",
+         True),
+        ("block_admissions", "block_admissions", "blocks a second put admitted to L3", True),
     )),
     "block_writer": (BlockWriterStats, "skippyd_", _rows(
         ("block_queue_depth", "l3_block_queue_depth", "block write jobs queued", False),

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .blocks import BlockCounters, BlockRules
+from .blocks import Admission, BlockCounters, BlockRules
 from .durable import DurableStats, DurableWriter
 from .errors import Busy, CorruptEntry, InvalidArgument, NotFound, TooLarge
 from .evictions import EvictionClock
@@ -171,6 +171,7 @@ class Tiers:
         *,
         l3: L3Store | None = None,
         promotions: PromotionPolicy | None = None,
+        admission: Admission | None = None,
         copy_threads: int = 2,
         max_entry: int | None = None,
         l3_queue: int = 64,
@@ -208,8 +209,8 @@ class Tiers:
         self.reserve = Reserve(l2, min(reserve_bytes, l2.budget_bytes // 4), self.health)
         self.reserve.start()
         self.blocks = BlockRules(
-            l2, l3=l3, writer=self.block_writer, promotions=promotions, copy_threads=copy_threads,
-            sync_timeout=sync_timeout,
+            l2, l3=l3, writer=self.block_writer, promotions=promotions, admission=admission,
+            copy_threads=copy_threads, sync_timeout=sync_timeout,
         )  # fmt: skip
 
     def _count(self, **deltas: int) -> None:

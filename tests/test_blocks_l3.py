@@ -291,3 +291,46 @@ def test_an_eviction_stays_in_force_for_a_queued_write_however_many_evictions_fo
         writer._write([job])
         assert l2.blocks.held(bind_keys(space, [b"k"])) == 1  # still in L2: the write alone decided
         assert l3.stats().block_count == 0
+
+
+def test_with_second_put_admission_blocks_reach_l3_only_when_offered_again(make_daemon: Any) -> None:
+    proc = make_daemon("--l3-block-admission", "second-put").start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(6 * BLOCK)))
+        data = block_data(6, seed=11)
+        first = blocks.put(keys[:4], data[:4])
+        assert (first.stored, first.durability) == (4, "none")  # offered once: L2 only
+        assert client.stats()["ops"]["block_admission_waits"] == 4
+        second = blocks.put(keys, data)  # the next turn: 4 offered again, 2 new
+        assert (second.stored, second.present, second.durability) == (2, 4, "queued")
+        eventually(lambda: client.stats()["l3"]["block_count"] == 4, timeout=20)
+        stats = client.stats()["ops"]
+        assert (stats["block_admissions"], stats["block_admission_waits"]) == (4, 6)
+        assert blocks.put(keys[:1], data[:1]).durability == "none"  # already on disk: nothing to count
+        synced = client.blocks(model=MODEL, state="other", block_tokens=BLOCK)
+        assert synced.put(keys[:2], data[:2], durable="sync").durability == "written"  # sync always writes
+    proc.stop()
+    reboot(proc)
+    proc.start()
+    with proc.client() as client:
+        assert blocks_of(client).contains(keys) == 4  # the two offered once did not outlive the tmpfs
+        got = blocks_of(client).get(keys)
+        assert all(torch.equal(a, b) for a, b in zip(got, data[:4], strict=True))
+
+
+def test_second_put_admission_is_counted_across_daemons_sharing_redis(
+    make_daemon: Any, redis_url: str
+) -> None:
+    shared = ("--l3-block-admission", "second-put", "--redis-url", redis_url, "--promotion-scope", "rack-7")
+    one = make_daemon(*shared, "--node", "node-a").start()
+    two = make_daemon(*shared, "--node", "node-b").start()
+    data = block_data(3, seed=12)
+    with one.client() as client:
+        keys = blocks_of(client).keys(list(range(3 * BLOCK)))
+        assert blocks_of(client).put(keys, data).durability == "none"
+    with two.client() as client:  # another host offers the same blocks: their second put in the scope
+        assert blocks_of(client).put(keys, data).durability == "queued"
+        eventually(lambda: client.stats()["l3"]["block_count"] == 3, timeout=20)
+    with one.client() as client:
+        assert client.stats()["l3"]["block_count"] == 0

@@ -151,6 +151,25 @@ def test_doctor_passes_a_healthy_host(daemon: DaemonProcess) -> None:
     assert any("daemon" in line and "answers" in line for line in lines)
 
 
+def test_doctor_knows_the_block_slabs_and_finds_a_damaged_one(daemon: DaemonProcess) -> None:
+    with daemon.client() as client:
+        blocks = client.blocks(model="m", state="s", block_tokens=16)
+        keys = blocks.keys(list(range(64)))
+        blocks.put(keys, [torch.full((40_000,), i, dtype=torch.uint8) for i in range(4)], durable=False)
+    code, lines = doctor(*daemon.args)
+    assert code == 0, lines
+    assert any(
+        line.startswith("OK") and "L2 block slabs: 1 slab" in line and "4 blocks" in line for line in lines
+    )
+    assert any("daemon holds 4 blocks in L2" in line for line in lines), lines
+    daemon.stop()
+    (slab,) = (daemon.shm_dir / "blocks").glob("*.slab")
+    with slab.open("r+b") as f:
+        f.write(b"garbage!")
+    _, lines = doctor(*daemon.args)
+    assert any(line.startswith("WARN") and slab.name in line and "damaged" in line for line in lines), lines
+
+
 def test_doctor_finds_a_loosened_socket_mode(daemon: DaemonProcess) -> None:
     os.chmod(daemon.socket, 0o666)
     code, lines = doctor(*daemon.args)

@@ -37,6 +37,15 @@ def test_a_second_l3_fill_promotes_and_settling_makes_it_terminal(kind: str, any
     assert p.consider(digest, 3, 128) is False
 
 
+def test_a_batch_counts_each_item_in_order_as_single_calls_would(kind: str, any_redis_url: str) -> None:
+    p = make(kind, any_redis_url)
+    items = [("b" * 64, 3, 128), ("c" * 64, 3, 128), ("b" * 64, 3, 128), ("d" * 64, 9999, 1)]
+    assert p.consider_many(items) == [False, False, True, True]  # b's second sight within the batch
+    assert p.consider_many([("c" * 64, 3, 128), ("e" * 64, 3, 1 << 40)]) == [True, False]
+    assert p.consider("e" * 64, 3, 1) is False, "an oversized payload stays refused"
+    assert p.consider_many([]) == []
+
+
 def test_long_prefixes_promote_on_first_fill_but_oversized_payloads_never(
     kind: str, any_redis_url: str
 ) -> None:

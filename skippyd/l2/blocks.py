@@ -359,6 +359,16 @@ class L2Blocks:
         home.state[index] = _FREE
         self._groups[(home.space, home.slab.slot_size)].free.append((home, index))
 
+    def want_written(self, key: bytes) -> bool:
+        """A held block now asks for an L3 copy (its record says so, so a restart re-queues it); False if
+        it is no longer held or already asks."""
+        block = self._blocks.get(key)
+        if block is None or block.record.durable:
+            return False
+        block.record = _with(block.record, durable=True)
+        block.home.slab.write_record(block.index, block.record)
+        return True
+
     def mark_written(self, key: bytes) -> None:
         """The block's L3 copy is on disk: its record no longer asks for one."""
         block = self._blocks.get(key)

@@ -39,7 +39,9 @@ __all__ = [
     "SLAB_SUFFIX",
     "BadSlab",
     "Slab",
+    "SlabFacts",
     "SlotRecord",
+    "describe",
     "slot_class",
     "slots_for",
 ]
@@ -168,24 +170,7 @@ class Slab:
         """An existing slab (adoption); :class:`BadSlab` when its header or size does not hold."""
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            raw = os.pread(fd, _SLAB_HEADER.size + 16, 0)
-            if (
-                len(raw) < _SLAB_HEADER.size + 16
-                or raw[_SLAB_HEADER.size :] != bytes(blake3(raw[: _SLAB_HEADER.size]).digest())[:16]
-            ):
-                raise BadSlab(f"{path.name}: header checksum fails")
-            magic, version, slots, slot_size, data_start = _SLAB_HEADER.unpack_from(raw)
-            if magic != SLAB_MAGIC or version != SLAB_VERSION:
-                raise BadSlab(f"{path.name}: not a version {SLAB_VERSION} slab")
-            if (
-                not 1 <= slots <= MAX_SLOTS
-                or slot_size % PAGE
-                or slot_size <= 0
-                or data_start < PAGE + slots * RECORD_SIZE
-                or data_start % PAGE
-                or os.fstat(fd).st_size != data_start + slots * slot_size
-            ):
-                raise BadSlab(f"{path.name}: geometry does not hold")
+            slots, slot_size, data_start = _geometry(fd, path)
             return cls(path, fd, slots, slot_size, data_start)
         except BaseException:
             os.close(fd)
@@ -267,6 +252,55 @@ class Slab:
         self.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+
+
+def _geometry(fd: int, path: Path) -> tuple[int, int, int]:
+    """``(slots, slot_size, data_start)`` of an open slab; :class:`BadSlab` when they do not hold."""
+    raw = os.pread(fd, _SLAB_HEADER.size + 16, 0)
+    if (
+        len(raw) < _SLAB_HEADER.size + 16
+        or raw[_SLAB_HEADER.size :] != bytes(blake3(raw[: _SLAB_HEADER.size]).digest())[:16]
+    ):
+        raise BadSlab(f"{path.name}: header checksum fails")
+    magic, version, slots, slot_size, data_start = _SLAB_HEADER.unpack_from(raw)
+    if magic != SLAB_MAGIC or version != SLAB_VERSION:
+        raise BadSlab(f"{path.name}: not a version {SLAB_VERSION} slab")
+    if (
+        not 1 <= slots <= MAX_SLOTS
+        or slot_size % PAGE
+        or slot_size <= 0
+        or data_start < PAGE + slots * RECORD_SIZE
+        or data_start % PAGE
+        or os.fstat(fd).st_size != data_start + slots * slot_size
+    ):
+        raise BadSlab(f"{path.name}: geometry does not hold")
+    return slots, slot_size, data_start
+
+
+@dataclass(frozen=True, slots=True)
+class SlabFacts:
+    """What ``doctor`` reads of a slab without opening it for writing: its geometry, how many slots hold
+    a committed block (record checksum good), and the tmpfs bytes it takes (holes are free)."""
+
+    slots: int
+    slot_size: int
+    committed: int
+    durable_wanted: int
+    allocated: int
+
+
+def describe(path: Path) -> SlabFacts:
+    """Reads a slab's header and records read-only; :class:`BadSlab` when they do not hold."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        slots, slot_size, _ = _geometry(fd, path)
+        raw = os.pread(fd, slots * RECORD_SIZE, PAGE)
+        records = [SlotRecord.decode(raw[i * RECORD_SIZE : (i + 1) * RECORD_SIZE]) for i in range(slots)]
+        held = [r for r in records if r is not None and r.nbytes <= slot_size]
+        allocated = os.fstat(fd).st_blocks * 512
+        return SlabFacts(slots, slot_size, len(held), sum(r.durable for r in held), allocated)
+    finally:
+        os.close(fd)
 
 
 def _allocate(fd: int, offset: int, length: int, path: Path) -> None:
