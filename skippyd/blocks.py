@@ -157,12 +157,14 @@ class BlockRules:
         promotion rules say so, into a sealed memfd otherwise. With ``may_read=False`` (the event loop)
         a run that needs the disk comes back with ``needs_disk`` set and nothing leased."""
         bound = bind_keys(space, keys)
+        blocks = self.l2.blocks
         with self.l2.lock:
-            held = self._run(bound)
+            in_l2 = blocks.held(bound)
+            held = self._run(bound) if self.l3 is not None and in_l2 < len(bound) else in_l2
             run = bound[:held]
-            from_disk = [key for key in run if not self.l2.blocks.holds(key)]
+            from_disk = [key for key in run[in_l2:] if not blocks.holds(key)]
             if not from_disk:
-                lease = self.l2.blocks.lease(run, max_fds=max_fds)
+                lease = blocks.lease(run, max_fds=max_fds)
                 return self._served(lease, held, len(bound))
         if not may_read:
             return Served(Lease(), held, needs_disk=True)
@@ -172,7 +174,7 @@ class BlockRules:
         if held < asked:
             self.l2.blocks.count_miss()
         served = lease.placements
-        self._count(block_gets=1, block_get_blocks=len(served), block_get_bytes=sum(p.nbytes for p in served))
+        self._count(block_gets=1, block_get_blocks=len(served), block_get_bytes=sum(p[2] for p in served))
         return Served(lease, held)
 
     def _get_with_disk(  # noqa: PLR0917 - one get's state, passed on
@@ -224,7 +226,7 @@ class BlockRules:
                 if key in extra:
                     fd_index, offset = extra[key]
                     record = by_key[key]
-                    merged.append(BlockPlacement(base + fd_index, offset, record.nbytes, record.digest))
+                    merged.append([base + fd_index, offset, record.nbytes])
                     continue
                 placement = next(placements, None)
                 if placement is None:  # out of descriptors: the client asks again for the rest
@@ -355,9 +357,13 @@ class BlockRules:
         bound = bind_keys(space, keys)
         parent_key = bind_keys(space, [parent])[0] if parent is not None else None
         seq = self.writer.begin() if self.writer is not None else 0
+        with self.l2.lock:
+            self.l2.blocks.put_begun()
         try:
             return self._put(space, bound, parent_key, sizes, offsets, source, durable, seq)
         finally:
+            with self.l2.lock:
+                self.l2.blocks.put_ended()
             if self.writer is not None:
                 self.writer.end(seq)
 

@@ -55,6 +55,8 @@ class BlocksPut:
 
 def _check_keys(keys: Sequence[bytes]) -> list[bytes]:
     listed = list(keys)
+    if all(type(key) is bytes and 0 < len(key) <= MAX_BLOCK_KEY_BYTES for key in listed):
+        return listed
     for index, key in enumerate(listed):
         if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BLOCK_KEY_BYTES:
             raise InvalidArgument(f"block key {index} must be bytes, 1 to {MAX_BLOCK_KEY_BYTES} long")
@@ -176,23 +178,49 @@ def _pool() -> ThreadPoolExecutor:
 
 def _placements(reply: dict[str, Any], fds: list[int]) -> list[tuple[int, int, int]]:
     try:
-        placements = [(int(a), int(b), int(c)) for a, b, c in reply["blocks"]]
+        placements = [(a, b, c) for a, b, c in reply["blocks"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise BadFrame(f"a blocks_get reply without a valid block list: {exc}") from exc
-    if any(not 0 <= fd < len(fds) for fd, _, _ in placements):
-        raise BadFrame("a blocks_get reply names a descriptor it did not carry")
+    carried = range(len(fds))
+    for fd, offset, nbytes in placements:
+        if type(fd) is not int or type(offset) is not int or type(nbytes) is not int:
+            raise BadFrame("a blocks_get reply places a block with something other than integers")
+        if fd not in carried or offset < 0 or nbytes < 0:
+            raise BadFrame("a blocks_get reply names a descriptor it did not carry, or a negative place")
     return placements
 
 
+def _runs(placements: list[tuple[int, int, int]]) -> list[tuple[int, int, int, int, int]]:
+    """Placements grouped into runs ``(fd, offset, nbytes, count, stride)``: blocks of one size at a steady
+    stride in one descriptor (a put's blocks in consecutive slots); a run of one has stride 0."""
+    runs: list[tuple[int, int, int, int, int]] = []
+    index, count = 0, len(placements)
+    while index < count:
+        fd, offset, nbytes = placements[index]
+        end = index + 1
+        stride = placements[end][1] - offset if end < count else 0
+        if nbytes and stride >= nbytes:
+            while end < count:
+                nfd, noffset, nnbytes = placements[end]
+                if nfd != fd or nnbytes != nbytes or noffset != offset + (end - index) * stride:
+                    break
+                end += 1
+        runs.append((fd, offset, nbytes, end - index, stride if end - index > 1 else 0))
+        index = end
+    return runs
+
+
 def _map_blocks(reply: dict[str, Any], fds: list[int]) -> list[torch.Tensor]:
-    """One uint8 tensor per served block, views of one private mapping per descriptor."""
+    """One uint8 tensor per served block, views of one private mapping per descriptor; each run of
+    blocks at a steady stride comes out of one strided view, unbound in one call."""
     torch = _torch()
-    placements = _placements(reply, fds)
+    runs = _runs(_placements(reply, fds))
     spans: dict[int, tuple[int, int]] = {}
-    for fd, offset, nbytes in placements:
+    for fd, offset, nbytes, count, stride in runs:
         if nbytes:
-            lo, hi = spans.get(fd, (offset, offset + nbytes))
-            spans[fd] = (min(lo, offset), max(hi, offset + nbytes))
+            end = offset + (count - 1) * stride + nbytes
+            lo, hi = spans.get(fd, (offset, end))
+            spans[fd] = (min(lo, offset), max(hi, end))
     bases: dict[int, tuple[int, Any]] = {}
     for fd, (lo, hi) in spans.items():
         start = lo // _PAGE * _PAGE
@@ -200,13 +228,16 @@ def _map_blocks(reply: dict[str, Any], fds: list[int]) -> list[torch.Tensor]:
             fds[fd], hi - start, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start
         )
         bases[fd] = (start, torch.frombuffer(mapping, dtype=torch.uint8))
-    out = []
-    for fd, offset, nbytes in placements:
+    out: list[Any] = []
+    for fd, offset, nbytes, count, stride in runs:
         if not nbytes:
-            out.append(torch.empty(0, dtype=torch.uint8))
+            out += [torch.empty(0, dtype=torch.uint8) for _ in range(count)]
             continue
         start, base = bases[fd]
-        out.append(base[offset - start : offset - start + nbytes])
+        if count > 1:
+            out += base.as_strided((count, nbytes), (stride, 1), offset - start).unbind(0)
+        else:
+            out.append(base[offset - start : offset - start + nbytes])
     return out
 
 

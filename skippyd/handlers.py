@@ -440,7 +440,7 @@ class Handlers:
 def _blocks_reply(served: Served) -> Reply:
     lease = served.lease
     return Reply(
-        {"held": served.held, "blocks": [[p.fd_index, p.offset, p.nbytes] for p in lease.placements]},
+        {"held": served.held, "blocks": lease.placements},
         lease.fds,
     )
 
@@ -502,6 +502,8 @@ def _block_keys(body: dict[str, Any]) -> list[bytes]:
     keys = body.get("keys")
     if not isinstance(keys, list) or len(keys) > MAX_BLOCKS_PER_REQUEST:
         raise InvalidArgument(f"keys must be a list of at most {MAX_BLOCKS_PER_REQUEST} block keys")
+    if all(type(key) is bytes and 0 < len(key) <= MAX_BLOCK_KEY_BYTES for key in keys):
+        return keys
     for index, key in enumerate(keys):
         if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BLOCK_KEY_BYTES:
             raise InvalidArgument(f"block key {index} must be 1 to {MAX_BLOCK_KEY_BYTES} bytes (msgpack bin)")

@@ -27,7 +27,6 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 from blake3 import blake3
 
@@ -42,7 +41,7 @@ log = logging.getLogger("skippyd.l2")
 
 _HOLE, _FREE, _WRITING, _USED = 0, 1, 2, 3
 _SLAB_TARGET = 32 << 20
-_QUIET_S = 0.05  # the reserve waits this long after the last slot was taken
+_QUIET_S = 0.002  # the reserve waits this long after the last put ended
 
 
 @dataclass(slots=True)
@@ -118,13 +117,9 @@ class Pending:
     recycled: bool
 
 
-class BlockPlacement(NamedTuple):
-    """Where one served block is: the index of the descriptor it is in, its offset there, its size."""
-
-    fd_index: int
-    offset: int
-    nbytes: int
-    digest: bytes
+#: Where one served block is: ``[descriptor index, offset there, size]``, as the reply carries it (a
+#: plain list: a get of 256 blocks builds 256 of them).
+BlockPlacement = list[int]
 
 
 @dataclass(slots=True)
@@ -169,6 +164,8 @@ class L2Blocks:
         self._dirty: set[bytes] = set()
         self.charged = 0
         self._demand_at = 0.0
+        self._putting = 0  # puts between taking their slots and committing them
+        self.on_idle: Callable[[], None] | None = None  # told when the last running put ends (the reserve)
         self._stats = L2BlockStats()
         private_dirs(directory)
 
@@ -190,22 +187,24 @@ class L2Blocks:
 
     def lease(self, keys: Sequence[bytes], *, max_fds: int, hit: bool = True) -> Lease:
         """The leading held ``keys`` (at most ``max_fds`` slabs of them) leased for reading; touches
-        them from the last to the first when ``hit``."""
+        them from the last to the first when ``hit``. (One pass: a get of 256 blocks is mostly this.)"""
+        blocks = self._blocks
         chosen: list[_Block] = []
+        slots: list[tuple[_SlabState, int]] = []
         for key in keys:
-            block = self._blocks.get(key)
+            block = blocks.get(key)
             if block is None:
                 break
             chosen.append(block)
-        fds, where = _lease_slots([(b.home, b.index) for b in chosen], max_fds)
-        chosen = chosen[: len(where)]
-        placements = [
-            BlockPlacement(at, offset, b.record.nbytes, b.record.digest)
-            for b, (at, offset) in zip(chosen, where, strict=True)
-        ]
+            slots.append((block.home, block.index))
+        fds, where = _lease_slots(slots, max_fds)
+        if len(where) < len(chosen):
+            del chosen[len(where) :]
+        placements = [[at, offset, b.record.nbytes] for b, (at, offset) in zip(chosen, where, strict=True)]
         if hit:
             self._stats.block_hits += len(chosen)
-            self._touch_all(reversed(chosen))
+            chosen.reverse()
+            self._touch_all(chosen)
         return Lease(fds, placements)
 
     def count_miss(self, blocks: int = 1) -> None:
@@ -220,6 +219,16 @@ class L2Blocks:
         return block.home.slab, block.index, block.record
 
     # ------------------------------------------------------------------ admission
+    def put_begun(self) -> None:
+        """A put takes slots and copies into them from now until :meth:`put_ended`: the reserve waits."""
+        self._putting += 1
+
+    def put_ended(self) -> None:
+        self._putting -= 1
+        self._demand_at = time.monotonic()
+        if not self._putting and self.on_idle is not None:
+            self.on_idle()
+
     def reserve(self, record: SlotRecord) -> Pending:
         """A slot for a new block (may evict the least recently used entries and blocks first)."""
         if record.nbytes > self.max_block:
@@ -263,7 +272,7 @@ class L2Blocks:
         (free slots of active groups) is under ``limit`` and the budget has room without evicting
         anything; returns the bytes added (0: nothing to do)."""
         now = time.monotonic()
-        if now - self._demand_at < _QUIET_S:  # puts are running: faulting pages now would slow them down
+        if self._putting or now - self._demand_at < _QUIET_S:  # faulting pages now would slow puts down
             return 0
         active = [g for g in self._groups.values() if now - g.used_at < active_s]
         if not active:
@@ -611,20 +620,25 @@ def _lease_slots(
     homes: list[_SlabState] = []
     runs: list[list[tuple[int, int]]] = []
     where: list[tuple[int, int]] = []
+    last: _SlabState | None = None
+    fd_index = start = stride = 0
+    spans: list[tuple[int, int]] = []
     for home, index in slots:
-        fd_index = at.get(id(home))
-        if fd_index is None:
-            if len(homes) == max_fds:
-                break
-            fd_index = at[id(home)] = len(homes)
-            homes.append(home)
-            runs.append([])
-        spans = runs[fd_index]
+        if home is not last:  # a run of slots from one slab is the common case: one lookup per run
+            found = at.get(id(home))
+            if found is None:
+                if len(homes) == max_fds:
+                    break
+                found = at[id(home)] = len(homes)
+                homes.append(home)
+                runs.append([])
+            last, fd_index, spans = home, found, runs[found]
+            start, stride = home.slab.data_start, home.slab.slot_size
         if spans and spans[-1][1] + 1 == index:
             spans[-1] = (spans[-1][0], index)
         else:
             spans.append((index, index))
-        where.append((fd_index, home.slab.offset(index)))
+        where.append((fd_index, start + index * stride))
     fds: list[int] = []
     try:
         for home, spans in zip(homes, runs, strict=True):
