@@ -366,6 +366,15 @@ class _Space:
                 break
         return held
 
+    def _held_steps(self, keys: Sequence[bytes]) -> Steps:
+        listed = _check_keys(keys)
+        held: list[bool] = []
+        for start in range(0, len(listed), MAX_KEYS_PER_REQUEST):
+            part = listed[start : start + MAX_KEYS_PER_REQUEST]
+            reply = yield from self._ask(self._body("blocks_contains", part, each=True))
+            held += [bool(b) for b in reply["held"]]
+        return held
+
     def _put_steps(
         self, keys: Sequence[bytes], data: Sequence[Any], durable: Any, parent: bytes | None
     ) -> Steps:
@@ -379,11 +388,7 @@ class _Space:
         sizes = [sum(_part_bytes(piece) for piece in pieces) for pieces in views]
         held = [False] * len(listed)
         if len(listed) > 1:  # ask which are held first, so only the others are copied
-            held = []
-            for start in range(0, len(listed), MAX_KEYS_PER_REQUEST):
-                part = listed[start : start + MAX_KEYS_PER_REQUEST]
-                reply = yield from self._ask(self._body("blocks_contains", part, each=True))
-                held += [bool(b) for b in reply["held"]]
+            held = yield from self._held_steps(listed)
         limit = yield (_WORK, None, 0, None)  # the staging limit, from the handshake
         parts = []
         for batch in _plan_batches(sizes, held, limit):
@@ -472,6 +477,12 @@ class BlockSpace(_Space):
         """How many LEADING keys are held (in L2 or L3)."""
         return int(self._run(self._contains_steps(keys)))
 
+    def held(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is held (L2 or L3), in one request per 8192 keys: what an engine asks about
+        keys that are not one chain (another group's, or out of order)."""
+        result: list[bool] = self._run(self._held_steps(keys))
+        return result
+
     def put(
         self,
         keys: Sequence[bytes],
@@ -530,6 +541,11 @@ class AsyncBlockSpace(_Space):
     async def contains(self, keys: Sequence[bytes]) -> int:
         """As :meth:`BlockSpace.contains`."""
         return int(await self._run(self._contains_steps(keys)))
+
+    async def held(self, keys: Sequence[bytes]) -> list[bool]:
+        """As :meth:`BlockSpace.held`."""
+        result: list[bool] = await self._run(self._held_steps(keys))
+        return result
 
     async def put(
         self,

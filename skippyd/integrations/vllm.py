@@ -1,0 +1,400 @@
+"""vLLM integration: skippyd as a secondary tier behind vLLM's ``OffloadingConnector``.
+
+vLLM 0.33's offloading stack (``OffloadingConnector`` with ``TieringOffloadingSpec``) keeps a CPU primary
+tier per instance and loads out-of-tree secondary tiers by module path::
+
+    --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
+      "kv_connector_extra_config":{"spec_name":"TieringOffloadingSpec","cpu_bytes_to_use":10737418240,
+        "secondary_tiers":[{"type":"SkippydTier","module_path":"skippyd.integrations.vllm",
+                            "socket":"/run/skippyd/skippyd.sock"}]}}'
+
+:class:`SkippydTier` lives in vLLM's scheduler process and moves whole chunks (one primary slot each)
+between the primary tier's shared memory and skippyd's blocks, keyed by vLLM's ``OffloadKey`` (the
+chunk's last block hash and its KV cache group; skippyd binds every key to the identity, so the same
+hash under another model or layout is another block). Every method vLLM calls returns at once:
+
+* ``lookup`` answers from the verdicts of one batched ``blocks_contains`` per request and step, asked on
+  vLLM's ``AsyncLookupManager`` thread (``RETRY`` until it answered; a daemon that is down or stalled
+  answers MISS within ``timeout``, 1 s by default);
+* ``submit_store`` (a cascade from the primary tier) puts the job's chunks, one put per KV cache group,
+  copied from the primary slots into skippyd; ``submit_load`` (a promotion) reads the blocks straight
+  from skippyd's shared memory into the primary slots (``get_into``: one copy). Each runs on its own
+  thread and connection, so a large store never holds up a load;
+* every job is reported exactly once through ``get_finished_jobs`` (a failed store with
+  ``success=False``, which unpins its slots all the same); a failed load marks its keys missing, so the
+  scheduler does not ask for them again;
+* ``take_events`` reports the chunks skippyd stored and those it no longer holds (found gone at a load)
+  as vLLM ``OffloadingEvent``s, when vLLM's KV cache events are on.
+
+Identity. ``model`` defaults to the served model's name and ``state`` to a digest of everything that
+shapes a chunk: dtype, tokens per hash and blocks per chunk, bytes per chunk, the KV cache groups (their
+block sizes, layer names and windows), the layout flags and the parallel sizes; never the engine id, so
+two instances of one layout share chunks and two layouts never do. Pass ``model`` to pin a revision.
+
+Options (the keys of the tier's dict besides ``type`` and ``module_path``): ``socket``, ``namespace``,
+``model``, ``state``, ``durable`` (default true: chunks reach skippyd's L3), ``redis_url`` + ``scope``
+(second-hit admission: a chunk is written to skippyd only once it was offered twice within the window
+by any engine of the scope, counted by :class:`skippyd.Promotions`), ``timeout`` (seconds a lookup waits
+for the daemon) and ``locality``. An unknown option is refused at engine start.
+
+This module imports vLLM; nothing else in skippyd does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+import skippyd
+from skippyd.errors import SkippydError
+
+__all__ = ["LAYOUT_VERSION", "SkippydTier", "tier_identity"]
+
+log = logging.getLogger("skippyd.vllm")
+
+#: Bumped whenever what a chunk's bytes mean to this tier changes: older chunks then miss.
+LAYOUT_VERSION = 1
+
+_OPTIONS = ("socket", "namespace", "model", "state", "durable", "redis_url", "scope", "timeout", "locality")
+_STOP = object()
+
+
+def tier_identity(spec: Any, block_size_bytes: int) -> tuple[str, str, int]:
+    """``(model, state, block_tokens)`` of an offloading spec: the model name, a digest of the chunk
+    layout (never the engine id or ranks that do not change the bytes), and tokens per chunk."""
+    cfg = spec.config
+    layout = {
+        "version": LAYOUT_VERSION,
+        "dtype": str(cfg.model.dtype),
+        "tokens_per_hash": int(cfg.cache.tokens_per_hash),
+        "blocks_per_chunk": int(cfg.cache.blocks_per_chunk),
+        "chunk_bytes": int(block_size_bytes),
+        "worker_block_bytes": int(cfg.worker_kv_bytes_per_block),
+        "groups": [
+            [int(g.group_id), int(g.tokens_per_block), list(g.layer_names), g.sliding_window_size_in_chunks]
+            for g in cfg.groups
+        ],
+        "layout": [bool(cfg.replicated_layout), bool(cfg.canonical_layout), cfg.kv_cache_layout],
+        "parallel": [
+            int(cfg.parallel.tp_size), int(cfg.parallel.pp_size), int(cfg.parallel.pcp_size),
+            int(cfg.parallel.dcp_size), int(cfg.parallel.world_size),
+        ],
+    }  # fmt: skip
+    digest = hashlib.sha256(json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    block_tokens = max(1, min(65536, int(cfg.cache.tokens_per_hash) * int(cfg.cache.blocks_per_chunk)))
+    return str(cfg.model.name), f"vllm-kv-v{LAYOUT_VERSION}:{digest[:32]}", block_tokens
+
+
+def _by_group(keys: Sequence[OffloadKey], chunks: Sequence[int]) -> list[tuple[list[bytes], list[int]]]:
+    """A job's keys split by KV cache group (the key's last 4 bytes), each in the job's order: one chain
+    per group, so skippyd's parent links and tail-first eviction follow vLLM's prefix order."""
+    groups: dict[bytes, tuple[list[bytes], list[int]]] = {}
+    for key, chunk in zip(keys, chunks, strict=True):
+        found = groups.setdefault(bytes(key[-4:]), ([], []))
+        found[0].append(bytes(key))
+        found[1].append(chunk)
+    return list(groups.values())
+
+
+class _Lookups(AsyncLookupManager):
+    """vLLM's async lookup machinery, answered by one ``blocks_contains`` per request and step."""
+
+    def __init__(self, tier: SkippydTier) -> None:
+        self._tier = tier
+        super().__init__(tier.tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:  # noqa: ARG002
+        return self._tier._held(keys)
+
+
+class SkippydTier(SecondaryTierManager):
+    """A vLLM secondary tier backed by the local skippyd daemon (see the module)."""
+
+    medium: ClassVar[Medium] = Medium.CPU  # hits come from host memory (or skippyd's local disk)
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        **options: Any,
+    ) -> None:
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"SkippydTier: unknown option(s) {', '.join(unknown)}; it takes {', '.join(_OPTIONS)}"
+            )
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
+        locality = options.get("locality", "LOCAL")
+        self.locality = Locality(locality) if locality else None
+        model, state, block_tokens = tier_identity(offloading_spec, self.block_size_bytes)
+        self.model = str(options.get("model") or model)
+        self.state = str(options.get("state") or state)
+        self.namespace = str(options.get("namespace") or "")
+        self.block_tokens = block_tokens
+        durable = options.get("durable", True)
+        if not (isinstance(durable, bool) or durable == "sync"):
+            raise ValueError('SkippydTier: durable must be true, false or "sync"')
+        self.durable: bool | str = durable
+        self.timeout = float(options.get("timeout", 1.0))
+        socket = options.get("socket")
+        self._flat = primary_kv_view.cast("B")
+        self._stride = self.block_size_bytes
+        self._events_on = bool(getattr(offloading_spec.kv_events_config, "enable_kv_cache_events", False))
+        self._events: list[OffloadingEvent] = []
+        self._lock = threading.Lock()
+        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._missing: queue.SimpleQueue[list[OffloadKey]] = queue.SimpleQueue()  # failed loads' keys
+        self._inflight = 0
+        self._idle = threading.Condition(self._lock)
+        self._admission = _admission(options.get("redis_url"), options.get("scope"))
+        # One connection per kind of work: a lookup never waits behind a copy, a load never behind a store.
+        self._clients = {
+            kind: skippyd.Client(
+                socket, timeout=self.timeout if kind == "lookup" else 30.0, connect_timeout=self.timeout
+            )
+            for kind in ("lookup", "load", "store")
+        }
+        self._queues: dict[str, queue.SimpleQueue[Any]] = {
+            "load": queue.SimpleQueue(),
+            "store": queue.SimpleQueue(),
+        }
+        self._threads = [
+            threading.Thread(target=self._work, args=(kind,), name=f"skippyd-vllm-{kind}", daemon=True)
+            for kind in self._queues
+        ]
+        for thread in self._threads:
+            thread.start()
+        self._lookups = _Lookups(self)
+
+    # ----------------------------------------------------------------- skippyd side (worker threads)
+    def _space(self, kind: str) -> skippyd.BlockSpace:
+        return self._clients[kind].blocks(
+            model=self.model, state=self.state, namespace=self.namespace, block_tokens=self.block_tokens
+        )
+
+    def _held(self, keys: Sequence[OffloadKey]) -> list[bool]:
+        """Which keys skippyd holds; all False (MISS) while the daemon is away or does not answer."""
+        try:
+            return self._space("lookup").held([bytes(k) for k in keys])
+        except (SkippydError, OSError) as exc:
+            log.warning("skippyd lookup failed, answering MISS: %s", exc)
+            return [False] * len(keys)
+
+    def _slots(self, chunks: Sequence[int]) -> list[memoryview]:
+        return [self._flat[c * self._stride : (c + 1) * self._stride] for c in chunks]
+
+    def _store(self, job: TransferJob) -> JobResult:
+        keys = list(job.keys)
+        chunks = [int(c) for c in job.chunk_ids]
+        started = time.perf_counter()
+        written = 0
+        stored: list[OffloadKey] = []
+        try:
+            space = self._space("store")
+            for offered, offered_chunks in _by_group(keys, chunks):
+                count = len(offered)
+                if self._admission is not None:
+                    admitted = self._admission.consider_many(
+                        [(k.hex(), self.block_tokens, self._stride) for k in offered]
+                    )
+                    if not all(admitted):  # a chain: the admitted run ends at the first refusal
+                        count = admitted.index(False)
+                if not count:
+                    continue
+                group_keys = offered[:count]
+                views = self._slots(offered_chunks[:count])
+                try:
+                    put = space.put(group_keys, views, durable=self.durable)
+                finally:
+                    for view in views:
+                        view.release()
+                written += put.nbytes
+                stored += [OffloadKey(k) for k in group_keys[: put.stored + put.present]]
+        except (SkippydError, OSError) as exc:
+            log.warning("skippyd store of %d chunks failed: %s", len(keys), exc)
+            return JobResult(job.job_id, False, transfer_time=time.perf_counter() - started, transfer_bytes=0)
+        if stored:
+            self._event(stored, removed=False)
+        return JobResult(
+            job.job_id, True, transfer_time=time.perf_counter() - started, transfer_bytes=written
+        )
+
+    def _load(self, job: TransferJob) -> JobResult:
+        keys = list(job.keys)
+        chunks = [int(c) for c in job.chunk_ids]
+        started = time.perf_counter()
+        loaded: list[OffloadKey] = []
+        try:
+            space = self._space("load")
+            for group_keys, group_chunks in _by_group(keys, chunks):
+                views = self._slots(group_chunks)
+                try:
+                    count = space.get_into(group_keys, views)
+                finally:
+                    for view in views:
+                        view.release()
+                loaded += [OffloadKey(k) for k in group_keys[:count]]
+        except (SkippydError, OSError) as exc:
+            log.warning("skippyd load of %d chunks failed: %s", len(keys), exc)
+        elapsed = time.perf_counter() - started
+        if len(loaded) == len(keys):
+            return JobResult(job.job_id, True, transfer_time=elapsed, transfer_bytes=len(keys) * self._stride)
+        done = set(loaded)
+        missing = [k for k in keys if k not in done]
+        self._missing.put(missing)
+        self._event(missing, removed=True)
+        return JobResult(
+            job.job_id, False, successful_keys=tuple(loaded), transfer_time=elapsed,
+            transfer_bytes=len(loaded) * self._stride,
+        )  # fmt: skip
+
+    def _work(self, kind: str) -> None:
+        jobs = self._queues[kind]
+        run = self._load if kind == "load" else self._store
+        while True:
+            job = jobs.get()
+            if job is _STOP:
+                return
+            try:
+                result = run(job)
+            except Exception:  # a bug: the job is still reported, the thread lives on
+                log.exception("skippyd %s job %s failed", kind, job.job_id)
+                result = JobResult(job.job_id, False, successful_keys=() if kind == "load" else None)
+            self._finished.put(result)
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def _event(self, keys: list[OffloadKey], *, removed: bool) -> None:
+        if not self._events_on or not keys:
+            return
+        event = OffloadingEvent(
+            keys=keys, medium=self.medium, removed=removed, locality=self.locality, ownership=self.tier_type
+        )
+        with self._lock:
+            self._events.append(event)
+
+    # ----------------------------------------------------------------- vLLM side (under the manager's lock)
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    def _submit(self, kind: str, job: TransferJob) -> None:
+        with self._idle:
+            self._inflight += 1
+        self._queues[kind].put(job)
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        self._submit("store", job_metadata)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit("load", job_metadata)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        while True:  # keys a load found gone: the scheduler stops asking for them
+            try:
+                self._lookups.mark_miss(self._missing.get_nowait())
+            except queue.Empty:
+                break
+        out: list[JobResult] = []
+        while True:
+            try:
+                out.append(self._finished.get_nowait())
+            except queue.Empty:
+                return out
+
+    def has_pending_work(self) -> bool:
+        with self._idle:
+            return self._inflight > 0
+
+    def drain_jobs(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight == 0)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        with self._lock:
+            out, self._events = self._events, []
+        return out
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Recency is skippyd's own (every get touches what it serves)."""
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:  # noqa: ARG002
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:  # noqa: ARG002
+        self._lookups.flush()
+
+    def shutdown(self) -> None:
+        """Stops the threads (after the jobs queued so far) and lets go of the primary tier's memory."""
+        for jobs in self._queues.values():
+            jobs.put(_STOP)
+        for thread in self._threads:
+            thread.join(timeout=60)
+        self._lookups.shutdown()
+        for client in self._clients.values():
+            client.close()
+        self._flat.release()
+
+    def config_info(self) -> dict[str, Any]:
+        return {}
+
+
+def _admission(redis_url: Any, scope: Any) -> Any:
+    """Second-hit admission counted in Redis across ``scope`` (None: every chunk is written)."""
+    if not redis_url:
+        if scope:
+            raise ValueError("SkippydTier: scope needs redis_url (second-hit admission is counted in Redis)")
+        return None
+    if not scope:
+        raise ValueError("SkippydTier: redis_url needs a scope: the engines that count offers together")
+    return _Admission(skippyd.Promotions.from_url(str(redis_url), scope=str(scope), timeout=1.0))
+
+
+class _Admission:
+    """``Promotions.consider_many``, or the same rules in this process while Redis is away."""
+
+    def __init__(self, promotions: Any) -> None:
+        from skippyd.coordination import LocalPromotions
+
+        self.promotions = promotions
+        self.local = LocalPromotions(promotions.settings)
+
+    def consider_many(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
+        try:
+            answers: list[bool] = self.promotions.consider_many(items)
+            return answers
+        except SkippydError as exc:
+            log.warning("second-hit admission counted locally: %s", exc)
+            return self.local.consider_many(items)
