@@ -41,7 +41,7 @@ class DaemonProcess:
     def start(self, *, wait: bool = True, timeout: float = 30.0) -> DaemonProcess:
         handle = self.log.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "skippyd", "serve", *self.args],
+            [os.environ.get("SKIPPYD_DAEMON_PYTHON", sys.executable), "-m", "skippyd", "serve", *self.args],
             env=self.env,
             stdout=handle,
             stderr=subprocess.STDOUT,

@@ -42,6 +42,7 @@ This module imports vLLM; nothing else in skippyd does.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -102,6 +103,14 @@ def tier_identity(spec: Any, block_size_bytes: int) -> tuple[str, str, int]:
     digest = hashlib.sha256(json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     block_tokens = max(1, min(65536, int(cfg.cache.tokens_per_hash) * int(cfg.cache.blocks_per_chunk)))
     return str(cfg.model.name), f"vllm-kv-v{LAYOUT_VERSION}:{digest[:32]}", block_tokens
+
+
+def _why(exc: BaseException) -> str:
+    """An error as one line for the log, its traceback dropped: the traceback holds the frames of the
+    failed copy, and with them views of vLLM's primary tier that must not outlive the job (a log
+    handler that keeps records would otherwise keep the primary tier from ever unmapping)."""
+    exc.__traceback__ = None
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _by_group(keys: Sequence[OffloadKey], chunks: Sequence[int]) -> list[tuple[list[bytes], list[int]]]:
@@ -203,10 +212,11 @@ class SkippydTier(SecondaryTierManager):
         try:
             return self._space("lookup").held([bytes(k) for k in keys])
         except (SkippydError, OSError) as exc:
-            log.warning("skippyd lookup failed, answering MISS: %s", exc)
+            log.warning("skippyd lookup failed, answering MISS: %s", _why(exc))
             return [False] * len(keys)
 
     def _slots(self, chunks: Sequence[int]) -> list[memoryview]:
+        """Views of the primary slots (no copy); dropped with the job (the last is gone at shutdown)."""
         return [self._flat[c * self._stride : (c + 1) * self._stride] for c in chunks]
 
     def _store(self, job: TransferJob) -> JobResult:
@@ -228,16 +238,11 @@ class SkippydTier(SecondaryTierManager):
                 if not count:
                     continue
                 group_keys = offered[:count]
-                views = self._slots(offered_chunks[:count])
-                try:
-                    put = space.put(group_keys, views, durable=self.durable)
-                finally:
-                    for view in views:
-                        view.release()
+                put = space.put(group_keys, self._slots(offered_chunks[:count]), durable=self.durable)
                 written += put.nbytes
                 stored += [OffloadKey(k) for k in group_keys[: put.stored + put.present]]
         except (SkippydError, OSError) as exc:
-            log.warning("skippyd store of %d chunks failed: %s", len(keys), exc)
+            log.warning("skippyd store of %d chunks failed: %s", len(keys), _why(exc))
             return JobResult(job.job_id, False, transfer_time=time.perf_counter() - started, transfer_bytes=0)
         if stored:
             self._event(stored, removed=False)
@@ -253,15 +258,10 @@ class SkippydTier(SecondaryTierManager):
         try:
             space = self._space("load")
             for group_keys, group_chunks in _by_group(keys, chunks):
-                views = self._slots(group_chunks)
-                try:
-                    count = space.get_into(group_keys, views)
-                finally:
-                    for view in views:
-                        view.release()
+                count = space.get_into(group_keys, self._slots(group_chunks))
                 loaded += [OffloadKey(k) for k in group_keys[:count]]
         except (SkippydError, OSError) as exc:
-            log.warning("skippyd load of %d chunks failed: %s", len(keys), exc)
+            log.warning("skippyd load of %d chunks failed: %s", len(keys), _why(exc))
         elapsed = time.perf_counter() - started
         if len(loaded) == len(keys):
             return JobResult(job.job_id, True, transfer_time=elapsed, transfer_bytes=len(keys) * self._stride)
@@ -365,7 +365,13 @@ class SkippydTier(SecondaryTierManager):
         self._lookups.shutdown()
         for client in self._clients.values():
             client.close()
-        self._flat.release()
+        # a failed copy's traceback may still hold views of the primary tier's memory in a reference
+        # cycle: collect it now, or the primary tier cannot unmap its region after us
+        gc.collect()
+        try:
+            self._flat.release()
+        except BufferError:
+            log.warning("views of vLLM's primary tier are still held; it keeps its region mapped")
 
     def config_info(self) -> dict[str, Any]:
         return {}
@@ -396,5 +402,5 @@ class _Admission:
             answers: list[bool] = self.promotions.consider_many(items)
             return answers
         except SkippydError as exc:
-            log.warning("second-hit admission counted locally: %s", exc)
+            log.warning("second-hit admission counted locally: %s", _why(exc))
             return self.local.consider_many(items)

@@ -1,0 +1,294 @@
+"""SkippydTier driven by vLLM 0.33's own classes (TieringOffloadingManager over a CPU primary tier, the
+tier built by SecondaryTierFactory from its config dict, and the v1 Scheduler with the
+OffloadingConnector) against a real skippyd daemon. No mocks of vLLM or skippyd."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from conftest import TIER, Engine, tier_cfg
+from daemonutil import DaemonProcess, eventually
+
+import skippyd
+from skippyd.integrations.vllm import SkippydTier
+
+
+def key(i: int, group: int = 0) -> bytes:
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return bytes(make_offload_key(hashlib.sha256(b"block %d" % i).digest(), group))
+
+
+def fill(key: bytes) -> bytes:
+    """A chunk's bytes, different for every key (4096 bytes: one primary slot)."""
+    return (hashlib.sha256(key).digest() * 128)[:4096]
+
+
+def test_a_cascaded_chunk_comes_back_bit_exact_after_the_primary_evicted_it(
+    daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(tier_cfg(daemon))
+    assert isinstance(engine.tier, SkippydTier)
+    first = engine.store([key(i) for i in range(4)], fill)
+    engine.settle()
+    with daemon.client() as client:
+        assert client.stats()["l2"]["block_count"] == 4  # the cascade reached skippyd
+    engine.store([key(i) for i in range(4, 8)], fill)  # 4 primary slots: the first four leave it
+    engine.settle()
+    with engine.manager.lock:
+        assert engine.primary.lookup(key(1), engine.ctx).name == "MISS"
+    assert engine.lookup(key(1)) == "HIT"  # RETRY (asked), HIT_PENDING (promoted), then HIT
+    assert engine.load([key(1)]) == [first[key(1)]]
+    assert engine.lookup(key(999)) == "MISS"
+
+
+def test_two_instances_on_one_host_share_skippyds_chunks(
+    daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    one = engines(tier_cfg(daemon))
+    written = one.store([key(i) for i in range(3)], fill)
+    one.settle()
+    two = engines(tier_cfg(daemon))  # another engine id, the same layout
+    assert two.lookup(key(2)) == "HIT"
+    assert two.load([key(2)]) == [written[key(2)]]
+    two.store([key(i) for i in range(3)], fill)  # the second instance offers the same chunks
+    two.settle()
+    with daemon.client() as client:
+        stats = client.stats()
+        assert stats["l2"]["block_count"] == 3  # held once for both
+        assert stats["l2"]["block_bytes"] <= 3 * 8192
+
+
+@pytest.mark.parametrize(
+    "other", [{"model": "org/another-model"}, {"dtype": "bfloat16"}, {"bytes_per_block": 8192}]
+)
+def test_another_model_or_layout_misses(
+    other: dict[str, Any], daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    one = engines(tier_cfg(daemon))
+    one.store([key(i) for i in range(2)], fill)
+    one.settle()
+    stranger = engines(tier_cfg(daemon), **other)
+    assert stranger.tier.state != one.tier.state or stranger.tier.model != one.tier.model
+    assert stranger.lookup(key(0)) == "MISS"
+
+
+def test_the_group_index_stays_part_of_the_key_and_each_group_is_its_own_chain(
+    daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(tier_cfg(daemon), groups=2, num_chunks=8)
+    keys = [key(i, group) for i in range(3) for group in (0, 1)]  # interleaved, as vLLM's jobs are
+    written = engine.store(keys, fill)
+    engine.settle()
+    engine.store([key(100 + i) for i in range(8)], fill)  # evict them all from the primary
+    engine.settle()
+    assert engine.lookup(key(2, 1)) == "HIT" and engine.lookup(key(2, 0)) == "HIT"
+    assert engine.load([key(2, 1)]) == [written[key(2, 1)]]
+    assert engine.lookup(key(5, 1)) == "MISS"
+    with daemon.client() as client:
+        space = client.blocks(
+            model=engine.tier.model, state=engine.tier.state, block_tokens=engine.tier.block_tokens
+        )
+        assert space.contains([key(i, 1) for i in range(3)]) == 3  # group 1's own chain, in order
+
+
+def test_events_report_what_skippyd_stored(daemon: DaemonProcess, engines: Callable[..., Engine]) -> None:
+    engine = engines(tier_cfg(daemon))
+    engine.store([key(i) for i in range(2)], fill)
+    engine.settle()
+    mine = [e for e in engine.events() if e.ownership == engine.tier.tier_type]
+    assert mine and not mine[0].removed and sorted(map(bytes, mine[0].keys)) == sorted([key(0), key(1)])
+
+
+def test_with_the_daemon_down_lookups_miss_within_a_second_jobs_fail_and_nothing_stays_pinned(
+    daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(tier_cfg(daemon))
+    daemon.stop()
+    started = time.monotonic()
+    assert engine.lookup(key(7)) == "MISS"
+    assert time.monotonic() - started < 1.5
+    engine.store([key(i) for i in range(4)], fill)  # the cascade fails: reported, the slots unpinned
+    engine.settle()
+    with engine.manager.lock:
+        assert not engine.manager._jobs  # every job was reported
+    engine.store([key(i) for i in range(10, 14)], fill)  # all 4 slots again: none stayed pinned
+    engine.settle()
+    daemon.start()  # the same tier object reconnects by itself
+    engine.store([key(i) for i in range(20, 22)], fill)
+    engine.settle()
+    with daemon.client() as client:
+        assert client.stats()["l2"]["block_count"] == 2
+
+
+def test_a_stalled_daemon_answers_miss_within_a_second(
+    daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    import signal
+
+    engine = engines(tier_cfg(daemon))
+    daemon.send(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert engine.lookup(key(3)) == "MISS"
+        assert time.monotonic() - started < 2.0
+    finally:
+        daemon.send(signal.SIGCONT)
+    assert engine.lookup(key(4)) == "MISS"  # answered again, by the daemon this time
+
+
+def test_durable_chunks_reach_l3_and_come_back_after_a_restart_and_a_reboot(
+    daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(tier_cfg(daemon))
+    written = engine.store([key(i) for i in range(3)], fill)
+    engine.settle()
+    with daemon.client() as client:
+        eventually(lambda: client.stats()["l3"]["block_count"] == 3, timeout=20)
+    daemon.stop()
+    daemon.start()  # a daemon restart: L2 adopted
+    fresh = engines(tier_cfg(daemon))
+    assert fresh.lookup(key(1)) == "HIT" and fresh.load([key(1)]) == [written[key(1)]]
+    daemon.stop()
+    shutil.rmtree(daemon.shm_dir)  # a reboot: the tmpfs is gone, L3 is not
+    daemon.shm_dir.mkdir()
+    daemon.start()
+    after = engines(tier_cfg(daemon))
+    assert after.lookup(key(2)) == "HIT" and after.load([key(2)]) == [written[key(2)]]
+
+
+def test_second_hit_admission_writes_a_chunk_only_once_two_engines_offered_it(
+    daemon: DaemonProcess, engines: Callable[..., Engine], redis_url: str
+) -> None:
+    options = {"redis_url": redis_url, "scope": "rack-1"}
+    one = engines(tier_cfg(daemon, **options))
+    one.store([key(i) for i in range(2)], fill)
+    one.settle()
+    with daemon.client() as client:
+        assert client.stats()["l2"]["block_count"] == 0  # offered once
+    two = engines(tier_cfg(daemon, **options))
+    two.store([key(i) for i in range(2)], fill)  # offered again, by another engine of the scope
+    two.settle()
+    with daemon.client() as client:
+        assert client.stats()["l2"]["block_count"] == 2
+
+
+def test_an_unknown_option_stops_the_engine_at_start_with_one_clear_line(daemon: DaemonProcess) -> None:
+    from conftest import make_spec
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    config = {**TIER, "sockt": str(daemon.socket)}
+    view = memoryview(bytearray(4 * 4096)).cast(
+        "b", (4, 4096)
+    )  # the primary tier's slots, as vLLM passes them
+    with pytest.raises(ValueError, match=r"unknown option.*sockt"):
+        SecondaryTierFactory.create_secondary_tier(config, view, make_spec(config))
+
+
+def test_the_scheduler_with_the_connector_reports_skippyds_prefix_as_an_external_hit(
+    daemon: DaemonProcess, tmp_short: Any
+) -> None:
+    """vLLM's real Scheduler (DeviceConfig("cpu")) builds the OffloadingConnector with SkippydTier; a
+    request whose prefix only skippyd holds gets it as external cached tokens."""
+    import json
+
+    import torch
+    from vllm import SamplingParams
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )  # fmt: skip
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.kv_offload.base import make_offload_key
+    from vllm.v1.request import Request
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    block = 16
+    model_dir = tmp_short / "tiny-llama"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2,
+        "vocab_size": 1000, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
+        "bos_token_id": 1, "eos_token_id": 2,
+    }))  # fmt: skip
+    init_none_hash(sha256)
+    model_config = ModelConfig(
+        model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048
+    )
+    extra = {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * 4096, "blocks_per_chunk": 1,
+        "secondary_tiers": [tier_cfg(daemon)],
+    }  # fmt: skip
+    config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048, enable_chunked_prefill=True,
+            is_encoder_decoder=model_config.is_encoder_decoder,
+        ),
+        cache_config=CacheConfig(block_size=block, gpu_memory_utilization=0.9, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
+        ),
+        device_config=DeviceConfig("cpu"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
+    )  # fmt: skip
+    kv_cache_config = KVCacheConfig(
+        num_blocks=128,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(
+                ["model.layers.0.self_attn.attn"],
+                FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=32, dtype=torch.float32),
+            )
+        ],
+    )
+    config.cache_config.num_gpu_blocks = 128
+    scheduler = Scheduler(
+        vllm_config=config, kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config), block_size=block, log_stats=True,
+    )  # fmt: skip
+    try:
+        tier = scheduler.connector.connector_scheduler.manager.secondary_tiers[0]
+        assert isinstance(tier, SkippydTier)
+        params = SamplingParams(max_tokens=4)
+        params.update_from_generation_config({}, 2)
+        prompt = list(range(100, 100 + 4 * block + 5))  # four whole blocks and a partial one
+        request = Request(
+            request_id="r1", prompt_token_ids=prompt, sampling_params=params, pooling_params=None,
+            block_hasher=get_request_block_hasher(block, sha256),
+        )  # fmt: skip
+        keys = [bytes(make_offload_key(h, 0)) for h in request.block_hashes]
+        with skippyd.Client(daemon.socket) as client:  # another instance left this prefix in skippyd
+            space = client.blocks(model=tier.model, state=tier.state, block_tokens=tier.block_tokens)
+            assert (
+                space.put(keys, [bytes([i + 1]) * tier.block_size_bytes for i in range(len(keys))]).stored
+                == 4
+            )
+        scheduler.add_request(request)
+        external = 0
+        for _ in range(30):  # RETRY while the lookup is asked, HIT_PENDING while it is promoted
+            output = scheduler.schedule()
+            tier.drain_jobs()
+            stats = request.prefill_stats
+            external = getattr(stats, "num_external_cached_tokens", 0) if stats is not None else 0
+            if external:
+                break
+            time.sleep(0.02)
+        assert external == 4 * block
+        assert output.kv_connector_metadata.load_jobs  # the GPU worker is told to load them
+    finally:
+        scheduler.connector.shutdown()
