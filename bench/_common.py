@@ -154,7 +154,8 @@ class BenchDaemon:
     def start(self) -> BenchDaemon:
         import skippyd
 
-        self.proc = subprocess.Popen([sys.executable, "-m", "skippyd", "serve", *self.args])
+        python = os.environ.get("SKIPPYD_DAEMON_PYTHON", sys.executable)  # vLLM's venv runs .venv's daemon
+        self.proc = subprocess.Popen([python, "-m", "skippyd", "serve", *self.args])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.socket.exists() and skippyd.Client(self.socket, timeout=2).ping():
