@@ -22,8 +22,9 @@ if ! ready; then
     say "building $venv with vllm==$VLLM_VERSION (the first time takes several minutes and ~10 GB)"
     mkdir -p "$(dirname "$venv")"
     [[ -x "$venv/bin/python" ]] || "$python" -m venv "$venv"
-    "$venv/bin/python" -m pip install -q --upgrade pip >&2
-    "$venv/bin/python" -m pip install -q "vllm==$VLLM_VERSION" pytest pytest-timeout redis msgpack blake3 >&2
+    quiet() { "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" >&2 || true; }
+    quiet "$venv/bin/python" -m pip install -q --upgrade pip
+    quiet "$venv/bin/python" -m pip install -q "vllm==$VLLM_VERSION" pytest pytest-timeout redis msgpack blake3
     ready || { say "vllm==$VLLM_VERSION did not install into $venv"; exit 1; }
 fi
 echo "$venv/bin/python"
