@@ -928,12 +928,7 @@ def restore(
                 keys.append(found.tail[f"{index}.k"])
                 values.append(found.tail[f"{index}.v"])
             layer.lazy_initialization(keys[0], values[0])
-            if target.type == "cpu":
-                held: Any = object.__new__(joined[type(layer)])  # the same layer, holding pieces
-                held.__dict__.update(layer.__dict__)
-                held._hold(keys, values, count)
-                cache.layers[index] = held
-            else:
+            if target.type != "cpu":
                 layer.keys, layer.values = _joined_on(keys, target), _joined_on(values, target)
         elif spec.kind in _ATTN_KINDS:
             k, v = found.tail[f"{index}.k"], found.tail[f"{index}.v"]
@@ -951,6 +946,14 @@ def restore(
                 layer.lazy_initialization(recurrent_states=rec, state_idx=s)
                 layer.recurrent_states[s].copy_(rec)
             layer.has_previous_state[s] = True
+        seen = getattr(layer, "cumulative_length_linear", None)  # transformers >= 5.25 counts linear tokens
+        if spec.states and isinstance(seen, torch.Tensor):
+            seen.fill_(count)
+        if index in blocked and target.type == "cpu":  # last, once the layer is wholly set up
+            held: Any = object.__new__(joined[type(layer)])  # the same layer, holding pieces
+            held.__dict__.update(layer.__dict__)
+            held._hold(keys, values, count)
+            cache.layers[index] = held
     return cache, count
 
 
