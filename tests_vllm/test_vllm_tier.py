@@ -97,6 +97,42 @@ def test_the_group_index_stays_part_of_the_key_and_each_group_is_its_own_chain(
         assert space.contains([key(i, 1) for i in range(3)]) == 3  # group 1's own chain, in order
 
 
+def test_the_tiers_metrics_reach_vllms_stats_with_the_labels_they_declare(
+    daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    engine = engines(tier_cfg(daemon))
+    declared = TieringOffloadingSpec.build_metric_definitions(engine.spec.extra_config)
+    ours = {name: meta for name, meta in declared.items() if name.startswith("vllm:skippyd_")}
+    assert set(ours) == {
+        "vllm:skippyd_lookup_chunks", "vllm:skippyd_stored_chunks", "vllm:skippyd_loaded_chunks",
+        "vllm:skippyd_not_admitted_chunks", "vllm:skippyd_failed_jobs",
+    }  # fmt: skip
+    engine.store([key(i) for i in range(4)], fill)
+    engine.settle()
+    engine.store([key(i) for i in range(4, 8)], fill)
+    engine.settle()
+    assert engine.lookup(key(1)) == "HIT" and engine.lookup(key(500)) == "MISS"
+    engine.load([key(1)])
+    with engine.manager.lock:
+        stats = engine.manager.get_stats()
+    types, values = stats.metric_sections()
+    mine = {name: by_label for name, by_label in values.items() if name in ours}
+    for name, by_label in mine.items():
+        assert types[name] == "counter"
+        assert all(len(labels) == len(ours[name].labelnames) for labels in by_label), name
+    assert mine["vllm:skippyd_stored_chunks"][()] == 8
+    assert mine["vllm:skippyd_loaded_chunks"][()] == 1
+    assert (
+        mine["vllm:skippyd_lookup_chunks"][("hit",)] >= 1
+        and mine["vllm:skippyd_lookup_chunks"][("miss",)] >= 1
+    )
+    with engine.manager.lock:
+        again = engine.manager.get_stats()
+    assert again is None or "vllm:skippyd_stored_chunks" not in again.metric_sections()[1]  # reset each time
+
+
 def test_events_report_what_skippyd_stored(daemon: DaemonProcess, engines: Callable[..., Engine]) -> None:
     engine = engines(tier_cfg(daemon))
     engine.store([key(i) for i in range(2)], fill)

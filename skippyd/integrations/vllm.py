@@ -75,6 +75,15 @@ log = logging.getLogger("skippyd.vllm")
 #: Bumped whenever what a chunk's bytes mean to this tier changes: older chunks then miss.
 LAYOUT_VERSION = 1
 
+#: The tier's own Prometheus metrics (vLLM's manager adds its transfer bytes, times and lookup delays).
+_METRICS = {
+    "vllm:skippyd_lookup_chunks": ("chunks SkippydTier asked skippyd about, by answer", ("result",)),
+    "vllm:skippyd_stored_chunks": ("chunks cascaded into skippyd (newly stored or already held)", ()),
+    "vllm:skippyd_loaded_chunks": ("chunks promoted from skippyd into the CPU primary tier", ()),
+    "vllm:skippyd_not_admitted_chunks": ("chunks not written: offered once (second-hit admission)", ()),
+    "vllm:skippyd_failed_jobs": ("store and load jobs that failed (daemon away, chunk gone)", ("kind",)),
+}
+
 _OPTIONS = ("socket", "namespace", "model", "state", "durable", "redis_url", "scope", "timeout", "locality")
 _STOP = object()
 
@@ -181,6 +190,7 @@ class SkippydTier(SecondaryTierManager):
         self._missing: queue.SimpleQueue[list[OffloadKey]] = queue.SimpleQueue()  # failed loads' keys
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
+        self._counts: dict[tuple[str, tuple[str, ...]], int] = {}  # for get_stats, under _lock
         self._admission = _admission(options.get("redis_url"), options.get("scope"))
         # One connection per kind of work: a lookup never waits behind a copy, a load never behind a store.
         self._clients = {
@@ -210,10 +220,13 @@ class SkippydTier(SecondaryTierManager):
     def _held(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """Which keys skippyd holds; all False (MISS) while the daemon is away or does not answer."""
         try:
-            return self._space("lookup").held([bytes(k) for k in keys])
+            held = self._space("lookup").held([bytes(k) for k in keys])
         except (SkippydError, OSError) as exc:
             log.warning("skippyd lookup failed, answering MISS: %s", _why(exc))
-            return [False] * len(keys)
+            held = [False] * len(keys)
+        self._count("vllm:skippyd_lookup_chunks", sum(held), "hit")
+        self._count("vllm:skippyd_lookup_chunks", len(held) - sum(held), "miss")
+        return held
 
     def _slots(self, chunks: Sequence[int]) -> list[memoryview]:
         """Views of the primary slots (no copy); dropped with the job (the last is gone at shutdown)."""
@@ -235,6 +248,7 @@ class SkippydTier(SecondaryTierManager):
                     )
                     if not all(admitted):  # a chain: the admitted run ends at the first refusal
                         count = admitted.index(False)
+                        self._count("vllm:skippyd_not_admitted_chunks", len(offered) - count)
                 if not count:
                     continue
                 group_keys = offered[:count]
@@ -243,9 +257,11 @@ class SkippydTier(SecondaryTierManager):
                 stored += [OffloadKey(k) for k in group_keys[: put.stored + put.present]]
         except (SkippydError, OSError) as exc:
             log.warning("skippyd store of %d chunks failed: %s", len(keys), _why(exc))
+            self._count("vllm:skippyd_failed_jobs", 1, "store")
             return JobResult(job.job_id, False, transfer_time=time.perf_counter() - started, transfer_bytes=0)
         if stored:
             self._event(stored, removed=False)
+            self._count("vllm:skippyd_stored_chunks", len(stored))
         return JobResult(
             job.job_id, True, transfer_time=time.perf_counter() - started, transfer_bytes=written
         )
@@ -263,8 +279,10 @@ class SkippydTier(SecondaryTierManager):
         except (SkippydError, OSError) as exc:
             log.warning("skippyd load of %d chunks failed: %s", len(keys), _why(exc))
         elapsed = time.perf_counter() - started
+        self._count("vllm:skippyd_loaded_chunks", len(loaded))
         if len(loaded) == len(keys):
             return JobResult(job.job_id, True, transfer_time=elapsed, transfer_bytes=len(keys) * self._stride)
+        self._count("vllm:skippyd_failed_jobs", 1, "load")
         done = set(loaded)
         missing = [k for k in keys if k not in done]
         self._missing.put(missing)
@@ -290,6 +308,12 @@ class SkippydTier(SecondaryTierManager):
             with self._idle:
                 self._inflight -= 1
                 self._idle.notify_all()
+
+    def _count(self, name: str, value: int, *labels: str) -> None:
+        if value:
+            with self._lock:
+                key = (name, labels)
+                self._counts[key] = self._counts.get(key, 0) + value
 
     def _event(self, keys: list[OffloadKey], *, removed: bool) -> None:
         if not self._events_on or not keys:
@@ -375,6 +399,29 @@ class SkippydTier(SecondaryTierManager):
 
     def config_info(self) -> dict[str, Any]:
         return {}
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:  # noqa: ARG003
+        """The tier's own Prometheus metrics (imported in vLLM's API server process too: cheap)."""
+        from vllm.v1.kv_offload.base import OffloadingCounterMetadata
+
+        return {
+            name: OffloadingCounterMetadata(documentation=doc, labelnames=labels)
+            for name, (doc, labels) in _METRICS.items()
+        }
+
+    def get_stats(self) -> Any:
+        """What was counted since the last call (vLLM's stats interval), or None."""
+        with self._lock:
+            counts, self._counts = self._counts, {}
+        if not counts:
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        stats = OffloadingConnectorStats()
+        for (name, labels), value in counts.items():
+            stats.increase_counter(name, value, labelvalues=labels)
+        return stats
 
 
 def _admission(redis_url: Any, scope: Any) -> Any:
