@@ -133,9 +133,10 @@ class BlockRules:
         with self.l2.lock:
             return self._run(bound)
 
-    def _run(self, bound: Sequence[bytes]) -> int:
+    def _run(self, bound: Sequence[bytes], in_l2: int | None = None) -> int:
+        """The leading run of ``bound`` either tier holds (``in_l2``: the leading run L2 holds, if known)."""
         blocks = self.l2.blocks
-        held = blocks.held(bound)
+        held = blocks.held(bound) if in_l2 is None else in_l2
         if self.l3 is None:
             return held
         for key in bound[held:]:
@@ -160,7 +161,7 @@ class BlockRules:
         blocks = self.l2.blocks
         with self.l2.lock:
             in_l2 = blocks.held(bound)
-            held = self._run(bound) if self.l3 is not None and in_l2 < len(bound) else in_l2
+            held = self._run(bound, in_l2)
             run = bound[:held]
             from_disk = [key for key in run[in_l2:] if not blocks.holds(key)]
             if not from_disk:
