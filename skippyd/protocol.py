@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME",
     "HEADER",
     "MAGIC",
+    "MAX_BLOCK_BYTES",
     "MAX_FDS",
     "MAX_REQUEST_ITEMS",
     "PROTOCOL_VERSION",
@@ -54,6 +55,7 @@ HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 24
 DEFAULT_MAX_FRAME = 16 << 20
 MAX_FDS = 8
+MAX_BLOCK_BYTES = 64 << 20  # one block's size: a blocks_put naming a larger one is too_large
 
 
 class FrameType:

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from skippyd.errors import InvalidArgument, Mismatch
+from skippyd.protocol import MAX_BLOCK_BYTES  # the largest block: a model's layers are split below it
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -79,8 +80,6 @@ FORMAT_VERSION = 2
 #: Tokens per block of attention KV (vLLM's and LMCache's usual chunk).
 DEFAULT_BLOCK_TOKENS = 256
 
-#: The largest block skippyd takes (``blocks_put``); a model's layers are split over block spaces below it.
-MAX_BLOCK_BYTES = 64 << 20
 
 #: Shorter entries tried when the longest one's blocks have gone (evicted before it).
 _FALLBACK_TRIES = 8

@@ -32,6 +32,7 @@ from blake3 import blake3
 
 from skippyd.errors import NoSpace, TooLarge
 from skippyd.files import private_dirs, remove
+from skippyd.protocol import MAX_BLOCK_BYTES
 
 from .slabs import SLAB_SUFFIX, BadSlab, Slab, SlotRecord, slot_class, slots_for
 
@@ -155,7 +156,7 @@ class L2Blocks:
         self._evict_one = evict_one
         self._tick = tick
         self._slab_target = max(1 << 20, min(_SLAB_TARGET, budget_bytes // 16))
-        self.max_block = min(64 << 20, budget_bytes // 4)
+        self.max_block = min(MAX_BLOCK_BYTES, budget_bytes // 4)
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
         self._children: dict[bytes, set[bytes]] = {}
         self._groups: dict[tuple[bytes, int], _Group] = {}
