@@ -157,14 +157,7 @@ def _write_blocks(region: memoryview, jobs: list[tuple[int, list[Part]]]) -> Non
             for piece in pieces:
                 at += _copy_part(region, at, piece)
 
-    total = sum(_part_bytes(piece) for _, pieces in jobs for piece in pieces)
-    if total < _PARALLEL_BYTES or len(jobs) < 2:
-        run(jobs)
-        return
-    half = len(jobs) // 2
-    future = _pool().submit(run, jobs[half:])
-    run(jobs[:half])
-    future.result()
+    in_two(run, jobs, sum(_part_bytes(piece) for _, pieces in jobs for piece in pieces))
 
 
 _pools: list[ThreadPoolExecutor] = []
@@ -174,6 +167,18 @@ def _pool() -> ThreadPoolExecutor:
     if not _pools:
         _pools.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="skippyd-blocks"))
     return _pools[0]
+
+
+def in_two(run: Callable[[list[Any]], None], jobs: list[Any], nbytes: int) -> None:
+    """``run(jobs)``, split in two halves over this thread and a pool thread when the jobs move at least
+    4 MiB (the client's copies release the GIL); on this thread alone otherwise."""
+    if nbytes < _PARALLEL_BYTES or len(jobs) < 2:
+        run(jobs)
+        return
+    half = len(jobs) // 2
+    future = _pool().submit(run, jobs[half:])
+    run(jobs[:half])
+    future.result()
 
 
 def _placements(reply: dict[str, Any], fds: list[int]) -> list[tuple[int, int, int]]:
@@ -293,12 +298,9 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
                 raise BadFrame(f"a block descriptor gave {got} of {total} bytes")
 
     total = sum(run[3] for run in runs)
-    if total >= _PARALLEL_BYTES and len(runs) >= 2:
-        half = len(runs) // 2
-        future = _pool().submit(read, runs[half:])
-        read(runs[:half])
-        future.result()
-    elif total >= _PARALLEL_BYTES:  # one long run: split it in two by its buffers
+    if total < _PARALLEL_BYTES or len(runs) >= 2:
+        in_two(read, runs, total)
+    else:  # one long run: split it in two by its buffers
         fd, offset, buffers, _ = runs[0]
         half = len(buffers) // 2
         if half:
@@ -308,8 +310,6 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
             future.result()
         else:
             read(runs)
-    else:
-        read(runs)
     for target, host in devices:
         target.reshape(-1).view(_torch().uint8)[: host.numel()].copy_(host.to(target.device))
     return len(placements)

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from skippyd.blockspace import in_two
 from skippyd.errors import InvalidArgument, Mismatch
 from skippyd.protocol import MAX_BLOCK_BYTES  # the largest block: a model's layers are split below it
 
@@ -240,7 +241,6 @@ class _JoinedKV:
 
 
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same bytes, a numpy dtype
-_PARALLEL_BYTES = 4 << 20
 
 
 def _cat_tokens(pieces: list[torch.Tensor]) -> torch.Tensor:
@@ -267,15 +267,7 @@ def _cat_tokens(pieces: list[torch.Tensor]) -> torch.Tensor:
         for target, source in part:
             np.copyto(target, source)
 
-    if len(jobs) < 2 or out.numel() * out.element_size() < _PARALLEL_BYTES:
-        run(jobs)
-    else:
-        from skippyd.blockspace import _pool
-
-        half = len(jobs) // 2
-        future = _pool().submit(run, jobs[half:])
-        run(jobs[:half])
-        future.result()
+    in_two(run, jobs, out.numel() * out.element_size())
     return out
 
 
