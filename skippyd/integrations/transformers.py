@@ -185,6 +185,22 @@ def _layer_classes() -> dict[type, str]:
     }
 
 
+def _pending_attr(name: str) -> Any:
+    """A layer attribute read and written through its pieces: either joins them first."""
+
+    def get(self: _JoinedKV) -> Any:
+        if self._pieces is not None:
+            self._join()
+        return self.__dict__.get(name)
+
+    def put(self: _JoinedKV, value: Any) -> None:
+        if self._pieces is not None:
+            self._join()
+        self.__dict__[name] = value
+
+    return property(get, put)
+
+
 class _JoinedKV:
     """A cache layer whose keys and values are held as pieces (block views and the entry's tail) until
     they are first needed: the first ``update`` joins them with the new tokens in ONE ``torch.cat`` (what
@@ -204,29 +220,8 @@ class _JoinedKV:
         self.__dict__["_keys"] = _cat_tokens([*keys, *([] if new_keys is None else [new_keys])])
         self.__dict__["_values"] = _cat_tokens([*values, *([] if new_values is None else [new_values])])
 
-    @property
-    def keys(self) -> Any:
-        if self._pieces is not None:
-            self._join()
-        return self.__dict__.get("_keys")
-
-    @keys.setter
-    def keys(self, value: Any) -> None:
-        if self._pieces is not None:
-            self._join()
-        self.__dict__["_keys"] = value
-
-    @property
-    def values(self) -> Any:
-        if self._pieces is not None:
-            self._join()
-        return self.__dict__.get("_values")
-
-    @values.setter
-    def values(self, value: Any) -> None:
-        if self._pieces is not None:
-            self._join()
-        self.__dict__["_values"] = value
+    keys = _pending_attr("_keys")
+    values = _pending_attr("_values")
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if self._pieces is not None:
@@ -243,17 +238,28 @@ class _JoinedKV:
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same bytes, a numpy dtype
 
 
-def _cat_tokens(pieces: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.cat(pieces, dim=-2)``, the same bytes. On the CPU the pieces are copied by numpy into the
-    result, split over two threads: torch.cat gathering many block-sized pieces out of shared memory
-    measured 2-3x slower than these copies on the test machines (while one large piece cats fast)."""
+def _cat_tokens(pieces: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """``torch.cat(pieces, dim=-2)``, the same bytes, in one tensor on ``device`` (default: the first
+    piece's). On the CPU the pieces are copied by numpy, split over two threads: torch.cat gathering many
+    block-sized pieces out of shared memory measured 2-3x slower than these copies on the test machines;
+    elsewhere each piece is copied into its place once (a block view goes to the device directly)."""
     first = pieces[0]
-    raw = _RAW.get(first.element_size())
-    if raw is None or any(p.device.type != "cpu" or p.dtype != first.dtype for p in pieces):
-        return torch.cat(pieces, dim=-2)
+    device = first.device if device is None else device
     shape = list(first.shape)
     shape[-2] = sum(int(p.shape[-2]) for p in pieces)
-    out = torch.empty(shape, dtype=first.dtype)
+    out = torch.empty(shape, dtype=first.dtype, device=device)
+    raw = _RAW.get(first.element_size())
+    if (
+        device.type != "cpu"
+        or raw is None
+        or any(p.device.type != "cpu" or p.dtype != first.dtype for p in pieces)
+    ):
+        at = 0
+        for piece in pieces:
+            width = int(piece.shape[-2])
+            out[..., at : at + width, :].copy_(piece)
+            at += width
+        return out
     into = out.view(raw).numpy()
     jobs = []
     at = 0
@@ -808,14 +814,23 @@ class _Found:
     pieces: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]
 
 
+def _blocks_alone(prof: ModelProfile, layout: _Layout, views: list[list[torch.Tensor]]) -> _Found | None:
+    """A restore from a run of leading blocks and no entry (attention-only models), if there is a run."""
+    if not views or not views[0]:
+        return None
+    count = len(views[0])
+    return _Found(count * layout.block_tokens, {}, layout, count, _block_pieces(prof, layout, views))
+
+
 def _find(
-    store: _Store, prof: ModelProfile, seq: Any, *, target: torch.device, block_tokens: int
+    store: _Store, prof: ModelProfile, seq: Any, *, target: torch.device, default: _Layout | None
 ) -> _Found | None:
     """The longest restorable prefix: an entry whose blocks are all held (a shorter entry if the longest
-    one's blocks have gone) or, for an attention-only model, the longest leading run of blocks."""
+    one's blocks have gone) or, for an attention-only model, the longest leading run of blocks (of the
+    entry's block size, or of ``default`` when no entry names blocks)."""
     blocks_alone = prof.kind == KIND_KV and all(spec.kind in _BLOCK_KINDS | {"dummy"} for spec in prof.layers)
     found: _Found | None = None
-    best_run: tuple[_Layout, list[list[torch.Tensor]]] | None = None
+    alone: _Found | None = None
     n = len(seq)
     hit = store.entry(prof, seq, target)
     for _ in range(_FALLBACK_TRIES):
@@ -832,30 +847,19 @@ def _find(
             raise Mismatch("the entry names blocks, but this model has no attention layer to hold them")
         want = max(count, n // span) if blocks_alone else count  # one get answers both questions
         views = _leading_blocks(store, layout, seq, want)
-        held = len(views[0]) if views else 0
-        if (
-            blocks_alone
-            and held
-            and (best_run is None or held * span > len(best_run[1][0]) * best_run[0].block_tokens)
-        ):
-            best_run = (layout, views)
-        if held >= count:
+        run = _blocks_alone(prof, layout, views) if blocks_alone else None
+        if run is not None and (alone is None or run.count > alone.count):
+            alone = run
+        if views and len(views[0]) >= count:
             found = _Found(hit.token_count, hit.tensors, layout, count, _block_pieces(prof, layout, views))
             break
         if hit.token_count <= 1:  # its blocks have gone: a shorter entry may still be whole
             break
         hit = store.entry(prof, seq[: hit.token_count - 1], target)
-    if blocks_alone and block_tokens and best_run is None and n >= block_tokens:
-        layout = _layout(prof, block_tokens)
-        if layout is not None:
-            views = _leading_blocks(store, layout, seq, n // block_tokens)
-            if views:
-                best_run = (layout, views)
-    if best_run is not None:
-        layout, views = best_run
-        run = len(views[0]) * layout.block_tokens
-        if found is None or run > found.count:
-            return _Found(run, {}, layout, len(views[0]), _block_pieces(prof, layout, views))
+    if blocks_alone and alone is None and default is not None and n >= default.block_tokens:
+        alone = _blocks_alone(prof, default, _leading_blocks(store, default, seq, n // default.block_tokens))
+    if alone is not None and (found is None or alone.count > found.count):
+        return alone
     return found
 
 
@@ -887,11 +891,10 @@ def restore(
     seq, n = _tokens(tokens)
     if n < 1:
         raise InvalidArgument("tokens must hold at least one token")
-    if block_tokens != 0:
-        _layout(prof, block_tokens)  # checks the value
+    default = _layout(prof, block_tokens) if block_tokens != 0 else None  # (checks the value too)
     target = torch.device(device) if device is not None else _model_device(model)
     store = _Store(client, model_id or prof.model_id, namespace)
-    found = _find(store, prof, seq, target=target, block_tokens=block_tokens)
+    found = _find(store, prof, seq, target=target, default=default)
     if found is None:
         return None
     count = found.count
@@ -920,7 +923,7 @@ def restore(
                 values.append(found.tail[f"{index}.v"])
             layer.lazy_initialization(keys[0], values[0])
             if target.type != "cpu":
-                layer.keys, layer.values = _joined_on(keys, target), _joined_on(values, target)
+                layer.keys, layer.values = _cat_tokens(keys, target), _cat_tokens(values, target)
         elif spec.kind in _ATTN_KINDS:
             k, v = found.tail[f"{index}.k"], found.tail[f"{index}.v"]
             layer.lazy_initialization(k, v)  # sets device (and the window tensor) like a first update
@@ -946,19 +949,6 @@ def restore(
             held._hold(keys, values, count)
             cache.layers[index] = held
     return cache, count
-
-
-def _joined_on(pieces: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The pieces joined along the tokens, in one tensor on ``device`` (each piece copied there once)."""
-    shape = list(pieces[0].shape)
-    shape[-2] = sum(int(p.shape[-2]) for p in pieces)
-    out = torch.empty(shape, dtype=pieces[0].dtype, device=device)
-    at = 0
-    for piece in pieces:
-        width = int(piece.shape[-2])
-        out[..., at : at + width, :].copy_(piece)
-        at += width
-    return out
 
 
 # ----------------------------------------------------------------------------------------- prefill
