@@ -199,6 +199,12 @@ class SkippydTier(SecondaryTierManager):
             )
             for kind in ("lookup", "load", "store")
         }
+        self._spaces = {  # made once: a block space hashes the identity when it is built
+            kind: client.blocks(
+                model=self.model, state=self.state, namespace=self.namespace, block_tokens=self.block_tokens
+            )
+            for kind, client in self._clients.items()
+        }
         self._queues: dict[str, queue.SimpleQueue[Any]] = {
             "load": queue.SimpleQueue(),
             "store": queue.SimpleQueue(),
@@ -212,15 +218,10 @@ class SkippydTier(SecondaryTierManager):
         self._lookups = _Lookups(self)
 
     # ----------------------------------------------------------------- skippyd side (worker threads)
-    def _space(self, kind: str) -> skippyd.BlockSpace:
-        return self._clients[kind].blocks(
-            model=self.model, state=self.state, namespace=self.namespace, block_tokens=self.block_tokens
-        )
-
     def _held(self, keys: Sequence[OffloadKey]) -> list[bool]:
         """Which keys skippyd holds; all False (MISS) while the daemon is away or does not answer."""
         try:
-            held = self._space("lookup").held([bytes(k) for k in keys])
+            held = self._spaces["lookup"].held([bytes(k) for k in keys])
         except (SkippydError, OSError) as exc:
             log.warning("skippyd lookup failed, answering MISS: %s", _why(exc))
             held = [False] * len(keys)
@@ -239,7 +240,7 @@ class SkippydTier(SecondaryTierManager):
         written = 0
         stored: list[OffloadKey] = []
         try:
-            space = self._space("store")
+            space = self._spaces["store"]
             for offered, offered_chunks in _by_group(keys, chunks):
                 count = len(offered)
                 if self._admission is not None:
@@ -272,7 +273,7 @@ class SkippydTier(SecondaryTierManager):
         started = time.perf_counter()
         loaded: list[OffloadKey] = []
         try:
-            space = self._space("load")
+            space = self._spaces["load"]
             for group_keys, group_chunks in _by_group(keys, chunks):
                 count = space.get_into(group_keys, self._slots(group_chunks))
                 loaded += [OffloadKey(k) for k in group_keys[:count]]
