@@ -137,3 +137,32 @@ def mount_tmpfs(tmp_short: Path) -> Iterator[Callable[[str], Path]]:
     finally:
         for point in mounted:
             subprocess.run(["umount", "-l", str(point)], check=False)
+
+
+@pytest.fixture(scope="module")
+def hf_daemon() -> Iterator[DaemonProcess]:
+    """One daemon (no Redis) for a transformers test module; each test keeps to its own namespace."""
+    from daemonutil import DaemonProcess
+
+    root = Path(tempfile.mkdtemp(prefix="sk-hf-", dir="/tmp"))
+    proc = DaemonProcess(root, "--redis-url", "none").start()
+    try:
+        yield proc
+    finally:
+        proc.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def built() -> Callable[[str], Any]:
+    """Builds each test model of tests/hfmodels.py once per module."""
+    import hfmodels
+
+    cache: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in cache:
+            cache[name] = hfmodels.build(name)
+        return cache[name]
+
+    return get

@@ -51,18 +51,6 @@ KINDS = {"llama": "kv", "mamba": "recurrent-only", "zamba2": "kv-recurrent", "ja
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def hf_daemon() -> Iterator[DaemonProcess]:
-    """One daemon (no Redis) for the module; each test keeps to its own namespace."""
-    root = Path(tempfile.mkdtemp(prefix="sk-hf-", dir="/tmp"))
-    proc = DaemonProcess(root, "--redis-url", "none").start()
-    try:
-        yield proc
-    finally:
-        proc.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.fixture
 def client(hf_daemon: DaemonProcess) -> Iterator[skippyd.Client]:
     with hf_daemon.client() as c:
@@ -72,19 +60,6 @@ def client(hf_daemon: DaemonProcess) -> Iterator[skippyd.Client]:
 @pytest.fixture
 def namespace(request: pytest.FixtureRequest) -> str:
     return str(request.node.name)
-
-
-@pytest.fixture(scope="module")
-def built() -> Callable[[str], Any]:
-    """Builds each test model once per module."""
-    cache: dict[str, Any] = {}
-
-    def get(name: str) -> Any:
-        if name not in cache:
-            cache[name] = hfmodels.build(name)
-        return cache[name]
-
-    return get
 
 
 @pytest.fixture(scope="module")

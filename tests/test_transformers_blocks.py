@@ -12,10 +12,7 @@ Zamba2 and Jamba hybrids).
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,17 +32,6 @@ CONT = 8
 TOL = {"llama": 1e-4, "zamba2": 1e-3, "jamba": 1e-3}  # see tests/test_transformers.py
 
 
-@pytest.fixture(scope="module")
-def hf_daemon() -> Iterator[DaemonProcess]:
-    root = Path(tempfile.mkdtemp(prefix="sk-hfb-", dir="/tmp"))
-    proc = DaemonProcess(root, "--redis-url", "none").start()
-    try:
-        yield proc
-    finally:
-        proc.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
-
-
 @pytest.fixture
 def client(hf_daemon: DaemonProcess) -> Iterator[skippyd.Client]:
     with hf_daemon.client() as c:
@@ -57,18 +43,6 @@ def namespace(request: pytest.FixtureRequest) -> str:
     return str(request.node.name)
 
 
-@pytest.fixture(scope="module")
-def built() -> Callable[[str], Any]:
-    cache: dict[str, Any] = {}
-
-    def get(name: str) -> Any:
-        if name not in cache:
-            cache[name] = hfmodels.build(name)
-        return cache[name]
-
-    return get
-
-
 def prefilled(model: Any, tokens: torch.Tensor) -> Any:
     _, cache = skt.prefill(model, tokens)
     return cache
@@ -77,6 +51,12 @@ def prefilled(model: Any, tokens: torch.Tensor) -> Any:
 def continued(model: Any, cache: Any, tokens: torch.Tensor) -> torch.Tensor:
     logits, _ = skt.prefill(model, tokens, cache=cache)
     return logits
+
+
+def recomputed(model: Any, tokens: torch.Tensor, count: int) -> torch.Tensor:
+    """What continuing ``tokens[count:]`` gives on a cache prefilled here, never stored: the reference
+    every restored continuation must equal bit for bit."""
+    return continued(model, prefilled(model, tokens[:count]), tokens[count:])
 
 
 def pieces_held(layer: Any) -> int:
@@ -129,7 +109,7 @@ def test_a_next_turn_writes_only_its_new_blocks_and_every_captured_length_restor
         assert hit is not None
         cache, count = hit
         assert count == length
-        expected = continued(model, prefilled(model, tokens[:length]), query[length:])
+        expected = recomputed(model, query, length)
         assert torch.equal(continued(model, cache, query[length:]), expected), length
 
 
@@ -156,7 +136,7 @@ def test_restored_attention_is_joined_by_the_first_forward_not_before(
     joined = layer.keys
     assert pieces_held(layer) == 0 and isinstance(joined, torch.Tensor)
     assert joined.shape[-2] == len(tokens) and joined.is_contiguous()
-    assert torch.equal(logits, continued(model, prefilled(model, tokens[:count]), tokens[count:]))
+    assert torch.equal(logits, recomputed(model, tokens, count))
 
 
 @pytest.mark.parametrize("name", ["llama", "zamba2"])
@@ -188,7 +168,7 @@ def test_an_attention_model_restores_the_leading_blocks_another_conversation_lef
     cache, count = hit
     assert count == 2 * B  # the whole blocks of the shared 600 tokens
     logits = continued(model, cache, other[count:])
-    assert torch.equal(logits, continued(model, prefilled(model, other[:count]), other[count:]))
+    assert torch.equal(logits, recomputed(model, other, count))
     with torch.no_grad():
         full = model(input_ids=other[None]).logits[0, count:]
     assert float((logits[0] - full).abs().max()) <= TOL["llama"]
@@ -221,7 +201,7 @@ def test_an_entry_whose_blocks_were_evicted_gives_way_to_a_shorter_whole_one(
     assert hit is not None
     cache, count = hit
     assert count == 100
-    expected = continued(model, prefilled(model, tokens[:100]), tokens[100:108])
+    expected = recomputed(model, tokens[:108], 100)
     assert torch.equal(continued(model, cache, tokens[100:108]), expected)
 
 
@@ -235,7 +215,7 @@ def test_block_tokens_zero_stores_one_whole_entry_and_restores_it(
     assert result.blocks_stored == 0 and result.nbytes >= 520 * kv_bytes_per_token(cache)
     hit = skt.restore(client, model, tokens=tokens, namespace=namespace)
     assert hit is not None and hit[1] == 520
-    expected = continued(model, prefilled(model, tokens[:520]), tokens[520:])
+    expected = recomputed(model, tokens, 520)
     assert torch.equal(continued(model, hit[0], tokens[520:]), expected)
 
 
@@ -253,7 +233,7 @@ def test_a_model_whose_block_would_pass_the_limit_splits_its_layers_over_block_s
     assert result.blocks_stored == 4  # two blocks in each space
     hit = skt.restore(client, model, tokens=tokens, namespace=namespace)
     assert hit is not None and hit[1] == 2 * B + 10
-    expected = continued(model, prefilled(model, tokens[: 2 * B + 10]), tokens[2 * B + 10 :])
+    expected = recomputed(model, tokens, 2 * B + 10)
     assert torch.equal(continued(model, hit[0], tokens[2 * B + 10 :]), expected)
     monkeypatch.setattr(skt, "MAX_BLOCK_BYTES", one_layer - 1)
     with pytest.raises(InvalidArgument, match="fewer tokens per block"):
