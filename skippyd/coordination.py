@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -535,30 +535,27 @@ class Coordinator:
             self._buffer.append(chain)
             self._cond.notify()
 
-    def consider(self, digest: str, token_count: int, payload_bytes: int, /) -> bool:
-        """The promotion decision, counted in Redis, or locally by the same rules while Redis is away."""
+    def _in_redis(self, call: Callable[[], Any]) -> tuple[bool, Any]:
+        """``(True, call())`` while Redis answers; ``(False, None)`` while it is away (a failure degrades
+        the link: counting goes local until the background thread has Redis back)."""
         if not self.degraded:
             try:
-                answer = self.promotions.consider(digest, token_count, payload_bytes)
+                return True, call()
             except SkippydError as exc:
                 self._degrade(str(exc))
-            else:
-                self.counters["promotions_redis"] += 1
-                return answer
-        self.counters["promotions_local"] += 1
-        return self.local.consider(digest, token_count, payload_bytes)
+        return False, None
+
+    def consider(self, digest: str, token_count: int, payload_bytes: int, /) -> bool:
+        """The promotion decision, counted in Redis, or locally by the same rules while Redis is away."""
+        shared, answer = self._in_redis(lambda: self.promotions.consider(digest, token_count, payload_bytes))
+        self.counters["promotions_redis" if shared else "promotions_local"] += 1
+        return bool(answer) if shared else self.local.consider(digest, token_count, payload_bytes)
 
     def admit(self, items: Sequence[tuple[str, int, int]], /) -> list[bool]:
         """Counts block puts toward L3 admission (:data:`skippyd.blocks.Admission`), in Redis across the
         scope, or locally by the same rules while Redis is away."""
-        if not self.degraded:
-            try:
-                answers = self.admissions.consider_many(items)
-            except SkippydError as exc:
-                self._degrade(str(exc))
-            else:
-                return answers
-        return self.local_admissions.consider_many(items)
+        shared, answers = self._in_redis(lambda: self.admissions.consider_many(items))
+        return list(answers) if shared else self.local_admissions.consider_many(items)
 
     def settle(self, digest: str, /) -> None:
         self.local.settle(digest)
