@@ -16,7 +16,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # daemonutil, redisutil
 
-pytest.importorskip("vllm")
+try:  # these tests run only in vLLM's environment (scripts/test.sh): without vLLM they fail, never skip
+    import vllm  # noqa: F401
+except ImportError as exc:
+    raise pytest.UsageError(f"tests_vllm/ runs in vLLM's environment (scripts/vllm-env.sh): {exc}") from exc
 
 from daemonutil import DaemonProcess
 from redisutil import RedisServer
