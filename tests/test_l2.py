@@ -271,6 +271,15 @@ def test_a_second_owner_of_the_same_directory_is_refused(shm_dir: Path) -> None:
     L2Tier.open(shm_dir, 1 << 20).close()  # released on close
 
 
+def test_files_the_reserve_faults_in_count_as_prefaulted_not_as_a_captures_fresh_file(shm_dir: Path) -> None:
+    with L2Tier.open(shm_dir, 8 * size_of(60 * KB)) as tier:
+        admit_bytes(tier, "a", 60 * KB)  # faulted on the request path: a fresh file, and a size class seen
+        assert tier.stats().fresh_files == 1
+        assert tier.prefault_step(4 * size_of(60 * KB)) > 0
+        stats = tier.stats()
+        assert (stats.fresh_files, stats.prefaulted_files) == (1, 1)
+
+
 def test_files_of_evicted_entries_are_reused_for_the_same_size_class(shm_dir: Path) -> None:
     with L2Tier.open(shm_dir, 2 * size_of(60 * KB)) as tier:
         admit_bytes(tier, "a", 60 * KB)

@@ -671,9 +671,8 @@ class L2Tier:
             raise
         with self._lock:
             self._reserved -= size
-            self._pool.note_fresh()
             self._pool.recycle(file, room=self._room())
-            self._stats.prefaulted_files += 1
+            self._stats.prefaulted_files += 1  # (not fresh_files: no capture waited for this one)
             return size
 
     def _oldest_is_block(self) -> bool:
