@@ -226,15 +226,13 @@ def test_an_unknown_option_stops_the_engine_at_start_with_one_clear_line(daemon:
         SecondaryTierFactory.create_secondary_tier(config, view, make_spec(config))
 
 
-def test_the_scheduler_with_the_connector_reports_skippyds_prefix_as_an_external_hit(
-    daemon: DaemonProcess, tmp_short: Any
-) -> None:
-    """vLLM's real Scheduler (DeviceConfig("cpu")) builds the OffloadingConnector with SkippydTier; a
-    request whose prefix only skippyd holds gets it as external cached tokens."""
+def _scheduler(daemon: DaemonProcess, where: Any, *, mamba: bool = False) -> Any:
+    """vLLM's real v1 Scheduler (DeviceConfig("cpu")) building the OffloadingConnector with SkippydTier,
+    over one full-attention group of 16-token blocks; ``mamba`` adds a Mamba group in vLLM's align
+    cache mode (a hybrid model: its state is one chunk per block boundary, group 1 of the keys)."""
     import json
 
     import torch
-    from vllm import SamplingParams
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -245,15 +243,12 @@ def test_the_scheduler_with_the_connector_reports_skippyds_prefix_as_an_external
         VllmConfig,
     )  # fmt: skip
     from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.kv_offload.base import make_offload_key
-    from vllm.v1.request import Request
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    block = 16
-    model_dir = tmp_short / "tiny-llama"
+    model_dir = where / "tiny-llama"
     model_dir.mkdir()
     (model_dir / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
@@ -266,47 +261,90 @@ def test_the_scheduler_with_the_connector_reports_skippyds_prefix_as_an_external
         model=str(model_dir), skip_tokenizer_init=True, dtype="float16", seed=0, max_model_len=2048
     )
     extra = {
-        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * 4096, "blocks_per_chunk": 1,
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 * 8192, "blocks_per_chunk": 1,
         "secondary_tiers": [tier_cfg(daemon)],
     }  # fmt: skip
+    cache = {"mamba_cache_mode": "align", "mamba_block_size": BLOCK} if mamba else {}
     config = VllmConfig(
         model_config=model_config,
         scheduler_config=SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=256, max_model_len=2048, enable_chunked_prefill=True,
             is_encoder_decoder=model_config.is_encoder_decoder,
         ),
-        cache_config=CacheConfig(block_size=block, gpu_memory_utilization=0.9, enable_prefix_caching=True),
+        cache_config=CacheConfig(
+            block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True, **cache
+        ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra
         ),
         device_config=DeviceConfig("cpu"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
     )  # fmt: skip
-    kv_cache_config = KVCacheConfig(
-        num_blocks=128,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["model.layers.0.self_attn.attn"],
-                FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=32, dtype=torch.float32),
-            )
-        ],
-    )
+    groups = [
+        KVCacheGroupSpec(
+            ["model.layers.0.self_attn.attn"],
+            FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=32, dtype=torch.float32),
+        )
+    ]
+    if mamba:
+        state = MambaSpec(
+            block_size=BLOCK, shapes=((16, 8), (4, 32)), dtypes=(torch.float32, torch.float32),
+            mamba_cache_mode="align",
+        )  # fmt: skip
+        groups.append(KVCacheGroupSpec(["model.layers.1.mixer"], state))
+    kv_cache_config = KVCacheConfig(num_blocks=128, kv_cache_tensors=[], kv_cache_groups=groups)
     config.cache_config.num_gpu_blocks = 128
-    scheduler = Scheduler(
+    return Scheduler(
         vllm_config=config, kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(config), block_size=block, log_stats=True,
+        structured_output_manager=StructuredOutputManager(config), block_size=BLOCK, log_stats=True,
     )  # fmt: skip
+
+
+BLOCK = 16
+
+
+def _request(tokens: int) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    params = SamplingParams(max_tokens=4)
+    params.update_from_generation_config({}, 2)
+    return Request(
+        request_id="r1", prompt_token_ids=list(range(100, 100 + tokens)), sampling_params=params,
+        pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256),
+    )  # fmt: skip
+
+
+def _schedule_until_external(scheduler: Any, tier: SkippydTier, request: Any) -> tuple[int, Any]:
+    """Schedules ``request`` until the scheduler reports external cached tokens (RETRY while the lookup is
+    asked, HIT_PENDING while it is promoted): the count and the last scheduler output."""
+    scheduler.add_request(request)
+    external, output = 0, None
+    for _ in range(30):
+        output = scheduler.schedule()
+        tier.drain_jobs()
+        stats = request.prefill_stats
+        external = getattr(stats, "num_external_cached_tokens", 0) if stats is not None else 0
+        if external:
+            break
+        time.sleep(0.02)
+    return external, output
+
+
+def test_the_scheduler_with_the_connector_reports_skippyds_prefix_as_an_external_hit(
+    daemon: DaemonProcess, tmp_short: Any
+) -> None:
+    """vLLM's real Scheduler (DeviceConfig("cpu")) builds the OffloadingConnector with SkippydTier; a
+    request whose prefix only skippyd holds gets it as external cached tokens."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    scheduler = _scheduler(daemon, tmp_short)
     try:
         tier = scheduler.connector.connector_scheduler.manager.secondary_tiers[0]
         assert isinstance(tier, SkippydTier)
-        params = SamplingParams(max_tokens=4)
-        params.update_from_generation_config({}, 2)
-        prompt = list(range(100, 100 + 4 * block + 5))  # four whole blocks and a partial one
-        request = Request(
-            request_id="r1", prompt_token_ids=prompt, sampling_params=params, pooling_params=None,
-            block_hasher=get_request_block_hasher(block, sha256),
-        )  # fmt: skip
+        request = _request(4 * BLOCK + 5)  # four whole blocks and a partial one
         keys = [bytes(make_offload_key(h, 0)) for h in request.block_hashes]
         with skippyd.Client(daemon.socket) as client:  # another instance left this prefix in skippyd
             space = client.blocks(model=tier.model, state=tier.state, block_tokens=tier.block_tokens)
@@ -314,17 +352,50 @@ def test_the_scheduler_with_the_connector_reports_skippyds_prefix_as_an_external
                 space.put(keys, [bytes([i + 1]) * tier.block_size_bytes for i in range(len(keys))]).stored
                 == 4
             )
-        scheduler.add_request(request)
-        external = 0
-        for _ in range(30):  # RETRY while the lookup is asked, HIT_PENDING while it is promoted
-            output = scheduler.schedule()
-            tier.drain_jobs()
-            stats = request.prefill_stats
-            external = getattr(stats, "num_external_cached_tokens", 0) if stats is not None else 0
-            if external:
-                break
-            time.sleep(0.02)
-        assert external == 4 * block
+        external, output = _schedule_until_external(scheduler, tier, request)
+        assert external == 4 * BLOCK
         assert output.kv_connector_metadata.load_jobs  # the GPU worker is told to load them
+    finally:
+        scheduler.connector.shutdown()
+
+
+@pytest.mark.parametrize("state_chunks", [4, 2])
+def test_a_hybrid_models_mamba_group_in_align_mode_goes_through_the_tier(
+    daemon: DaemonProcess, tmp_short: Any, state_chunks: int
+) -> None:
+    """A hybrid model (a full-attention group and a Mamba group in vLLM's align cache mode): the Scheduler
+    asks skippyd for both groups' chunks, the hit ends where both are held (the Mamba state at the hit's
+    last block is what a hybrid needs), and the chunks promoted into the primary tier for the GPU worker
+    are exactly the attention blocks of the hit and the Mamba state at its end."""
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    scheduler = _scheduler(daemon, tmp_short, mamba=True)
+    try:
+        manager = scheduler.connector.connector_scheduler.manager
+        tier = manager.secondary_tiers[0]
+        assert isinstance(tier, SkippydTier)
+        request = _request(4 * BLOCK + 5)
+        attention = [bytes(make_offload_key(h, 0)) for h in request.block_hashes]
+        states = [bytes(make_offload_key(h, 1)) for h in request.block_hashes]
+        size = tier.block_size_bytes
+        chunk = {k: bytes([1 + i]) * size for i, k in enumerate(attention)}
+        chunk |= {k: bytes([101 + i]) * size for i, k in enumerate(states)}
+        with skippyd.Client(daemon.socket) as client:  # another instance left the prefix in skippyd
+            space = client.blocks(model=tier.model, state=tier.state, block_tokens=tier.block_tokens)
+            assert space.put(attention, [chunk[k] for k in attention]).stored == 4
+            # the state only at the first ``state_chunks`` boundaries: a hit can end only there
+            assert space.put(states[:state_chunks], [chunk[k] for k in states[:state_chunks]]).stored
+        external, output = _schedule_until_external(scheduler, tier, request)
+        assert external == state_chunks * BLOCK
+        (job,) = output.kv_connector_metadata.load_jobs.values()
+        region = manager.primary_tier.get_kv_memoryview()  # the tier's own view: not ours to release
+        stride, view = region.strides[0], region.cast("B")
+        try:
+            slots = [int(c) for c in job.src_spec.chunk_ids]
+            promoted = sorted(bytes(view[c * stride : c * stride + size]) for c in slots)
+        finally:
+            view.release()
+        expected = [chunk[k] for k in attention[:state_chunks]] + [chunk[states[state_chunks - 1]]]
+        assert promoted == sorted(expected)
     finally:
         scheduler.connector.shutdown()
