@@ -204,11 +204,18 @@ class BlockRules:
         extra_fds: list[int] = []
         extra: dict[bytes, tuple[int, int]] = {}
         try:
-            if promote:
-                read = self._promote_into_l2(records)
-            elif records:
-                extra_fds, extra = self._read_for_once(records)
-                read = set(extra)
+            if records:  # the reserve waits while L3 reads land in L2 slots, as it does for a put
+                with self.l2.lock:
+                    self.l2.blocks.put_begun()
+                try:
+                    if promote:
+                        read = self._promote_into_l2(records)
+                    else:
+                        extra_fds, extra = self._read_for_once(records)
+                        read = set(extra)
+                finally:
+                    with self.l2.lock:
+                        self.l2.blocks.put_ended()
             with self.l3.lock:
                 self.l3.blocks.count(hits=len(read), misses=0)
             with self.l2.lock:

@@ -40,6 +40,8 @@ from .packer import BlockWriter, BlockWriterStats
 from .payload import Entry, EntryRef, TensorDecl, TensorSpec, plan_layout
 from .workers import Health
 
+_EXPECTED_GROUPS = 4  # block groups (space, block size) of L3 the reserve stocks after a restart
+
 __all__ = [
     "PROMOTER",
     "CaptureOutcome",
@@ -207,6 +209,14 @@ class Tiers:
             self.block_writer.recover()
             self.block_writer.start()
         self.reserve = Reserve(l2, min(reserve_bytes, l2.budget_bytes // 4), self.health)
+        if l3 is not None and self.reserve.limit > 0:
+            # After a restart the reserve has no demand to go by; the block groups L3 holds most of are
+            # what reads will bring back into L2 first: stock those, so the first reads land on
+            # pre-faulted memory instead of faulting fresh pages on their request path.
+            held = sorted(l3.blocks.sizes().items(), key=lambda item: -item[1])[:_EXPECTED_GROUPS]
+            with l2.lock:
+                for (space, nbytes), _ in held:
+                    l2.blocks.expect(space, nbytes)
         self.reserve.start()
         self.blocks = BlockRules(
             l2, l3=l3, writer=self.block_writer, promotions=promotions, admission=admission,

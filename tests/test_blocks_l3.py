@@ -62,6 +62,30 @@ def test_sync_blocks_come_back_from_l3_after_a_reboot(make_daemon: Any) -> None:
         assert all(torch.equal(a, b) for a, b in zip(out, data, strict=True))
 
 
+def test_after_a_reboot_the_reserve_stocks_the_block_groups_l3_holds_so_reads_fault_no_fresh_slots(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--l2-reserve", "2MiB", budget="16MiB").start()
+    keys: list[bytes] = []
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(8 * BLOCK)))
+        data = block_data(8, seed=21)
+        assert blocks.put(keys, data, durable="sync").durability == "written"
+    assert proc.stop() == 0
+    reboot(proc)
+    proc.start()
+    with proc.client() as client:
+        # no put since the restart: the reserve goes by what L3 holds (8 blocks of 64 KiB, 2 MiB of reserve)
+        eventually(lambda: client.stats()["l2"]["block_free_slots"] >= 8, timeout=10)
+        stats = client.stats()["l2"]
+        assert stats["block_count"] == 0 and stats["block_prefaulted"] >= 8
+        out = [torch.empty(NBYTES, dtype=torch.uint8) for _ in keys]
+        assert blocks_of(client).get_into(keys, out) == 8
+        assert all(torch.equal(a, b) for a, b in zip(out, data, strict=True))
+        assert client.stats()["l2"]["block_fresh_slots"] == stats["block_fresh_slots"] == 0
+
+
 def test_an_l3_hit_is_promoted_into_l2_on_the_second_hit(make_daemon: Any) -> None:
     proc = make_daemon().start()
     with proc.client() as client:

@@ -268,6 +268,11 @@ class L2Blocks:
             group = self._groups[(space, size)] = _Group(space, size)
         return group
 
+    def expect(self, space: bytes, nbytes: int) -> None:
+        """Marks the group of blocks of ``nbytes`` in ``space`` as in demand, so the reserve stocks free
+        slots for it (a restart expects the blocks L3 holds to be read back into L2)."""
+        self._group(space, slot_class(max(nbytes, 1))).used_at = time.monotonic()
+
     def prefault(self, limit: int, *, active_s: float = 60.0) -> int:
         """Adds one pre-faulted free slot to the active group that has the fewest, while the reserve
         (free slots of active groups) is under ``limit`` and the budget has room without evicting

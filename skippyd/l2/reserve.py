@@ -2,10 +2,11 @@
 
 Faulting fresh tmpfs pages runs at ≈ 1 GB/s on these machines against ≈ 12 GB/s for rewriting mapped
 memory. A background thread keeps free, pre-faulted block slots of the block groups puts used in the last
-minute and a free entry file of each size class a capture had to fault in within the last minute, up to
-``limit`` bytes in all, only while the L2 budget has room without evicting anything and no put is
-running (it wakes as the last running put ends, and yields as the next one begins: it faults one slot
-at a time); that memory is the first given back when anything else needs room.
+minute (after a start, before any put: the groups L3 holds most of, see ``Tiers``) and a free entry file
+of each size class a capture had to fault in within the last minute, up to ``limit`` bytes in all, only
+while the L2 budget has room without evicting anything and no put or L3 read is filling slots (it wakes
+as the last one ends, and yields as the next one begins: it faults one slot at a time); that memory is
+the first given back when anything else needs room.
 """
 
 from __future__ import annotations

@@ -581,6 +581,16 @@ class L3Blocks:
         stats.block_dead_bytes = sum(p.dead_bytes() for p in self._packs.values())
         return stats
 
+    def sizes(self) -> dict[tuple[bytes, int], int]:
+        """Bytes held per ``(space, block size)``: what a restart is likely to read back first."""
+        out: dict[tuple[bytes, int], int] = {}
+        with self._lock:
+            for pack, index in self._index.values():
+                record = pack.records[index]
+                key = (record.space, record.nbytes)
+                out[key] = out.get(key, 0) + record.nbytes
+        return out
+
     def identities(self) -> dict[bytes, tuple[int, int]]:
         """Blocks and bytes per identity digest (for ``ls``)."""
         out: dict[bytes, tuple[int, int]] = {}
