@@ -31,7 +31,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from blake3 import blake3
@@ -47,13 +47,22 @@ from .l3.packs import PackRecord
 from .packer import BlockWriter
 from .shm import PAGE, _copy_pool, memfd, seal_readonly
 
-__all__ = ["Admission", "BlockCounters", "BlockRules", "PutOutcome", "Served"]
+__all__ = ["Admission", "BlockCounters", "BlockRules", "MemoryBudget", "PutOutcome", "Served"]
 
 log = logging.getLogger(__name__)
 
 #: The L3 admission count: one ``(key, block_tokens, bytes)`` per block only L2 holds, a yes or no for each
 #: (``Coordinator.admit``: the promotion rules in their own scope, in Redis; ``LocalPromotions``).
 Admission = Callable[[Sequence[tuple[str, int, int]]], list[bool]]
+
+
+class MemoryBudget(Protocol):
+    """Memory outside L2 that L3 reads may take: the fill budget (:class:`skippyd.fills.FillTable`)."""
+
+    def charge(self, size: int, /) -> bool: ...
+
+    def refund(self, size: int, /) -> None: ...
+
 
 _PARALLEL_BYTES = 1 << 20  # puts smaller than this are copied and hashed on the calling thread
 _FILL_BYTES = 64 << 20  # what one get reads from L3 at most
@@ -93,6 +102,7 @@ class BlockCounters:
     block_promotions: int = 0  # blocks an L3 hit brought into L2
     block_admission_waits: int = 0  # blocks a put offered once: kept in L2 only until a second put
     block_admissions: int = 0  # blocks a second put within the window admitted to L3
+    block_reads_refused: int = 0  # L3 reads into memfds over the fill budget: a shorter run was served
 
 
 class BlockRules:
@@ -104,11 +114,13 @@ class BlockRules:
         writer: BlockWriter | None = None,
         promotions: PromotionPolicy | None = None,
         admission: Admission | None = None,
+        memory: MemoryBudget | None = None,
         copy_threads: int = 2,
         sync_timeout: float = 20.0,
     ) -> None:
         self.l2 = l2
         self.l3 = l3
+        self.memory = memory  # the fill budget, for L3 reads into memory outside L2 (memfds)
         self.writer = writer
         self.promotions = promotions
         self.admission = admission
@@ -266,7 +278,15 @@ class BlockRules:
                     blocks.abort(slot)
                 borrowed = []
         if not borrowed:
-            fd, offsets = self._read_into_memfd(records)
+            size = sum(_pages(r.nbytes) for r in records)
+            if self.memory is not None and not self.memory.charge(size):
+                self._count(block_reads_refused=1)  # over the fill budget: the run ends before these
+                return [], {}
+            try:
+                fd, offsets = self._read_into_memfd(records)
+            finally:
+                if self.memory is not None:
+                    self.memory.refund(size)  # the memfd is the reply's now
             return [fd], {key: (0, offset) for key, offset in offsets.items()}
         done = 0
         try:
@@ -322,7 +342,7 @@ class BlockRules:
         offsets, cursor = [], 0
         for record in records:
             offsets.append(cursor)
-            cursor += -(-max(record.nbytes, 1) // PAGE) * PAGE
+            cursor += _pages(record.nbytes)
         fd = memfd("skippyd-blocks", cursor, seal=False)
         try:
             mapping = mmap.mmap(fd, cursor, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -560,6 +580,11 @@ class BlockRules:
     def stats(self) -> BlockCounters:
         with self._lock:
             return BlockCounters(**{name: getattr(self.counters, name) for name in BlockCounters.__slots__})
+
+
+def _pages(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole pages (at least one): a block's place in a memfd read."""
+    return -(-max(nbytes, 1) // PAGE) * PAGE
 
 
 def _slot_record(record: PackRecord) -> SlotRecord:

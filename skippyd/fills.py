@@ -6,7 +6,8 @@
   entry earns a place in L2 is the promoter's decision), or, when L2 has no free room, into a memfd that
   is sealed read-only once loaded. Memfd fills are RAM outside the L2 budget, so they are capped by the
   fill budget: one fill may always run, however large; past the cap a restore is told :class:`Busy` and
-  serves a shorter prefix.
+  serves a shorter prefix. Block reads from L3 that L2 has no free slots for land in memfds too and
+  take their share of the same budget (:meth:`FillTable.charge`): past it, a get serves a shorter run.
 * **Promotion.** After each fill a bounded queue hands it to the promoter thread, which asks the
   promotion policy (second hit within the window, counted in Redis across the scope, or locally). Yes
   publishes the loaded L2 memory as an entry (no second copy; a memfd fill is copied into room made by
@@ -343,6 +344,21 @@ class FillTable:
                 if not resolved:  # the fill's memory always goes back
                     with contextlib.suppress(Exception):
                         self._resolve(fill, promote=False)
+
+    # ------------------------------------------------------------------ the budget, shared with block reads
+    def charge(self, size: int) -> bool:
+        """Takes ``size`` bytes of the fill budget for memory outside L2 (a block read into a memfd): one
+        charge may always run, however large; False (counted as refused) when it would pass the budget."""
+        with self._lock:
+            if self._bytes and self._bytes + size > self._budget:
+                self._stats.fills_refused += 1
+                return False
+            self._bytes += size
+            return True
+
+    def refund(self, size: int) -> None:
+        with self._lock:
+            self._bytes -= size
 
     # ------------------------------------------------------------------ admin
     @property

@@ -119,6 +119,8 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("block_admission_waits", "block_admission_waits", "blocks kept from L3 until a second put",
          True),
         ("block_admissions", "block_admissions", "blocks a second put admitted to L3", True),
+        ("block_reads_refused", "block_reads_refused", "L3 block reads over the fill budget (run cut short)",
+         True),
     )),
     "block_writer": (BlockWriterStats, "skippyd_", _rows(
         ("block_queue_depth", "l3_block_queue_depth", "block write jobs queued", False),

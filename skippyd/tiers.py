@@ -220,7 +220,7 @@ class Tiers:
         self.reserve.start()
         self.blocks = BlockRules(
             l2, l3=l3, writer=self.block_writer, promotions=promotions, admission=admission,
-            copy_threads=copy_threads, sync_timeout=sync_timeout,
+            memory=self.fills, copy_threads=copy_threads, sync_timeout=sync_timeout,
         )  # fmt: skip
 
     def _count(self, **deltas: int) -> None:

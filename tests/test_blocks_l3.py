@@ -358,3 +358,59 @@ def test_second_put_admission_is_counted_across_daemons_sharing_redis(
         eventually(lambda: client.stats()["l3"]["block_count"] == 3, timeout=20)
     with one.client() as client:
         assert client.stats()["l3"]["block_count"] == 0
+
+
+class _Declines:
+    """A promotion policy that never promotes: L3 hits are read for the reply alone."""
+
+    def consider(self, manifest_key: str, token_count: int, payload_bytes: int) -> bool:
+        return False
+
+    def settle(self, manifest_key: str) -> None:
+        pass
+
+
+def test_l3_block_reads_into_memfds_share_the_fill_budget_and_past_it_serve_a_shorter_run(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    import os
+
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+    from skippyd.tiers import Tiers
+
+    space = block_space(MODEL, STATE, "", BLOCK)
+    keys = [b"a", b"b", b"c", b"d"]
+    data = b"".join(bytes([i + 1]) * NBYTES for i in range(4))
+    first = Tiers(L2Tier.open(shm_dir / "before", 16 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30))
+    try:
+        put = first.blocks.put(space, keys, [NBYTES] * 4, [i * NBYTES for i in range(4)], memoryview(data),
+                               durable="sync")  # fmt: skip
+        assert put.durability == "written"
+    finally:
+        first.close()
+    # a reboot: a new L2, the same L3; no free pre-faulted slots, so an L3 hit is read into a memfd
+    tiers = Tiers(
+        L2Tier.open(shm_dir / "after", 16 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30),
+        promotions=_Declines(), fill_budget=1 << 20,
+    )  # fmt: skip
+    assert tiers.fills is not None
+    try:
+        assert tiers.fills.charge(1 << 20)  # another L3 read holds the whole budget
+        served = tiers.blocks.get(space, keys, max_fds=8)
+        assert (served.held, served.lease.placements, served.lease.fds) == (4, [], [])
+        assert tiers.blocks.stats().block_reads_refused == 1
+        assert tiers.fills.stats().fills_refused == 1
+        tiers.fills.refund(1 << 20)
+        served = tiers.blocks.get(space, keys, max_fds=8)
+        try:
+            assert len(served.lease.placements) == 4
+            for i, (fd_index, offset, nbytes) in enumerate(served.lease.placements):
+                got = os.pread(served.lease.fds[fd_index], nbytes, offset)
+                assert got == data[i * NBYTES : (i + 1) * NBYTES]
+        finally:
+            for fd in served.lease.fds:
+                os.close(fd)
+        assert tiers.fills.stats().fill_bytes == 0  # the read gave its share back
+    finally:
+        tiers.close()
