@@ -9,8 +9,11 @@ another space is another block.
   staging buffer, and sends one request per staging buffer's worth.
 * ``get`` maps each slab descriptor once (private copy-on-write: a write to a tensor never reaches the
   store or a later get) and slices one tensor per block out of it: no copy.
-* ``get_into`` reads each run of blocks straight from the descriptors into the caller's buffers
-  (``preadv``, split over two threads for large runs).
+* ``get_into`` copies each block straight from the daemon's slab into the caller's buffer: through a
+  read-only shared mapping of the slab that the process keeps (:class:`SlabMaps`, a few slabs, so the
+  copy is a memcpy from mapped memory, not a read through the page cache), or with ``preadv`` for a
+  descriptor that is not a slab file (an L3 read into a memfd); split over two threads for large runs.
+  The reply's descriptor holds the read lease while the copy runs, as for ``get``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import stat
+import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,7 +36,7 @@ from .keys import MAX_BLOCK_KEY_BYTES, block_keys, block_space, encode_tokens
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MAX_KEYS_PER_REQUEST", "AsyncBlockSpace", "BlockSpace", "BlocksPut"]
+__all__ = ["MAX_KEYS_PER_REQUEST", "AsyncBlockSpace", "BlockSpace", "BlocksPut", "SlabMaps", "slab_maps"]
 
 MAX_KEYS_PER_REQUEST = 8192
 _ALIGN = 64
@@ -246,6 +252,75 @@ def _map_blocks(reply: dict[str, Any], fds: list[int]) -> list[torch.Tensor]:
     return out
 
 
+class SlabMaps:
+    """Read-only shared mappings of the daemon's slab files, kept across ``get_into`` calls (the ``limit``
+    most recently used), so copying a block out is a memcpy from mapped memory. A mapping never pins
+    memory the daemon gave back: an evicted slot's pages are punched out of the file (and out of every
+    mapping of it), and a slab file is removed only once all its slots are. A slab found removed (its
+    file's link count 0, say after its directory was wiped) is unmapped at the next call. Descriptors
+    that are not linked files (the memfds of L3 reads) are never mapped here. Thread-safe."""
+
+    def __init__(self, limit: int = 16) -> None:
+        self.limit = limit
+        self._maps: OrderedDict[tuple[int, int], tuple[int, mmap.mmap, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def view(self, fd: int, end: int) -> memoryview | None:
+        """A read-only view of the slab open as ``fd`` covering at least ``[0, end)``, or None."""
+        info = os.fstat(fd)
+        if info.st_nlink == 0 or not stat.S_ISREG(info.st_mode) or info.st_size < end:
+            return None
+        key = (info.st_dev, info.st_ino)
+        with self._lock:
+            self._sweep_locked()
+            found = self._maps.get(key)
+            if found is not None and found[2] >= end:
+                self._maps.move_to_end(key)
+                return memoryview(found[1])
+        mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        keep = os.dup(fd)  # to notice the file is gone; its read locks are the reply's, not this fd's
+        with self._lock:
+            old = self._maps.pop(key, None)
+            self._maps[key] = (keep, mapping, info.st_size)
+            dropped = [old] if old is not None else []
+            while len(self._maps) > self.limit:
+                dropped.append(self._maps.popitem(last=False)[1])
+        for entry in dropped:
+            _unmap(entry)
+        return memoryview(mapping)
+
+    def _sweep_locked(self) -> None:
+        for key, entry in list(self._maps.items()):
+            try:
+                gone = os.fstat(entry[0]).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                del self._maps[key]
+                _unmap(entry)
+
+    def close(self) -> None:
+        with self._lock:
+            entries, self._maps = list(self._maps.values()), OrderedDict()
+        for entry in entries:
+            _unmap(entry)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._maps)
+
+
+def _unmap(entry: tuple[int, mmap.mmap, int]) -> None:
+    with contextlib.suppress(OSError):
+        os.close(entry[0])
+    with contextlib.suppress(BufferError):  # a copy still running holds a view: unmapped when it ends
+        entry[1].close()
+
+
+#: The process's slab mappings (one set for every client: slabs are named by device and inode).
+slab_maps = SlabMaps()
+
+
 def _writable(target: Any, nbytes: int, index: int) -> tuple[memoryview, Any]:
     """A writable byte view of ``target`` (and the device tensor to copy into afterwards, if any)."""
     if type(target).__module__.startswith("torch"):
@@ -280,9 +355,16 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
         views.append((fd, offset, view))
         if device is not None:
             devices.append(device)
+    ends: dict[int, int] = {}
+    for fd, offset, view in views:
+        ends[fd] = max(ends.get(fd, 0), offset + len(view))
+    mapped = {fd: slab_maps.view(fds[fd], end) for fd, end in ends.items()}
+    copies = [
+        (mapped[fd], offset, view) for fd, offset, view in views if len(view) and mapped[fd] is not None
+    ]
     runs: list[tuple[int, int, list[memoryview], int]] = []  # fd, offset, buffers, bytes
     for fd, offset, view in views:
-        if not len(view):
+        if not len(view) or mapped[fd] is not None:
             continue
         last = runs[-1] if runs else None
         if last is not None and last[0] == fd and last[1] + last[3] == offset and len(last[2]) < 512:
@@ -297,8 +379,27 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
             if got != total:
                 raise BadFrame(f"a block descriptor gave {got} of {total} bytes")
 
+    def copy(part: list[tuple[memoryview | None, int, memoryview]]) -> None:
+        import numpy as np
+
+        for source, offset, view in part:
+            assert source is not None
+            np.copyto(
+                np.frombuffer(view, dtype=np.uint8),
+                np.frombuffer(source, dtype=np.uint8, count=len(view), offset=offset),
+            )
+
+    try:
+        in_two(copy, copies, sum(len(view) for _, _, view in copies))
+    finally:
+        for source in mapped.values():
+            if source is not None:
+                with contextlib.suppress(BufferError):  # a failed copy's frames may hold a view a while
+                    source.release()
     total = sum(run[3] for run in runs)
-    if total < _PARALLEL_BYTES or len(runs) >= 2:
+    if not runs:
+        pass
+    elif total < _PARALLEL_BYTES or len(runs) >= 2:
         in_two(read, runs, total)
     else:  # one long run: split it in two by its buffers
         fd, offset, buffers, _ = runs[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -158,6 +159,73 @@ def test_a_leased_slot_is_not_reused_until_its_reader_lets_go(make_daemon: Any) 
             blocks.put(more, block_data(16, seed=100 + round_), durable=False)
         assert torch.equal(held, original[0])
         assert client.stats()["l2"]["block_slab_bytes"] <= 4 << 20
+
+
+def test_get_into_copies_through_a_kept_slab_mapping_and_a_reused_slot_gives_its_new_bytes(
+    make_daemon: Any,
+) -> None:
+    from skippyd.blockspace import slab_maps
+
+    slab_maps.close()
+    proc = make_daemon(budget="2MiB").start()
+    with proc.client() as client:
+        blocks = space(client)
+        first = blocks.keys(list(range(8 * BLOCK)))
+        data = block_data(8, seed=31)
+        blocks.put(first, data, durable=False)
+        out = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in first]
+        assert blocks.get_into(first, out) == 8
+        assert all(torch.equal(a, b) for a, b in zip(out, data, strict=True))
+        kept = len(slab_maps)
+        assert kept >= 1  # the slab is mapped once and kept for the next call
+        # the tier fills many times over: the slots the first blocks had now hold other blocks' bytes
+        for round_ in range(4):
+            more = blocks.keys(list(range(10_000 * (round_ + 1), 10_000 * (round_ + 1) + 24 * BLOCK)))
+            newer = block_data(24, seed=40 + round_)
+            blocks.put(more, newer, durable=False)
+            got = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in more]
+            count = blocks.get_into(more, got)
+            assert count == blocks.contains(more) > 0
+            assert all(torch.equal(a, b) for a, b in zip(got[:count], newer[:count], strict=True))
+        assert blocks.get_into(first, out) == blocks.contains(first)
+        assert len(slab_maps) <= slab_maps.limit
+
+
+def test_slab_maps_keep_slab_files_only_and_drop_one_whose_file_is_gone(shm_dir: Path) -> None:
+    import os
+
+    from skippyd.blockspace import SlabMaps
+
+    maps = SlabMaps(limit=2)
+    paths = [shm_dir / f"slab-{i}" for i in range(4)]
+    fds = []
+    for i, path in enumerate(paths):
+        path.write_bytes(bytes([i + 1]) * 8192)
+        fds.append(os.open(path, os.O_RDONLY))
+    memfd = os.memfd_create("not-a-slab")
+    try:
+        os.write(memfd, b"x" * 8192)
+        assert maps.view(memfd, 8192) is None  # an L3 read's memfd: read, never kept
+        assert maps.view(fds[0], 8193) is None  # shorter than the blocks it should hold: read instead
+        view = maps.view(fds[0], 8192)
+        assert view is not None and bytes(view[:2]) == b"\x01\x01"
+        view.release()
+        assert len(maps) == 1
+        paths[0].unlink()  # the slab is removed (a wiped directory): unmapped at the next call
+        again = maps.view(fds[1], 4096)
+        assert again is not None and bytes(again[:1]) == b"\x02"
+        again.release()
+        assert len(maps) == 1
+        for fd in fds[1:]:
+            got = maps.view(fd, 4096)
+            assert got is not None
+            got.release()
+        assert len(maps) == 2  # three live slabs, a limit of two: the least recently used is unmapped
+    finally:
+        maps.close()
+        assert len(maps) == 0
+        for fd in [*fds, memfd]:
+            os.close(fd)
 
 
 def test_eviction_takes_a_chain_from_its_tail(make_daemon: Any) -> None:
