@@ -9,7 +9,8 @@ Run in vLLM's environment against a daemon from .venv (scripts/vllm-env.sh build
   copied again and again, in the CPU caches) and cold (after a sweep of 256 MiB, as a chunk that sat in
   skippyd is); chunks of 256 KiB (the issue's size) and of 2 MiB (one 16-token block of a Llama-3-8B
   in bf16: 16 x 128 KiB);
-* cascade (store) of 16 chunks, from the completed GPU->CPU store to the job reported, likewise;
+* cascade (store) of 16 chunks, from the completed GPU->CPU store to the job reported, likewise (with
+  the tier's default ``durable``, whose L3 writes of earlier jobs run beside it, and without);
 * lookup: from a request's first lookup (RETRY) to the manager's answer, per request of 16 chunks;
 * two instances sharing the host: what skippyd holds after both offload 16 shared and 16 own chunks,
   against what two private tiers would hold.
@@ -65,8 +66,9 @@ def _memcpy(nbytes: int, *, cold: bool, reps: int = 9) -> float:
     return median(samples)
 
 
-def _engine(socket: Path, chunks: int, size: int) -> Engine:
-    return Engine({**TIER, "socket": str(socket)}, num_chunks=chunks, bytes_per_block=size)
+def _engine(socket: Path, chunks: int, size: int, *, durable: bool = True) -> Engine:
+    tier = {**TIER, "socket": str(socket), "durable": durable}
+    return Engine(tier, num_chunks=chunks, bytes_per_block=size)
 
 
 def _cascade(engine: Engine, keys: list[bytes]) -> float:
@@ -129,17 +131,21 @@ def _settle(daemon: BenchDaemon) -> None:
             time.sleep(0.2)
 
 
-def _rows(daemon: BenchDaemon, size: int, reps: int) -> list[list[str]]:
+def _rows(daemon: BenchDaemon, size: int, reps: int, *, durable: bool = True) -> list[list[str]]:
     hot, cold = _memcpy(COUNT * size, cold=False), _memcpy(COUNT * size, cold=True)
     cascades, promotions, lookups = [], [], []
-    engine = _engine(daemon.socket, 2 * COUNT, size)  # one long-lived instance: its connections are warm
+    import skippyd
+
+    with skippyd.Client(daemon.socket) as client:
+        stored_before = client.stats()["ops"]["block_put_stored"]
+    engine = _engine(daemon.socket, 2 * COUNT, size, durable=durable)  # long-lived: warm connections
     try:
         for rep in range(reps + 2):  # two rounds untimed: connections, staging, the reserve's stock
             if rep == 1:
                 _settle(daemon)
-            keys = [_key(i, f"{size}-r{rep}") for i in range(COUNT)]
+            keys = [_key(i, f"{size}-{durable}-r{rep}") for i in range(COUNT)]
             cascade = _cascade(engine, keys)
-            evict = [_key(i, f"{size}-r{rep}-evict") for i in range(2 * COUNT)]
+            evict = [_key(i, f"{size}-{durable}-r{rep}-evict") for i in range(2 * COUNT)]
             _cascade(engine, evict)  # the first 16 out of the primary tier
             elapsed, answers = _ask(engine, keys)
             assert set(answers) == {"HIT_PENDING"}, answers
@@ -150,14 +156,18 @@ def _rows(daemon: BenchDaemon, size: int, reps: int) -> list[list[str]]:
                 promotions.append(promotion)
     finally:
         engine.close()
+    with skippyd.Client(daemon.socket) as client:  # every cascade stored all its chunks: none was held
+        assert client.stats()["ops"]["block_put_stored"] - stored_before == (reps + 2) * 3 * COUNT
     label = f"{COUNT} × {size >> 10} KiB" if size < 1 << 20 else f"{COUNT} × {size >> 20} MiB"
+    if not durable:
+        label += ", durable off"
 
     def row(name: str, value: float) -> list[str]:
         return [f"{label}: {name}", fmt_time(value), f"{value / hot:.2f}×", f"{value / cold:.2f}×"]
 
+    references = [row("numpy memcpy, hot (reference)", hot), row("numpy memcpy, cold (reference)", cold)]
     return [
-        row("numpy memcpy, hot (reference)", hot),
-        row("numpy memcpy, cold (reference)", cold),
+        *(references if durable else []),
         row("promotion skippyd → primary slots", median(promotions)),
         row("cascade primary slots → skippyd", median(cascades)),
         [f"{label}: lookup of the request (RETRY → answer)", fmt_time(median(lookups)), "-", "-"],
@@ -168,6 +178,8 @@ def measure(workdir: Path, reps: int) -> tuple[list[list[str]], list[list[str]]]
     daemon = BenchDaemon(workdir / "d", budget="2GiB").start()
     try:
         rows = [row for size in CHUNKS for row in _rows(daemon, size, reps)]
+        # the default tier writes every chunk to L3 too: the same job without that background work
+        rows += _rows(daemon, CHUNKS[-1], reps, durable=False)
         import skippyd
 
         size = CHUNKS[0]
