@@ -32,13 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import BadFrame, InvalidArgument, Mismatch
 from .keys import MAX_BLOCK_KEY_BYTES, block_keys, block_space, encode_tokens
+from .protocol import MAX_BLOCKS_PER_REQUEST
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["MAX_KEYS_PER_REQUEST", "AsyncBlockSpace", "BlockSpace", "BlocksPut", "SlabMaps", "slab_maps"]
 
-MAX_KEYS_PER_REQUEST = 8192
+MAX_KEYS_PER_REQUEST = MAX_BLOCKS_PER_REQUEST  # what the daemon takes in one request
 _ALIGN = 64
 _PARALLEL_BYTES = 4 << 20
 _PAGE = mmap.PAGESIZE

@@ -34,7 +34,7 @@ from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMisma
 from .fills import FillStats
 from .keys import MAX_BLOCK_KEY_BYTES, BlockSpaceId, Identity, block_space, cache_key, identity
 from .payload import MAX_TENSORS, check_decl, check_kind
-from .protocol import MAX_BLOCK_BYTES, MAX_FDS, PROTOCOL_VERSION
+from .protocol import MAX_BLOCK_BYTES, MAX_BLOCKS_PER_REQUEST, MAX_FDS, PROTOCOL_VERSION
 from .shm import PAGE, memfd
 from .stats import RedisStatus, ServerState, Snapshot
 from .tiers import Opened, Tiers
@@ -54,7 +54,6 @@ __all__ = [
 ]
 
 _MAX_TOKENS_BYTES = 8 << 20  # 2M tokens
-MAX_BLOCKS_PER_REQUEST = 8192
 _INLINE_TOKEN_BYTES = 32 * 1024  # prompts above 8k tokens are hashed off the event loop
 
 INLINE, WORKER, BY_PROMPT = "inline", "worker", "by_prompt"

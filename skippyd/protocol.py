@@ -56,6 +56,7 @@ assert HEADER_SIZE == 24
 DEFAULT_MAX_FRAME = 16 << 20
 MAX_FDS = 8
 MAX_BLOCK_BYTES = 64 << 20  # one block's size: a blocks_put naming a larger one is too_large
+MAX_BLOCKS_PER_REQUEST = 8192  # keys one blocks_* request may name (clients split longer calls)
 
 
 class FrameType:
