@@ -29,7 +29,7 @@ import logging
 import mmap
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -134,6 +134,17 @@ class BlockRules:
             for name, delta in deltas.items():
                 setattr(self.counters, name, getattr(self.counters, name) + delta)
 
+    @contextlib.contextmanager
+    def _filling(self) -> Iterator[None]:
+        """Slots of L2 are being filled (a put, or an L3 read landing in L2): the reserve waits."""
+        with self.l2.lock:
+            self.l2.blocks.fill_begun()
+        try:
+            yield
+        finally:
+            with self.l2.lock:
+                self.l2.blocks.fill_ended()
+
     def _on_disk(self, key: bytes) -> bool:
         return self.l3 is not None and self.l3.blocks.holds(key)
 
@@ -216,18 +227,13 @@ class BlockRules:
         extra_fds: list[int] = []
         extra: dict[bytes, tuple[int, int]] = {}
         try:
-            if records:  # the reserve waits while L3 reads land in L2 slots, as it does for a put
-                with self.l2.lock:
-                    self.l2.blocks.put_begun()
-                try:
-                    if promote:
-                        read = self._promote_into_l2(records)
-                    else:
-                        extra_fds, extra = self._read_for_once(records)
-                        read = set(extra)
-                finally:
-                    with self.l2.lock:
-                        self.l2.blocks.put_ended()
+            if promote:
+                with self._filling():
+                    read = self._promote_into_l2(records)
+            elif records:
+                with self._filling():
+                    extra_fds, extra = self._read_for_once(records)
+                read = set(extra)
             with self.l3.lock:
                 self.l3.blocks.count(hits=len(read), misses=0)
             with self.l2.lock:
@@ -385,13 +391,10 @@ class BlockRules:
         bound = bind_keys(space, keys)
         parent_key = bind_keys(space, [parent])[0] if parent is not None else None
         seq = self.writer.begin() if self.writer is not None else 0
-        with self.l2.lock:
-            self.l2.blocks.put_begun()
         try:
-            return self._put(space, bound, parent_key, sizes, offsets, source, durable, seq)
+            with self._filling():
+                return self._put(space, bound, parent_key, sizes, offsets, source, durable, seq)
         finally:
-            with self.l2.lock:
-                self.l2.blocks.put_ended()
             if self.writer is not None:
                 self.writer.end(seq)
 

@@ -360,12 +360,14 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
     for fd, offset, view in views:
         ends[fd] = max(ends.get(fd, 0), offset + len(view))
     mapped = {fd: slab_maps.view(fds[fd], end) for fd, end in ends.items()}
-    copies = [
-        (mapped[fd], offset, view) for fd, offset, view in views if len(view) and mapped[fd] is not None
-    ]
-    runs: list[tuple[int, int, list[memoryview], int]] = []  # fd, offset, buffers, bytes
+    copies: list[tuple[memoryview, int, memoryview]] = []  # slab, offset, buffer: a memcpy each
+    runs: list[tuple[int, int, list[memoryview], int]] = []  # fd, offset, buffers, bytes: preadv
     for fd, offset, view in views:
-        if not len(view) or mapped[fd] is not None:
+        source = mapped[fd]
+        if not len(view):
+            continue
+        if source is not None:
+            copies.append((source, offset, view))
             continue
         last = runs[-1] if runs else None
         if last is not None and last[0] == fd and last[1] + last[3] == offset and len(last[2]) < 512:
@@ -380,11 +382,10 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
             if got != total:
                 raise BadFrame(f"a block descriptor gave {got} of {total} bytes")
 
-    def copy(part: list[tuple[memoryview | None, int, memoryview]]) -> None:
+    def copy(part: list[tuple[memoryview, int, memoryview]]) -> None:
         import numpy as np
 
         for source, offset, view in part:
-            assert source is not None
             np.copyto(
                 np.frombuffer(view, dtype=np.uint8),
                 np.frombuffer(source, dtype=np.uint8, count=len(view), offset=offset),
@@ -398,9 +399,7 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
                 with contextlib.suppress(BufferError):  # a failed copy's frames may hold a view a while
                     source.release()
     total = sum(run[3] for run in runs)
-    if not runs:
-        pass
-    elif total < _PARALLEL_BYTES or len(runs) >= 2:
+    if total < _PARALLEL_BYTES or len(runs) >= 2:
         in_two(read, runs, total)
     else:  # one long run: split it in two by its buffers
         fd, offset, buffers, _ = runs[0]

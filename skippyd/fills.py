@@ -173,12 +173,9 @@ class FillTable:
                     fill.reservation.abort()
                     fill.reservation = None
                 size = max(entry.data_len, 1)
-                with self._lock:
-                    if self._bytes and self._bytes + size > self._budget:
-                        self._stats.fills_refused += 1
-                        raise Busy("L3 restores in flight hold the whole fill budget") from None
-                    self._bytes += size
-                    fill.memfd_bytes = size
+                if not self.charge(size):
+                    raise Busy("L3 restores in flight hold the whole fill budget") from None
+                fill.memfd_bytes = size  # given back by _finish_locked
                 fill.fd = self._load_memfd(fill)
             fill.fill_ms = (time.perf_counter() - began) * 1e3
             with self._lock:
@@ -347,8 +344,8 @@ class FillTable:
 
     # ------------------------------------------------------------------ the budget, shared with block reads
     def charge(self, size: int) -> bool:
-        """Takes ``size`` bytes of the fill budget for memory outside L2 (a block read into a memfd): one
-        charge may always run, however large; False (counted as refused) when it would pass the budget."""
+        """Takes ``size`` bytes of the fill budget for memory outside L2 (a memfd fill, a block read into a
+        memfd): one charge may always run, however large; False (counted as refused) past the budget."""
         with self._lock:
             if self._bytes and self._bytes + size > self._budget:
                 self._stats.fills_refused += 1

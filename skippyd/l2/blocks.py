@@ -165,8 +165,8 @@ class L2Blocks:
         self._dirty: set[bytes] = set()
         self.charged = 0
         self._demand_at = 0.0
-        self._putting = 0  # puts between taking their slots and committing them
-        self.on_idle: Callable[[], None] | None = None  # told when the last running put ends (the reserve)
+        self._filling = 0  # puts and L3 reads between taking their slots and committing them
+        self.on_idle: Callable[[], None] | None = None  # told when the last of them ends (the reserve)
         self._stats = L2BlockStats()
         private_dirs(directory)
 
@@ -220,14 +220,15 @@ class L2Blocks:
         return block.home.slab, block.index, block.record
 
     # ------------------------------------------------------------------ admission
-    def put_begun(self) -> None:
-        """A put takes slots and copies into them from now until :meth:`put_ended`: the reserve waits."""
-        self._putting += 1
+    def fill_begun(self) -> None:
+        """A put or an L3 read takes slots and copies into them from now until :meth:`fill_ended`: the
+        reserve waits."""
+        self._filling += 1
 
-    def put_ended(self) -> None:
-        self._putting -= 1
+    def fill_ended(self) -> None:
+        self._filling -= 1
         self._demand_at = time.monotonic()
-        if not self._putting and self.on_idle is not None:
+        if not self._filling and self.on_idle is not None:
             self.on_idle()
 
     def reserve(self, record: SlotRecord) -> Pending:
@@ -278,7 +279,7 @@ class L2Blocks:
         (free slots of active groups) is under ``limit`` and the budget has room without evicting
         anything; returns the bytes added (0: nothing to do)."""
         now = time.monotonic()
-        if self._putting or now - self._demand_at < _QUIET_S:  # faulting pages now would slow puts down
+        if self._filling or now - self._demand_at < _QUIET_S:  # faulting pages now would slow them down
             return 0
         active = [g for g in self._groups.values() if now - g.used_at < active_s]
         if not active:
