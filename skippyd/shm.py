@@ -14,6 +14,7 @@ Two kernel facts carry the design (docs/architecture.md, "Leases"):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -36,6 +37,7 @@ __all__ = [
     "memfd",
     "new_name",
     "open_reader",
+    "populate_write",
     "reopen_readonly",
     "seal_readonly",
     "size_class",
@@ -169,6 +171,32 @@ def copy_bytes(dst: Any, src: Any, threads: int = 1) -> None:
     np.copyto(target[:step], source[:step])
     for future in futures:
         future.result()
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14; an older kernel just faults on first write
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def populate_write(mapping: mmap.mmap, offset: int, length: int) -> bool:
+    """Faults ``length`` bytes of a shared writable mapping in from ``offset`` (page-aligned), ready to be
+    written at memory speed; False where the kernel cannot (before 5.14) or the range is gone.
+
+    ``mmap.madvise`` keeps the GIL through the call, and faulting fresh tmpfs pages runs at ≈ 1 GB/s
+    here: 2 ms of a 2 MiB slot during which no other thread of the daemon ran. Through ctypes the GIL is
+    released; the buffer export held for the call keeps the mapping from being closed under it.
+    """
+    if length <= 0:
+        return True
+    try:
+        window = (ctypes.c_char * length).from_buffer(mapping, offset)
+    except (TypeError, ValueError):  # closed, or not writable
+        return False
+    try:
+        return bool(_libc.madvise(ctypes.addressof(window), length, _MADV_POPULATE_WRITE) == 0)
+    finally:
+        del window
 
 
 def memfd(name: str, size: int, *, seal: bool = True) -> int:

@@ -470,3 +470,87 @@ def test_a_tier_directory_owned_by_another_user_is_refused(shm_dir: Path, tmp_pa
         L2Tier.open(shm_dir / "theirs", 1 << 20)
     with pytest.raises(ConfigError, match="belongs to uid 65534"):
         L3Store.open(tmp_path / "theirs-l3", 1 << 30)
+
+
+def test_the_reserve_faults_a_block_slot_in_without_holding_the_tiers_lock(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the reserve faults a slot in (≈ 2 ms per 2 MiB at first touch here, longer under load), a
+    lookup, a get or a put of another connection takes the tier's lock and goes on."""
+    import threading
+
+    from skippyd.l2.blocks import Prefault
+
+    started, release = threading.Event(), threading.Event()
+    real_fault = Prefault.fault
+
+    def slow_fault(self: Prefault) -> None:
+        started.set()
+        assert release.wait(10)
+        real_fault(self)
+
+    monkeypatch.setattr(Prefault, "fault", slow_fault)
+    slot = 256 * KB
+    with L2Tier.open(shm_dir, 64 * slot) as tier:
+        tier.blocks.expect(b"s" * 32, slot)
+        before = tier.stats().block_slab_bytes
+        added: list[int] = []
+        reserve = threading.Thread(target=lambda: added.append(tier.prefault_step(16 * slot)))
+        reserve.start()
+        assert started.wait(10)
+        got = tier.lock.acquire(timeout=2)  # the reserve's thread is in the middle of faulting
+        assert got, "the reserve held the tier's lock while it faulted a slot in"
+        try:
+            assert tier.blocks.held([b"k" * 32]) == 0
+            assert tier.stats().block_free_slots == 0, "a slot being faulted in is not free yet"
+        finally:
+            tier.lock.release()
+        release.set()
+        reserve.join(10)
+        assert added == [slot]
+        stats = tier.stats()
+        assert (stats.block_free_slots, stats.block_prefaulted) == (1, 1)
+        assert stats.block_slab_bytes > before
+
+
+def test_a_slot_the_reserve_could_not_fault_in_goes_back_to_being_a_hole(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skippyd.l2.blocks import Prefault
+
+    def no_space(self: Prefault) -> None:
+        raise NoSpace("tmpfs full")
+
+    monkeypatch.setattr(Prefault, "fault", no_space)
+    slot = 256 * KB
+    with L2Tier.open(shm_dir, 64 * slot) as tier:
+        tier.blocks.expect(b"s" * 32, slot)
+        assert tier.prefault_step(16 * slot) == 0
+        stats = tier.stats()
+        assert (stats.block_free_slots, stats.block_prefaulted) == (0, 0)
+        assert tier.blocks.charged == 0, "nothing stays charged: the slab holding only holes is gone"
+        assert not list(shm_dir.rglob("*.slab"))
+
+
+def test_populate_write_faults_a_writable_shared_mapping_and_refuses_a_closed_or_read_only_one(
+    shm_dir: Path,
+) -> None:
+    import mmap
+
+    from skippyd.shm import populate_write
+
+    path = shm_dir / "populate"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 1 << 20)
+        mapping = mmap.mmap(fd, 1 << 20)
+        assert populate_write(mapping, 0, 1 << 20)
+        assert os.stat(path).st_blocks * 512 >= 1 << 20, "the pages were given to the file"
+        mapping[:5] = b"still"  # and the mapping is usable as before (no export left behind)
+        mapping.close()
+        assert not populate_write(mapping, 0, 4096)
+        readonly = mmap.mmap(fd, 1 << 20, prot=mmap.PROT_READ)
+        assert not populate_write(readonly, 0, 4096)
+        readonly.close()
+    finally:
+        os.close(fd)

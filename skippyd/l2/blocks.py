@@ -40,7 +40,7 @@ __all__ = ["BlockPlacement", "L2BlockStats", "L2Blocks", "Lease", "Pending", "Sp
 
 log = logging.getLogger("skippyd.l2")
 
-_HOLE, _FREE, _WRITING, _USED = 0, 1, 2, 3
+_HOLE, _FREE, _WRITING, _USED, _FAULTING = 0, 1, 2, 3, 4  # _FAULTING: the reserve faults it in
 _SLAB_TARGET = 32 << 20
 _QUIET_S = 0.002  # the reserve waits this long after the last put ended
 
@@ -116,6 +116,18 @@ class Pending:
     index: int
     view: memoryview
     recycled: bool
+
+
+@dataclass(slots=True)
+class Prefault:
+    """A slot the reserve faults in outside the tier's lock (:meth:`L2Blocks.prefault_take`)."""
+
+    home: _SlabState
+    index: int
+
+    def fault(self) -> None:
+        """Gives the slot its pages (:class:`NoSpace` when the tmpfs has none); no lock needed."""
+        self.home.slab.allocate(self.index)
 
 
 #: Where one served block is: ``[descriptor index, offset there, size]``, as the reply carries it (a
@@ -274,16 +286,17 @@ class L2Blocks:
         slots for it (a restart expects the blocks L3 holds to be read back into L2)."""
         self._group(space, slot_class(max(nbytes, 1))).used_at = time.monotonic()
 
-    def prefault(self, limit: int, *, active_s: float = 60.0) -> int:
-        """Adds one pre-faulted free slot to the active group that has the fewest, while the reserve
-        (free slots of active groups) is under ``limit`` and the budget has room without evicting
-        anything; returns the bytes added (0: nothing to do)."""
+    def prefault_take(self, limit: int, *, active_s: float = 60.0) -> Prefault | None:
+        """The next slot the reserve should fault in: one of the active group that has the fewest free
+        slots, while the reserve (free slots of active groups) is under ``limit`` and the budget has room
+        without evicting anything; None when there is nothing to do. The slot is charged and set aside
+        (neither free nor a hole) until :meth:`prefault_done`; the caller faults it in without the lock."""
         now = time.monotonic()
         if self._filling or now - self._demand_at < _QUIET_S:  # faulting pages now would slow them down
-            return 0
+            return None
         active = [g for g in self._groups.values() if now - g.used_at < active_s]
         if not active:
-            return 0
+            return None
         share = limit // len(active)
         for group in sorted(active, key=lambda g: len(g.free) * g.slot_size):
             size = group.slot_size
@@ -293,19 +306,29 @@ class L2Blocks:
                 0 if group.holes else -(-(4096 + slots_for(size, self._slab_target) * 256) // 4096) * 4096
             )
             if self._room() < size + header:
-                return 0
+                return None
             home, index = self._hole(group, group.space, size)
-            try:
-                home.slab.allocate(index)
-            except NoSpace:
-                group.holes.append((home, index))
-                self._drop_if_empty(home, group)
-                return 0
+            home.state[index] = _FAULTING
             self.charged += size
-            self._free(home, index)
-            self._stats.block_prefaulted += 1
-            return size
-        return 0
+            return Prefault(home, index)
+        return None
+
+    def prefault_done(self, taken: Prefault, *, faulted: bool) -> int:
+        """A slot from :meth:`prefault_take` joins the free slots (``faulted``), or goes back to being a
+        hole; returns the bytes the reserve gained."""
+        home, index = taken.home, taken.index
+        group = self._groups.get((home.space, home.slab.slot_size))
+        if group is None or home not in group.homes:  # (the slab cannot go while a slot is set aside)
+            return 0
+        if not faulted:
+            home.state[index] = _HOLE
+            self.charged -= home.slab.slot_size
+            group.holes.append((home, index))
+            self._drop_if_empty(home, group)
+            return 0
+        self._free(home, index)
+        self._stats.block_prefaulted += 1
+        return home.slab.slot_size
 
     def reserve_free(self, record: SlotRecord) -> Pending | None:
         """A free, pre-faulted slot for ``record`` if one is at hand, never by evicting (an L3 read that has

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from skippyd.files import remove
-from skippyd.shm import allocate_file, has_readers, map_rw, new_name
+from skippyd.shm import allocate_file, has_readers, map_rw, new_name, populate_write
 
 __all__ = ["File", "FilePool", "PoolStats"]
 
@@ -50,9 +50,7 @@ class File:
 
     def prefault(self) -> None:
         """Faults the whole file into its mapping now (writes through it then run at memory speed)."""
-        mapping = self.ensure_mapped()
-        with contextlib.suppress(OSError, ValueError):
-            mapping.madvise(23, 0, self.size)  # MADV_POPULATE_WRITE (Linux 5.14)
+        populate_write(self.ensure_mapped(), 0, self.size)
 
     def unmap(self) -> None:
         if self.mapping is not None:

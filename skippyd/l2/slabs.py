@@ -31,7 +31,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from skippyd.errors import NoSpace
-from skippyd.shm import PAGE, new_name
+from skippyd.shm import PAGE, new_name, populate_write
 
 __all__ = [
     "MAX_SLOTS",
@@ -57,7 +57,6 @@ _RECORD = struct.Struct("<8sQQII32s32s32s32s32s48x")  # checksum follows at 240
 _CHECKSUM_AT = 240
 _LAST_USE_AT = 16
 _FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64/aarch64
-_MADV_POPULATE_WRITE = 23  # Linux 5.14; an older kernel just faults on first write
 _SMALL_LIMIT = 64 * 1024
 _STEPS_PER_DOUBLING = 8
 FLAG_DURABLE = 1  # an L3 copy is wanted and not yet known written
@@ -204,8 +203,7 @@ class Slab:
         """Gives slot ``index`` its pages (:class:`NoSpace` when the tmpfs has none), pre-faulted."""
         start = self.offset(index)
         _allocate(self._fd, start, self.slot_size, self.path)
-        with contextlib.suppress(OSError, ValueError):
-            self.mapping.madvise(_MADV_POPULATE_WRITE, start, self.slot_size)
+        populate_write(self.mapping, start, self.slot_size)
 
     def punch(self, index: int) -> None:
         """Gives slot ``index``'s pages back to the system (call only when :meth:`has_readers` is False)."""

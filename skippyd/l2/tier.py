@@ -647,9 +647,19 @@ class L2Tier:
         with self._lock:
             if self._closed:
                 return 0
-            added = self.blocks.prefault(limit // 2 if self._entry_demand else limit)
-            if added:
-                return added
+            slot = self.blocks.prefault_take(limit // 2 if self._entry_demand else limit)
+        if slot is not None:  # faulted in without the lock: lookups, gets and puts go on meanwhile
+            faulted = False
+            try:
+                slot.fault()
+                faulted = True
+            except NoSpace:
+                pass
+            finally:  # (on any other error too: the slot goes back to being a hole)
+                with self._lock:
+                    added = self.blocks.prefault_done(slot, faulted=faulted)
+            return added
+        with self._lock:
             now = time.monotonic()
             for size, when in list(self._entry_demand.items()):
                 if now - when >= active_s:
