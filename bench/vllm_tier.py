@@ -45,12 +45,14 @@ def _fill(key: bytes, size: int) -> bytes:
     return (hashlib.sha256(key).digest() * (size // 32))[:size]
 
 
-_SWEEP = np.ones(256 << 20, dtype=np.uint8)
+_SWEEP: list[np.ndarray] = []  # 256 MiB, made at the first sweep (not when the module is imported)
 
 
 def _evict_caches() -> None:
     """Sweeps 256 MiB through the CPU caches, so what is copied next comes from memory."""
-    np.copyto(_SWEEP[: 128 << 20], _SWEEP[128 << 20 :])
+    if not _SWEEP:
+        _SWEEP.append(np.ones(256 << 20, dtype=np.uint8))
+    np.copyto(_SWEEP[0][: 128 << 20], _SWEEP[0][128 << 20 :])
 
 
 def _memcpy(nbytes: int, *, cold: bool, reps: int = 9) -> float:

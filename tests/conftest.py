@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from daemon_fixtures import daemon_defaults, make_daemon, tmp_short
+
+__all__ = ["daemon_defaults", "make_daemon", "tmp_short"]  # fixtures shared with tests_vllm/
 
 if TYPE_CHECKING:
     from daemonutil import DaemonProcess
@@ -26,16 +29,6 @@ def shm_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def tmp_short() -> Iterator[Path]:
-    """A short temporary directory (unix socket paths must stay under 108 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="sk-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
 def daemon(tmp_short: Path) -> Iterator[DaemonProcess]:
     """A running ``skippyd serve`` (embedded Redis) in a temporary directory."""
     from daemonutil import DaemonProcess
@@ -45,27 +38,6 @@ def daemon(tmp_short: Path) -> Iterator[DaemonProcess]:
         yield proc
     finally:
         proc.cleanup()
-
-
-@pytest.fixture
-def make_daemon(tmp_short: Path) -> Iterator[Callable[..., DaemonProcess]]:
-    """Builds (not starts) daemons with extra arguments; all are stopped and cleaned afterwards."""
-    from daemonutil import DaemonProcess
-
-    made: list[DaemonProcess] = []
-
-    def make(*args: str, root: Path | None = None, **kwargs: Any) -> DaemonProcess:
-        where = root or tmp_short / f"d{len(made)}"
-        where.mkdir(parents=True, exist_ok=True)
-        proc = DaemonProcess(where, *args, **kwargs)
-        made.append(proc)
-        return proc
-
-    try:
-        yield make
-    finally:
-        for proc in made:
-            proc.cleanup()
 
 
 @pytest.fixture(scope="session")

@@ -5,9 +5,7 @@ Redis. scripts/test.sh builds the environment and runs this directory with it.""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,41 +19,20 @@ try:  # these tests run only in vLLM's environment (scripts/test.sh): without vL
 except ImportError as exc:
     raise pytest.UsageError(f"tests_vllm/ runs in vLLM's environment (scripts/vllm-env.sh): {exc}") from exc
 
+from daemon_fixtures import make_daemon, tmp_short
 from daemonutil import DaemonProcess
 from redisutil import RedisServer
 
 from bench._vllm import Engine, make_spec
 
-__all__ = ["TIER", "Engine", "make_spec", "tier_cfg"]
+__all__ = ["TIER", "Engine", "make_daemon", "make_spec", "tier_cfg", "tmp_short"]
 
 TIER = {"type": "SkippydTier", "module_path": "skippyd.integrations.vllm"}
 
 
 @pytest.fixture
-def tmp_short() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="skv-", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def make_daemon(tmp_short: Path) -> Iterator[Callable[..., DaemonProcess]]:
-    made: list[DaemonProcess] = []
-
-    def make(*args: str) -> DaemonProcess:
-        where = tmp_short / f"d{len(made)}"
-        where.mkdir()
-        proc = DaemonProcess(where, "--redis-url", "none", *args)
-        made.append(proc)
-        return proc
-
-    try:
-        yield make
-    finally:
-        for proc in made:
-            proc.cleanup()
+def daemon_defaults() -> tuple[str, ...]:
+    return ("--redis-url", "none")  # no Redis unless a test starts one
 
 
 @pytest.fixture
