@@ -317,9 +317,7 @@ class L2Blocks:
         """A slot from :meth:`prefault_take` joins the free slots (``faulted``), or goes back to being a
         hole; returns the bytes the reserve gained."""
         home, index = taken.home, taken.index
-        group = self._groups.get((home.space, home.slab.slot_size))
-        if group is None or home not in group.homes:  # (the slab cannot go while a slot is set aside)
-            return 0
+        group = self._groups[(home.space, home.slab.slot_size)]  # (no slab goes while a slot is set aside)
         if not faulted:
             home.state[index] = _HOLE
             self.charged -= home.slab.slot_size
