@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from daemon_fixtures import daemon_defaults, make_daemon, tmp_short
+from daemon_fixtures import daemon_defaults, make_daemon, temporary_dir, tmp_short
 
 __all__ = ["daemon_defaults", "make_daemon", "tmp_short"]  # fixtures shared with tests_vllm/
 
@@ -21,11 +19,8 @@ if TYPE_CHECKING:
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
     """A fresh directory on /dev/shm (tmpfs), removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="skippyd-test-", dir="/dev/shm"))
-    try:
+    with temporary_dir("skippyd-test-", "/dev/shm") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
@@ -116,13 +111,12 @@ def hf_daemon() -> Iterator[DaemonProcess]:
     """One daemon (no Redis) for a transformers test module; each test keeps to its own namespace."""
     from daemonutil import DaemonProcess
 
-    root = Path(tempfile.mkdtemp(prefix="sk-hf-", dir="/tmp"))
-    proc = DaemonProcess(root, "--redis-url", "none").start()
-    try:
-        yield proc
-    finally:
-        proc.cleanup()
-        shutil.rmtree(root, ignore_errors=True)
+    with temporary_dir("sk-hf-", "/tmp") as root:
+        proc = DaemonProcess(root, "--redis-url", "none").start()
+        try:
+            yield proc
+        finally:
+            proc.cleanup()
 
 
 @pytest.fixture(scope="module")

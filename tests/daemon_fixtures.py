@@ -3,6 +3,7 @@ a short temporary directory and a factory of real ``skippyd serve`` processes in
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -12,17 +13,24 @@ from typing import Any
 import pytest
 from daemonutil import DaemonProcess
 
-__all__ = ["daemon_defaults", "make_daemon", "tmp_short"]
+__all__ = ["daemon_defaults", "make_daemon", "temporary_dir", "tmp_short"]
+
+
+@contextlib.contextmanager
+def temporary_dir(prefix: str, under: str) -> Iterator[Path]:
+    """A fresh directory under ``under``, removed with everything in it afterwards."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=under))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
 def tmp_short() -> Iterator[Path]:
     """A short temporary directory (unix socket paths must stay under 108 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="sk-", dir="/tmp"))
-    try:
+    with temporary_dir("sk-", "/tmp") as path:
         yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
