@@ -4,9 +4,12 @@
   bytes) is bound to its block space with BLAKE3 (:func:`skippyd.keys.bind_keys`) before any tier sees
   it; tiers store, index and name blocks only by bound key.
 * **put**: blocks already held are left as they are (``present``); each new one is copied from the
-  connection's staging buffer into a slot only the daemon can write and hashed there (spread over the
-  copy threads), and its record written last. A block whose chain has a hole before it (its parent is
-  held by no tier) is not stored: ``contains`` could never reach it.
+  connection's staging buffer into a slot only the daemon can write (spread over the copy threads), and
+  its record written last. Its BLAKE3 digest is computed there too, or, while the digester's backlog has
+  room (:class:`skippyd.l2.digests.Digester`), after the reply, off the request path: what a get serves
+  is the daemon's own copy either way, and the digest is only what adoption and L3 check. A block whose
+  chain has a hole before it (its parent is held by no tier) is not stored: ``contains`` could never
+  reach it.
 * **contains**: the leading run of keys held in L2 or L3, from memory.
 * **get**: the leading run held, leased for reading: descriptors of the slabs (one per slab, at most
   :data:`~skippyd.protocol.MAX_FDS` a reply) and where each block is; the client asks again for the
@@ -41,6 +44,7 @@ from .fills import PromotionPolicy
 from .keys import BlockSpaceId, bind_keys
 from .l2 import L2Tier
 from .l2.blocks import BlockPlacement, Lease, Pending
+from .l2.digests import Digester
 from .l2.slabs import SlotRecord
 from .l3 import L3Store
 from .l3.packs import PackRecord
@@ -117,8 +121,10 @@ class BlockRules:
         memory: MemoryBudget | None = None,
         copy_threads: int = 2,
         sync_timeout: float = 20.0,
+        digester: Digester | None = None,
     ) -> None:
         self.l2 = l2
+        self.digester = digester
         self.l3 = l3
         self.memory = memory  # the fill budget, for L3 reads into memory outside L2 (memfds)
         self.writer = writer
@@ -439,8 +445,10 @@ class BlockRules:
                     skipped += 1
                     continue
                 taken.add(key)
+            new_bytes = sum(sizes[index] for index, _ in pending)
+            defer = self.digester is not None and self.digester.may_defer(new_bytes)
         try:
-            digests = self._fill(pending, sizes, offsets, source)
+            digests = self._fill(pending, sizes, offsets, source, hashed=not defer)
         except BaseException:
             with self.l2.lock:
                 for _, slot in pending:
@@ -518,17 +526,21 @@ class BlockRules:
         sizes: Sequence[int],
         offsets: Sequence[int],
         source: memoryview,
-    ) -> list[bytes]:
-        """Copies every pending block out of the staging buffer into its slot and hashes it there."""
+        *,
+        hashed: bool = True,
+    ) -> list[bytes | None]:
+        """Copies every pending block out of the staging buffer into its slot and, when ``hashed``, hashes
+        it there (None for each block otherwise: the digester hashes it later)."""
         jobs = [(slot.view, source[offsets[i] : offsets[i] + sizes[i]]) for i, slot in pending]
+        run = _copy_and_hash if hashed else _copy_only
         try:
             total = sum(sizes[i] for i, _ in pending)
             if self._copy_threads <= 1 or total < _PARALLEL_BYTES or len(jobs) < 2:
-                return _copy_and_hash(jobs)
+                return run(jobs)
             step = -(-len(jobs) // self._copy_threads)
             pool = _copy_pool()
-            futures = [pool.submit(_copy_and_hash, jobs[i : i + step]) for i in range(step, len(jobs), step)]
-            first = _copy_and_hash(jobs[:step])
+            futures = [pool.submit(run, jobs[i : i + step]) for i in range(step, len(jobs), step)]
+            first = run(jobs[:step])
             return first + [digest for future in futures for digest in future.result()]
         finally:
             for _, src in jobs:
@@ -597,8 +609,15 @@ def _slot_record(record: PackRecord) -> SlotRecord:
     )  # fmt: skip
 
 
-def _copy_and_hash(jobs: list[tuple[memoryview, memoryview]]) -> list[bytes]:
-    digests = []
+def _copy_only(jobs: list[tuple[memoryview, memoryview]]) -> list[bytes | None]:
+    for target, source in jobs:
+        if len(source):
+            np.copyto(np.frombuffer(target, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
+    return [None] * len(jobs)
+
+
+def _copy_and_hash(jobs: list[tuple[memoryview, memoryview]]) -> list[bytes | None]:
+    digests: list[bytes | None] = []
     for target, source in jobs:
         if len(source):
             np.copyto(np.frombuffer(target, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))

@@ -214,6 +214,12 @@ class Config:
         "256MiB",
         "pre-faulted free L2 memory kept ahead of demand (at most a quarter of the budget)",
     )
+    l2_digest_backlog: int = _option(
+        parse_size,
+        "256MiB",
+        "block bytes a put may commit before their BLAKE3 digest, hashed in the background (0: every put "
+        "hashes its blocks before it answers)",
+    )
     staging_budget: int = _option(parse_size, "2GiB", "shared memory lent to clients for captures")
     fill_budget: int = _option(parse_size, "2GiB", "memory for L3 restores while L2 has no free room (memfd)")
     l3_dir: str = _option(_parse_dir_or_off, "", "L3 disk directory (default <state_dir>/l3; 'off' disables)")

@@ -85,6 +85,10 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("block_prefaulted", "reserve_prefaulted_slots", "L2: slots the reserve faulted in ahead of demand",
          True),
         ("block_fresh_slots", "fresh_slots", "L2: slots a put had to fault in on its request path", True),
+        ("block_deferred_digests", "deferred_digests",
+         "L2: blocks a put committed before hashing them (hashed in the background)", True),
+        ("block_unhashed_bytes", "unhashed_bytes", "L2: bytes of held blocks still waiting for their digest",
+         False),
     )),
     "l3": (L3Stats, "skippyd_l3_", _rows(
         ("entries", "entries", "L3: entries held", False),

@@ -9,6 +9,8 @@
   nothing evicted comes back from L3.
 * A batch that L3 cannot take (disk floor, budget) is kept and tried again later (``deferred``); its
   blocks keep their flag. A sync put waits for its own batch's fsync, within its timeout.
+* A block committed before its digest was computed (:mod:`skippyd.l2.digests`) is hashed here, through
+  the lease, before it goes into a pack; its L2 record gets the digest too.
 * When nothing is queued, the thread compacts a pack that is at least half dead.
 """
 
@@ -20,7 +22,9 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from blake3 import blake3
 
 from .errors import NoSpace, SkippydError, TooLarge
 from .evictions import EvictionClock
@@ -201,6 +205,7 @@ class BlockWriter:
 
     def _write(self, jobs: list[_Job]) -> None:
         items: list[BlockItem] = []
+        unhashed: list[tuple[int, Slab, int]] = []  # items whose digest is still to compute: item, slot
         owners: dict[bytes, _Job] = {}
         leases: list[int] = []
         views = []
@@ -221,9 +226,20 @@ class BlockWriter:
                         view = slab.data(index, record.nbytes)
                         views.append(view)
                         owners[key] = job
+                        if not record.hashed:
+                            unhashed.append((len(items), slab, index))
                         items.append(BlockItem(_pack_record(record), view))
                 for slab, indexes in by_slab.values():
                     leases.append(slab.lease([(i, i) for i in sorted(indexes)]))
+            digests = []
+            for at, slab, index in unhashed:  # (the leases keep these slots as they are)
+                item = items[at]
+                digest = bytes(blake3(item.data).digest())
+                items[at] = BlockItem(replace(item.record, digest=digest), item.data)
+                digests.append((item.record.key, slab, index, digest))
+            if digests:
+                with self.l2.lock:
+                    self.l2.blocks.record_digests(digests)
             if items:
                 try:
                     self.l3.blocks.write(items, wanted=lambda key: self._wanted(owners[key]))

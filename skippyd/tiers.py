@@ -34,6 +34,7 @@ from .evictions import EvictionClock
 from .fills import PROMOTER, FillStats, FillTable, PromotionPolicy
 from .keys import Identity, cache_key, prefix_keys, token_count
 from .l2 import Held, L2Stats, L2Tier, copy_into
+from .l2.digests import Digester
 from .l2.reserve import Reserve
 from .l3 import L3Ref, L3Stats, L3Store, Reconciliation
 from .packer import BlockWriter, BlockWriterStats
@@ -182,6 +183,7 @@ class Tiers:
         sync_timeout: float = 20.0,
         health: Health | None = None,
         reserve_bytes: int = 0,
+        digest_backlog: int = 0,
     ) -> None:
         self.l2 = l2
         self.l3 = l3
@@ -218,9 +220,11 @@ class Tiers:
                 for (space, nbytes), _ in held:
                     l2.blocks.expect(space, nbytes)
         self.reserve.start()
+        self.digester = Digester(l2, min(digest_backlog, l2.budget_bytes // 4), self.health)
+        self.digester.start()
         self.blocks = BlockRules(
             l2, l3=l3, writer=self.block_writer, promotions=promotions, admission=admission,
-            memory=self.fills, copy_threads=copy_threads, sync_timeout=sync_timeout,
+            memory=self.fills, copy_threads=copy_threads, sync_timeout=sync_timeout, digester=self.digester,
         )  # fmt: skip
 
     def _count(self, **deltas: int) -> None:
@@ -541,6 +545,7 @@ class Tiers:
             self.block_writer.close(timeout)
         if self.fills is not None:
             self.fills.close(timeout)
+        self.digester.close()  # after the block writer, which hashes what it writes: the rest now
         if self.l3 is not None:
             self.l3.close()
         self.l2.close()

@@ -11,7 +11,14 @@
 * **Slabs are never shared across block spaces.** A reader's descriptor shows the whole slab, so one
   slab holds blocks of one space (identity and block size) only: no reader ever gets a descriptor over
   another model's, state's or namespace's bytes.
-* A new process re-adopts every committed slot after checking its record and (by default) its digest.
+* **Digests off the request path.** A put may commit a block before its BLAKE3 digest is computed (its
+  record says so): :meth:`L2Blocks.digest_take` hands such blocks, leased, to the background digester
+  (:mod:`.digests`), the durable writer hashes any it writes first, and a clean stop hashes the rest.
+  Nothing served needs the digest: a block's bytes are the daemon's own copy from the moment its record
+  is written. The digest is what adoption and L3 check.
+* A new process re-adopts every committed slot after checking its record and (by default) its digest;
+  a slot committed but not yet hashed when a process was killed is hashed at adoption (its record,
+  written after its bytes, vouches that they are whole).
 
 Not thread-safe on its own: every method runs under the L2 tier's lock (passed in).
 """
@@ -25,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from blake3 import blake3
@@ -36,13 +43,14 @@ from skippyd.protocol import MAX_BLOCK_BYTES
 
 from .slabs import SLAB_SUFFIX, BadSlab, Slab, SlotRecord, slot_class, slots_for
 
-__all__ = ["BlockPlacement", "L2BlockStats", "L2Blocks", "Lease", "Pending", "SpaceSummary"]
+__all__ = ["BlockPlacement", "DigestJob", "L2BlockStats", "L2Blocks", "Lease", "Pending", "SpaceSummary"]
 
 log = logging.getLogger("skippyd.l2")
 
 _HOLE, _FREE, _WRITING, _USED, _FAULTING = 0, 1, 2, 3, 4  # _FAULTING: the reserve faults it in
 _SLAB_TARGET = 32 << 20
 _QUIET_S = 0.002  # the reserve waits this long after the last put ended
+_NO_DIGEST = bytes(32)
 
 
 @dataclass(slots=True)
@@ -63,6 +71,9 @@ class L2BlockStats:
     block_adopt_dropped: int = 0
     block_prefaulted: int = 0  # free slots the reserve faulted in ahead of demand
     block_fresh_slots: int = 0  # slots a put had to fault in itself
+    block_unhashed: int = 0  # held blocks whose digest the digester has still to compute
+    block_unhashed_bytes: int = 0
+    block_deferred_digests: int = 0  # blocks committed before their digest (computed off the request path)
 
 
 @dataclass(slots=True)
@@ -130,6 +141,28 @@ class Prefault:
         self.home.slab.allocate(self.index)
 
 
+@dataclass(slots=True)
+class DigestJob:
+    """Held blocks to hash off the request path (:meth:`L2Blocks.digest_take`): each one's key, slab,
+    slot and bytes, and the descriptors whose read leases keep those slots from reuse meanwhile."""
+
+    items: list[tuple[bytes, Slab, int, memoryview]] = field(default_factory=list)
+    fds: list[int] = field(default_factory=list)
+
+    def hash(self) -> list[bytes]:
+        """Every item's digest (no lock needed: the leases keep the bytes as they are)."""
+        return [bytes(blake3(view).digest()) for _, _, _, view in self.items]
+
+    def close(self) -> None:
+        for _, _, _, view in self.items:
+            view.release()
+        self.items = []
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+
+
 #: Where one served block is: ``[descriptor index, offset there, size]``, as the reply carries it (a
 #: plain list: a get of 256 blocks builds 256 of them).
 BlockPlacement = list[int]
@@ -178,7 +211,9 @@ class L2Blocks:
         self.charged = 0
         self._demand_at = 0.0
         self._filling = 0  # puts and L3 reads between taking their slots and committing them
-        self.on_idle: Callable[[], None] | None = None  # told when the last of them ends (the reserve)
+        self.idle_hooks: list[Callable[[], None]] = []  # told when the last of them ends (reserve, digester)
+        self._unhashed: OrderedDict[bytes, int] = OrderedDict()  # held blocks with no digest yet: nbytes
+        self.unhashed_bytes = 0
         self._stats = L2BlockStats()
         private_dirs(directory)
 
@@ -240,8 +275,14 @@ class L2Blocks:
     def fill_ended(self) -> None:
         self._filling -= 1
         self._demand_at = time.monotonic()
-        if not self._filling and self.on_idle is not None:
-            self.on_idle()
+        if not self._filling:
+            for hook in self.idle_hooks:
+                hook()
+
+    def busy(self) -> bool:
+        """A put or an L3 read is filling slots, or one ended less than a moment ago: background work
+        (the reserve, the digester) waits rather than slow it down."""
+        return bool(self._filling) or time.monotonic() - self._demand_at < _QUIET_S
 
     def reserve(self, record: SlotRecord) -> Pending:
         """A slot for a new block (may evict the least recently used entries and blocks first)."""
@@ -291,9 +332,9 @@ class L2Blocks:
         slots, while the reserve (free slots of active groups) is under ``limit`` and the budget has room
         without evicting anything; None when there is nothing to do. The slot is charged and set aside
         (neither free nor a hole) until :meth:`prefault_done`; the caller faults it in without the lock."""
-        now = time.monotonic()
-        if self._filling or now - self._demand_at < _QUIET_S:  # faulting pages now would slow them down
+        if self.busy():  # faulting pages now would slow them down
             return None
+        now = time.monotonic()
         active = [g for g in self._groups.values() if now - g.used_at < active_s]
         if not active:
             return None
@@ -367,25 +408,65 @@ class L2Blocks:
         self.charged += slab.header_bytes
         return home, 0
 
-    def commit(self, pending: Pending, digest: bytes, *, durable: bool) -> bool:
+    def commit(self, pending: Pending, digest: bytes | None, *, durable: bool) -> bool:
         """Writes the slot's record (the commit point) and indexes the block; False (and the slot freed)
-        when the key was committed meanwhile by another put."""
+        when the key was committed meanwhile by another put. A ``digest`` of None commits the block
+        unhashed: :meth:`digest_take` hands it to the digester later."""
         pending.view.release()
         record = pending.record
         if record.key in self._blocks:
             self.abort(pending, released=True)
             return False
         tick = self._tick(1)
-        final = SlotRecord(
+        final = SlotRecord(  # (not dataclasses.replace: this runs once per block of every put)
             key=record.key, space=record.space, identity=record.identity, block_tokens=record.block_tokens,
-            parent=record.parent, nbytes=record.nbytes, digest=digest, last_use=tick, durable=durable,
+            parent=record.parent, nbytes=record.nbytes, digest=digest if digest is not None else _NO_DIGEST,
+            last_use=tick, durable=durable, hashed=digest is not None,
         )  # fmt: skip
         pending.home.slab.write_record(pending.index, final)
         pending.home.state[pending.index] = _USED
         self._index(_Block(final, pending.home, pending.index, tick))
         self._payload += final.nbytes
         self._stats.block_inserts += 1
+        if digest is None:
+            self._stats.block_deferred_digests += 1
         return True
+
+    # ------------------------------------------------------------------ digests off the request path
+    def digest_take(self, max_bytes: int) -> DigestJob | None:
+        """The oldest unhashed blocks (at least one, about ``max_bytes`` in all), leased so that no put
+        reuses their slots while they are hashed; None when every held block has its digest. Pass the
+        job's digests to :meth:`record_digests`, then close it."""
+        chosen: list[_Block] = []
+        total = 0
+        for key, nbytes in self._unhashed.items():
+            if chosen and total + nbytes > max_bytes:
+                break
+            chosen.append(self._blocks[key])
+            total += nbytes
+        if not chosen:
+            return None
+        fds, _ = _lease_slots([(b.home, b.index) for b in chosen], max_fds=len(chosen))
+        items = [
+            (b.record.key, b.home.slab, b.index, b.home.slab.data(b.index, b.record.nbytes)) for b in chosen
+        ]
+        return DigestJob(items, fds)
+
+    def record_digests(self, found: Iterable[tuple[bytes, Slab, int, bytes]]) -> None:
+        """Digests computed off the request path (``key, slab, slot, digest``): written into the records
+        of the blocks that are still held in that slot and still lack one."""
+        for key, slab, index, digest in found:
+            block = self._blocks.get(key)
+            if block is None or block.home.slab is not slab or block.index != index or block.record.hashed:
+                continue
+            block.record = replace(block.record, digest=digest, hashed=True)
+            block.home.slab.write_record(block.index, block.record)
+            self._forget_unhashed(key)
+
+    def _forget_unhashed(self, key: bytes) -> None:
+        nbytes = self._unhashed.pop(key, None)
+        if nbytes is not None:
+            self.unhashed_bytes -= nbytes
 
     def abort(self, pending: Pending, *, released: bool = False) -> None:
         if not released:
@@ -402,7 +483,7 @@ class L2Blocks:
         block = self._blocks.get(key)
         if block is None or block.record.durable:
             return False
-        block.record = _with(block.record, durable=True)
+        block.record = replace(block.record, durable=True)
         block.home.slab.write_record(block.index, block.record)
         return True
 
@@ -410,7 +491,7 @@ class L2Blocks:
         """The block's L3 copy is on disk: its record no longer asks for one."""
         block = self._blocks.get(key)
         if block is not None and block.record.durable:
-            block.record = _with(block.record, durable=False)
+            block.record = replace(block.record, durable=False)
             block.home.slab.write_record(block.index, block.record)
 
     def durable_wanted(self) -> list[SlotRecord]:
@@ -500,6 +581,7 @@ class L2Blocks:
                     if not siblings:
                         del self._children[parent]
             self._dirty.discard(current)
+            self._forget_unhashed(current)
             block.home.slab.clear_record(block.index)
             self._free(block.home, block.index)
             self._payload -= block.record.nbytes
@@ -541,7 +623,9 @@ class L2Blocks:
                 record = found_record
                 if record is not None and (record.nbytes > slab.slot_size or record.space != home.space):
                     record = None  # (a slab holds one space: anything else was never written by us)
-                if record is not None and verify and not _digest_holds(slab, index, record):
+                if record is not None and not record.hashed:
+                    record = _hashed_now(slab, index, record)  # (killed before its digest was computed)
+                elif record is not None and verify and not _digest_holds(slab, index, record):
                     log.warning("dropping a block of %s whose bytes fail their digest", path.name)
                     self._stats.block_adopt_dropped += 1
                     record = None
@@ -598,6 +682,8 @@ class L2Blocks:
         stats.block_slabs = sum(len(group.homes) for group in self._groups.values())
         stats.block_slab_bytes = self.charged
         stats.block_free_slots = sum(len(group.free) for group in self._groups.values())
+        stats.block_unhashed = len(self._unhashed)
+        stats.block_unhashed_bytes = self.unhashed_bytes
         return stats
 
     def spaces(self) -> list[SpaceSummary]:
@@ -610,6 +696,9 @@ class L2Blocks:
     def _index(self, block: _Block) -> None:
         record = block.record
         self._blocks[record.key] = block
+        if not record.hashed:
+            self._unhashed[record.key] = record.nbytes
+            self.unhashed_bytes += record.nbytes
         if record.parent is not None:
             self._children.setdefault(record.parent, set()).add(record.key)
         summary = self._spaces.get(record.space)
@@ -686,9 +775,13 @@ def _digest_holds(slab: Slab, index: int, record: SlotRecord) -> bool:
         view.release()
 
 
-def _with(record: SlotRecord, *, durable: bool) -> SlotRecord:
-    return SlotRecord(
-        key=record.key, space=record.space, identity=record.identity, block_tokens=record.block_tokens,
-        parent=record.parent, nbytes=record.nbytes, digest=record.digest, last_use=record.last_use,
-        durable=durable,
-    )  # fmt: skip
+def _hashed_now(slab: Slab, index: int, record: SlotRecord) -> SlotRecord:
+    """A record committed unhashed, with its digest computed and written now (adoption)."""
+    view = slab.data(index, record.nbytes)
+    try:
+        digest = bytes(blake3(view, max_threads=blake3.AUTO).digest())
+    finally:
+        view.release()
+    hashed = replace(record, digest=digest, hashed=True)
+    slab.write_record(index, hashed)
+    return hashed

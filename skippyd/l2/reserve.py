@@ -35,7 +35,8 @@ class Reserve:
 
     def start(self) -> None:
         if self.limit > 0:
-            self.tier.blocks.on_idle = self._wake.set  # refill right after a put, not an interval later
+            # refill right after a put, not an interval later
+            self.tier.blocks.idle_hooks.append(self._wake.set)
             self._thread = self.health.start(THREAD, self._run)
 
     def fill(self) -> int:

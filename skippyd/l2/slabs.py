@@ -61,6 +61,7 @@ _SMALL_LIMIT = 64 * 1024
 _STEPS_PER_DOUBLING = 8
 FLAG_DURABLE = 1  # an L3 copy is wanted and not yet known written
 FLAG_PARENT = 2
+FLAG_UNHASHED = 4  # committed before its digest was computed (the digest field is zero until it is)
 
 
 class BadSlab(ValueError):
@@ -91,12 +92,17 @@ class SlotRecord:
     block_tokens: int
     parent: bytes | None  # 32: the bound key of the block before it in its chain, when known
     nbytes: int
-    digest: bytes  # 32: BLAKE3 of the block's bytes
+    digest: bytes  # 32: BLAKE3 of the block's bytes (zero while ``hashed`` is False)
     last_use: int = 0
     durable: bool = False
+    hashed: bool = True  # False: committed with its digest still to be computed (in the background)
 
     def encode(self) -> bytes:
-        flags = (FLAG_DURABLE if self.durable else 0) | (FLAG_PARENT if self.parent is not None else 0)
+        flags = (
+            (FLAG_DURABLE if self.durable else 0)
+            | (FLAG_PARENT if self.parent is not None else 0)
+            | (0 if self.hashed else FLAG_UNHASHED)
+        )
         body = _RECORD.pack(
             RECORD_MAGIC, self.nbytes, self.last_use, flags, self.block_tokens, self.key, self.space,
             self.identity, self.parent or bytes(32), self.digest,
@@ -115,7 +121,7 @@ class SlotRecord:
         return cls(
             key=key, space=space, identity=ident, block_tokens=block_tokens,
             parent=parent if flags & FLAG_PARENT else None, nbytes=nbytes, digest=digest,
-            last_use=last_use, durable=bool(flags & FLAG_DURABLE),
+            last_use=last_use, durable=bool(flags & FLAG_DURABLE), hashed=not flags & FLAG_UNHASHED,
         )  # fmt: skip
 
 

@@ -1,0 +1,87 @@
+"""The digester: BLAKE3 of the blocks a put committed unhashed, computed off the request path.
+
+A put copies each new block into a slot only the daemon writes and commits it at once; hashing every
+byte (≈ 2× the cost of the copy here) would otherwise sit on the put's request path. The digest is what
+adoption after a restart and the L3 copy check, never what a get serves, so the put leaves it to this
+thread while the blocks it has still to hash stay under ``backlog`` bytes (past that a put hashes its
+own blocks, as before: the backlog is bounded, and a put never waits behind it). The thread hashes the
+oldest first, a step at a time, each step's slots leased so that no put can reuse them meanwhile; it
+waits while a put or an L3 read fills slots (as the reserve does) and wakes as the last one ends. The
+durable writer hashes any block it writes before the digester got to it; :meth:`Digester.close` hashes
+what is left, so a clean stop leaves every record with its digest.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from skippyd.workers import Health
+
+from .tier import L2Tier
+
+__all__ = ["Digester"]
+
+THREAD = "skippyd-l2-digests"
+_STEP_BYTES = 16 << 20  # hashed per step at most (the tier's lock is taken between steps, not during)
+
+
+class Digester:
+    def __init__(self, tier: L2Tier, backlog: int, health: Health, *, interval: float = 0.05) -> None:
+        self.tier = tier
+        self.backlog = backlog  # unhashed bytes a put may leave behind it; 0: every put hashes its blocks
+        self.health = health
+        self.interval = interval
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def may_defer(self, nbytes: int) -> bool:
+        """Whether a put of ``nbytes`` new bytes may commit them unhashed (call under the tier's lock)."""
+        return not self._stop.is_set() and self.tier.blocks.unhashed_bytes + nbytes <= self.backlog
+
+    def start(self) -> None:
+        if self.backlog > 0:
+            self.tier.blocks.idle_hooks.append(self._wake.set)
+            self._thread = self.health.start(THREAD, self._run)
+
+    def drain(self, *, wait_idle: bool = True) -> int:
+        """Hashes unhashed blocks, oldest first, until none is left (or, with ``wait_idle``, until a put
+        or an L3 read begins); returns how many."""
+        done = 0
+        blocks = self.tier.blocks
+        while not (wait_idle and self._stop.is_set()):
+            with self.tier.lock:
+                if wait_idle and blocks.busy():
+                    break
+                job = blocks.digest_take(_STEP_BYTES)
+            if job is None:
+                break
+            try:
+                digests = job.hash()
+                with self.tier.lock:
+                    blocks.record_digests(
+                        (key, slab, index, digest)
+                        for (key, slab, index, _), digest in zip(job.items, digests, strict=True)
+                    )
+                done += len(digests)
+            finally:
+                job.close()
+        return done
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            with self.health.guard(THREAD, "hashing L2 blocks failed"):
+                self.drain()
+
+    def close(self) -> None:
+        """Stops the thread and hashes what is left (a clean stop leaves no record without its digest)."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        with self.health.guard(THREAD, "hashing L2 blocks at shutdown failed"):
+            self.drain(wait_idle=False)

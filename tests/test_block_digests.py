@@ -1,0 +1,186 @@
+"""Block digests off the request path: a put answers once its blocks are copied and committed; their
+BLAKE3 digests follow in the background (the digester), before any L3 copy (the durable writer hashes
+what the digester has not reached), at a clean stop, or at adoption after a kill. Whatever path gave a
+block its digest, it is the digest of the bytes the daemon holds, and adoption still drops a block
+whose bytes changed after it was hashed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from blake3 import blake3
+from daemonutil import eventually
+
+import skippyd
+from skippyd.blocks import BlockRules
+from skippyd.keys import bind_keys, block_space
+from skippyd.l2 import L2Tier
+from skippyd.l2.digests import Digester
+from skippyd.l2.slabs import Slab
+from skippyd.l3 import L3Store
+from skippyd.packer import BlockWriter
+from skippyd.workers import Health
+
+MODEL, STATE = "digest-model@sha256:0", "paged-kv-v1"
+BLOCK = 16
+NBYTES = 64 * 1024
+
+
+def block_data(count: int, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, generator=gen) for _ in range(count)]
+
+
+def blocks_of(client: skippyd.Client) -> skippyd.BlockSpace:
+    return client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+
+
+def slot_records(blocks_dir: Path) -> dict[bytes, tuple[Any, bytes]]:
+    """Every committed slot on the tmpfs: its record and its bytes, by bound key (daemon stopped)."""
+    found = {}
+    for path in sorted(blocks_dir.glob("*.slab")):
+        slab = Slab.open(path)
+        try:
+            for index in range(slab.slots):
+                record = slab.record(index)
+                if record is not None:
+                    found[record.key] = (record, bytes(slab.data(index, record.nbytes)))
+        finally:
+            slab.close()
+    return found
+
+
+def flip_block(blocks_dir: Path, key: bytes) -> None:
+    """Flips one bit in the middle of the bytes of the block ``key`` (bound), in its slab file."""
+    for path in sorted(blocks_dir.glob("*.slab")):
+        slab = Slab.open(path)
+        try:
+            for index in range(slab.slots):
+                record = slab.record(index)
+                if record is not None and record.key == key:
+                    slab.mapping[slab.offset(index) + record.nbytes // 2] ^= 0x10
+                    return
+        finally:
+            slab.close()
+    raise AssertionError("no such block on the tmpfs")
+
+
+def test_a_put_answers_before_hashing_and_every_block_gets_the_digest_of_its_bytes_soon_after(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--l3-dir", "off").start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(8 * BLOCK)))
+        data = block_data(8, seed=1)
+        assert blocks.put(keys, data, durable=False).stored == 8
+        assert client.stats()["l2"]["block_deferred_digests"] == 8
+        eventually(lambda: client.stats()["l2"]["block_unhashed"] == 0, timeout=10)  # the digester, running
+        assert client.stats()["l2"]["block_unhashed_bytes"] == 0
+        assert all(torch.equal(a, b) for a, b in zip(blocks.get(keys), data, strict=True))
+    assert proc.stop() == 0
+    bound = bind_keys(block_space(MODEL, STATE, "", BLOCK), keys)
+    held = slot_records(proc.shm_dir / "blocks")
+    assert sorted(held) == sorted(bound)
+    for key, block in zip(bound, data, strict=True):
+        record, raw = held[key]
+        assert record.hashed and raw == block.numpy().tobytes()
+        assert record.digest == blake3(raw).digest()
+
+
+def test_a_block_changed_on_the_tmpfs_while_the_daemon_was_stopped_is_dropped_never_served(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--l3-dir", "off").start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        data = block_data(4, seed=2)
+        blocks.put(keys, data, durable=False)
+    assert proc.stop() == 0  # a clean stop leaves every block with its digest
+    flip_block(proc.shm_dir / "blocks", bind_keys(block_space(MODEL, STATE, "", BLOCK), keys)[2])
+    proc.start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        stats = client.stats()["l2"]
+        assert (stats["block_adopt_dropped"], stats["block_adopted"]) == (1, 3)
+        assert blocks.contains(keys) == 2
+        got = blocks.get(keys)
+        assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, data, strict=False))
+
+
+def _put(rules: BlockRules, keys: list[bytes], seed: int, durable: bool | str = False) -> Any:
+    space = block_space(MODEL, STATE, "", BLOCK)
+    raw = b"".join(t.numpy().tobytes() for t in block_data(len(keys), seed))
+    offsets = [i * NBYTES for i in range(len(keys))]
+    return rules.put(space, keys, [NBYTES] * len(keys), offsets, memoryview(raw), durable=durable), raw
+
+
+def test_blocks_committed_unhashed_when_the_daemon_dies_are_hashed_at_adoption(shm_dir: Path) -> None:
+    keys = [b"a", b"b", b"c"]
+    l2 = L2Tier.open(shm_dir, 64 << 20)
+    digester = Digester(l2, 16 << 20, Health())  # never started: nothing hashes in the background
+    rules = BlockRules(l2, digester=digester)
+    put, raw = _put(rules, keys, seed=3)
+    assert put.stored == 3 and l2.stats().block_unhashed == 3
+    l2.close()  # the process dies here: no digester drain, no clean stop
+    with L2Tier.open(shm_dir, 64 << 20) as again:
+        stats = again.stats()
+        assert (stats.block_adopted, stats.block_adopt_dropped, stats.block_unhashed) == (3, 0, 0)
+    held = slot_records(shm_dir / "blocks")
+    for i, key in enumerate(bind_keys(block_space(MODEL, STATE, "", BLOCK), keys)):
+        record, got = held[key]
+        assert record.hashed and got == raw[i * NBYTES : (i + 1) * NBYTES]
+        assert record.digest == blake3(got).digest()
+
+
+def test_past_the_backlog_a_put_hashes_its_own_blocks_and_the_drain_catches_up(shm_dir: Path) -> None:
+    with L2Tier.open(shm_dir, 64 << 20) as l2:
+        digester = Digester(l2, 2 * NBYTES, Health())
+        rules = BlockRules(l2, digester=digester)
+        _put(rules, [b"a", b"b", b"c"], seed=4)  # more than the backlog: hashed before the answer
+        assert (l2.stats().block_deferred_digests, l2.stats().block_unhashed) == (0, 0)
+        _put(rules, [b"d", b"e"], seed=5)  # fits: left to the digester
+        assert (l2.stats().block_deferred_digests, l2.stats().block_unhashed) == (2, 2)
+        _put(rules, [b"f"], seed=6)  # the backlog is full: hashed now
+        assert l2.stats().block_unhashed == 2
+        assert digester.drain(wait_idle=False) == 2  # (drain() would wait for the puts to go quiet)
+        assert l2.stats().block_unhashed_bytes == 0
+        with l2.lock:
+            assert all(r is not None and r.hashed for r in map(l2.blocks.record, l2.blocks._blocks))
+
+
+def test_the_durable_writer_hashes_what_the_digester_has_not_reached_and_l3_verifies_it(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    space = block_space(MODEL, STATE, "", BLOCK)
+    keys = [b"a", b"b"]
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        writer = BlockWriter(l2, l3, Health())  # not started: its job runs when we say
+        rules = BlockRules(l2, l3=l3, writer=writer, digester=Digester(l2, 16 << 20, Health()))
+        put, raw = _put(rules, keys, seed=7, durable=True)
+        assert put.durability == "queued" and l2.stats().block_unhashed == 2
+        job = writer._queue.get_nowait()
+        assert job is not None
+        writer._write([job])
+        assert l2.stats().block_unhashed == 0  # the L2 records got the digests the packs carry
+        bound = bind_keys(space, keys)
+        views = [memoryview(bytearray(NBYTES)) for _ in keys]
+        assert l3.blocks.read_into(bound, views) == 2  # each block read back passes its digest
+        assert b"".join(bytes(v) for v in views) == raw
+
+
+@pytest.mark.parametrize("backlog", ["0", "64KiB"])
+def test_a_digest_backlog_of_zero_or_less_than_a_put_hashes_every_put_before_it_answers(
+    make_daemon: Any, backlog: str
+) -> None:
+    proc = make_daemon("--l3-dir", "off", "--l2-digest-backlog", backlog).start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(2 * BLOCK)))
+        assert blocks.put(keys, block_data(2, seed=8), durable=False).stored == 2
+        stats = client.stats()["l2"]
+        assert (stats["block_deferred_digests"], stats["block_unhashed"]) == (0, 0)
