@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from .errors import SkippydError
 
-__all__ = ["Health", "ThreadHealth"]
+__all__ = ["Health", "ThreadHealth", "Wakeable"]
 
 log = logging.getLogger("skippyd.workers")
 
@@ -119,3 +119,47 @@ class Health:
                 name: ThreadHealth(name not in dead and not entry.stopped, entry.errors, entry.last_error)
                 for name, entry in sorted(self._threads.items())
             }
+
+
+class Wakeable:
+    """A background thread that runs one job each time it is woken, or every ``interval`` seconds, each
+    job guarded by :meth:`Health.guard` (the L2 reserve, the digester). Subclasses name the thread and
+    the job."""
+
+    thread_name = ""
+    failure = ""  # what the log says when a job fails
+
+    def __init__(self, health: Health, *, interval: float) -> None:
+        self.health = health
+        self.interval = interval
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def job(self) -> object:
+        raise NotImplementedError
+
+    def start_thread(self) -> None:
+        self._thread = self.health.start(self.thread_name, self._run)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            with self.health.guard(self.thread_name, self.failure):
+                self.job()
+
+    def stop_thread(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import torch
 from blake3 import blake3
-from daemonutil import eventually
+from daemonutil import DaemonProcess, eventually
+from test_blocks_l3 import BLOCK, MODEL, NBYTES, STATE, block_data, blocks_of
 
-import skippyd
 from skippyd.blocks import BlockRules
 from skippyd.keys import bind_keys, block_space
 from skippyd.l2 import L2Tier
@@ -23,19 +23,6 @@ from skippyd.l2.slabs import Slab
 from skippyd.l3 import L3Store
 from skippyd.packer import BlockWriter
 from skippyd.workers import Health
-
-MODEL, STATE = "digest-model@sha256:0", "paged-kv-v1"
-BLOCK = 16
-NBYTES = 64 * 1024
-
-
-def block_data(count: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (NBYTES,), dtype=torch.uint8, generator=gen) for _ in range(count)]
-
-
-def blocks_of(client: skippyd.Client) -> skippyd.BlockSpace:
-    return client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
 
 
 def slot_records(blocks_dir: Path) -> dict[bytes, tuple[Any, bytes]]:
@@ -68,20 +55,28 @@ def flip_block(blocks_dir: Path, key: bytes) -> None:
     raise AssertionError("no such block on the tmpfs")
 
 
-def test_a_put_answers_before_hashing_and_every_block_gets_the_digest_of_its_bytes_soon_after(
-    make_daemon: Any,
-) -> None:
-    proc = make_daemon("--l3-dir", "off").start()
+def put_then_stop(proc: DaemonProcess, count: int, seed: int) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Puts ``count`` blocks (after each put: the digester hashes them soon, and the bytes read back as
+    put), then stops the daemon cleanly; the keys and the data."""
+    proc.start()
     with proc.client() as client:
         blocks = blocks_of(client)
-        keys = blocks.keys(list(range(8 * BLOCK)))
-        data = block_data(8, seed=1)
-        assert blocks.put(keys, data, durable=False).stored == 8
-        assert client.stats()["l2"]["block_deferred_digests"] == 8
+        keys = blocks.keys(list(range(count * BLOCK)))
+        data = block_data(count, seed=seed)
+        assert blocks.put(keys, data, durable=False).stored == count
+        assert client.stats()["l2"]["block_deferred_digests"] == count
         eventually(lambda: client.stats()["l2"]["block_unhashed"] == 0, timeout=10)  # the digester, running
         assert client.stats()["l2"]["block_unhashed_bytes"] == 0
         assert all(torch.equal(a, b) for a, b in zip(blocks.get(keys), data, strict=True))
-    assert proc.stop() == 0
+    assert proc.stop() == 0  # a clean stop leaves every block with its digest
+    return keys, data
+
+
+def test_a_put_answers_before_hashing_and_every_block_gets_the_digest_of_its_bytes_soon_after(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--l3-dir", "off")
+    keys, data = put_then_stop(proc, 8, seed=1)
     bound = bind_keys(block_space(MODEL, STATE, "", BLOCK), keys)
     held = slot_records(proc.shm_dir / "blocks")
     assert sorted(held) == sorted(bound)
@@ -94,21 +89,15 @@ def test_a_put_answers_before_hashing_and_every_block_gets_the_digest_of_its_byt
 def test_a_block_changed_on_the_tmpfs_while_the_daemon_was_stopped_is_dropped_never_served(
     make_daemon: Any,
 ) -> None:
-    proc = make_daemon("--l3-dir", "off").start()
-    with proc.client() as client:
-        blocks = blocks_of(client)
-        keys = blocks.keys(list(range(4 * BLOCK)))
-        data = block_data(4, seed=2)
-        blocks.put(keys, data, durable=False)
-    assert proc.stop() == 0  # a clean stop leaves every block with its digest
+    proc = make_daemon("--l3-dir", "off")
+    keys, data = put_then_stop(proc, 4, seed=2)
     flip_block(proc.shm_dir / "blocks", bind_keys(block_space(MODEL, STATE, "", BLOCK), keys)[2])
     proc.start()
     with proc.client() as client:
-        blocks = blocks_of(client)
         stats = client.stats()["l2"]
         assert (stats["block_adopt_dropped"], stats["block_adopted"]) == (1, 3)
-        assert blocks.contains(keys) == 2
-        got = blocks.get(keys)
+        assert blocks_of(client).contains(keys) == 2
+        got = blocks_of(client).get(keys)
         assert len(got) == 2 and all(torch.equal(a, b) for a, b in zip(got, data, strict=False))
 
 

@@ -13,9 +13,7 @@ what is left, so a clean stop leaves every record with its digest.
 
 from __future__ import annotations
 
-import threading
-
-from skippyd.workers import Health
+from skippyd.workers import Health, Wakeable
 
 from .tier import L2Tier
 
@@ -25,31 +23,30 @@ THREAD = "skippyd-l2-digests"
 _STEP_BYTES = 16 << 20  # hashed per step at most (the tier's lock is taken between steps, not during)
 
 
-class Digester:
+class Digester(Wakeable):
+    thread_name = THREAD
+    failure = "hashing L2 blocks failed"
+
     def __init__(self, tier: L2Tier, backlog: int, health: Health, *, interval: float = 0.05) -> None:
+        super().__init__(health, interval=interval)
         self.tier = tier
         self.backlog = backlog  # unhashed bytes a put may leave behind it; 0: every put hashes its blocks
-        self.health = health
-        self.interval = interval
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def may_defer(self, nbytes: int) -> bool:
         """Whether a put of ``nbytes`` new bytes may commit them unhashed (call under the tier's lock)."""
-        return not self._stop.is_set() and self.tier.blocks.unhashed_bytes + nbytes <= self.backlog
+        return not self.stopping and self.tier.blocks.unhashed_bytes + nbytes <= self.backlog
 
     def start(self) -> None:
         if self.backlog > 0:
-            self.tier.blocks.idle_hooks.append(self._wake.set)
-            self._thread = self.health.start(THREAD, self._run)
+            self.tier.blocks.idle_hooks.append(self.wake)
+            self.start_thread()
 
     def drain(self, *, wait_idle: bool = True) -> int:
         """Hashes unhashed blocks, oldest first, until none is left (or, with ``wait_idle``, until a put
         or an L3 read begins); returns how many."""
         done = 0
         blocks = self.tier.blocks
-        while not (wait_idle and self._stop.is_set()):
+        while not (wait_idle and self.stopping):
             with self.tier.lock:
                 if wait_idle and blocks.busy():
                     break
@@ -68,20 +65,11 @@ class Digester:
                 job.close()
         return done
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.interval)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            with self.health.guard(THREAD, "hashing L2 blocks failed"):
-                self.drain()
+    def job(self) -> object:
+        return self.drain()
 
     def close(self) -> None:
         """Stops the thread and hashes what is left (a clean stop leaves no record without its digest)."""
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        self.stop_thread()
         with self.health.guard(THREAD, "hashing L2 blocks at shutdown failed"):
             self.drain(wait_idle=False)

@@ -11,9 +11,7 @@ the first given back when anything else needs room.
 
 from __future__ import annotations
 
-import threading
-
-from skippyd.workers import Health
+from skippyd.workers import Health, Wakeable
 
 from .tier import L2Tier
 
@@ -23,43 +21,32 @@ THREAD = "skippyd-l2-reserve"
 _STEP_BYTES = 64 << 20  # faulted per wake-up at most, so the thread never holds the tier for long
 
 
-class Reserve:
+class Reserve(Wakeable):
+    thread_name = THREAD
+    failure = "filling the L2 reserve failed"
+
     def __init__(self, tier: L2Tier, limit: int, health: Health, *, interval: float = 0.05) -> None:
+        super().__init__(health, interval=interval)
         self.tier = tier
         self.limit = limit
-        self.health = health
-        self.interval = interval
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         if self.limit > 0:
             # refill right after a put, not an interval later
-            self.tier.blocks.idle_hooks.append(self._wake.set)
-            self._thread = self.health.start(THREAD, self._run)
+            self.tier.blocks.idle_hooks.append(self.wake)
+            self.start_thread()
 
     def fill(self) -> int:
         """Faults in what the reserve lacks (up to one step); returns the bytes added."""
         added = 0
-        while added < _STEP_BYTES and not self._stop.is_set():
+        while added < _STEP_BYTES and not self.stopping:
             step = self.tier.prefault_step(self.limit)
             if not step:
                 break
             added += step
         return added
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self.interval)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            with self.health.guard(THREAD, "filling the L2 reserve failed"):
-                self.fill()
+    job = fill
 
     def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(5.0)
+        self.stop_thread()
