@@ -34,10 +34,10 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
-from blake3 import blake3
 
 from .errors import InvalidArgument, NoSpace, SkippydError, TooLarge
 from .fills import PromotionPolicy
@@ -45,7 +45,7 @@ from .keys import BlockSpaceId, bind_keys
 from .l2 import L2Tier
 from .l2.blocks import BlockPlacement, Lease, Pending
 from .l2.digests import Digester
-from .l2.slabs import SlotRecord
+from .l2.slabs import SlotRecord, block_digest
 from .l3 import L3Store
 from .l3.packs import PackRecord
 from .packer import BlockWriter
@@ -532,7 +532,7 @@ class BlockRules:
         """Copies every pending block out of the staging buffer into its slot and, when ``hashed``, hashes
         it there (None for each block otherwise: the digester hashes it later)."""
         jobs = [(slot.view, source[offsets[i] : offsets[i] + sizes[i]]) for i, slot in pending]
-        run = _copy_and_hash if hashed else _copy_only
+        run = partial(_copy_blocks, hashed=hashed)
         try:
             total = sum(sizes[i] for i, _ in pending)
             if self._copy_threads <= 1 or total < _PARALLEL_BYTES or len(jobs) < 2:
@@ -609,17 +609,11 @@ def _slot_record(record: PackRecord) -> SlotRecord:
     )  # fmt: skip
 
 
-def _copy_only(jobs: list[tuple[memoryview, memoryview]]) -> list[bytes | None]:
-    for target, source in jobs:
-        if len(source):
-            np.copyto(np.frombuffer(target, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
-    return [None] * len(jobs)
-
-
-def _copy_and_hash(jobs: list[tuple[memoryview, memoryview]]) -> list[bytes | None]:
+def _copy_blocks(jobs: list[tuple[memoryview, memoryview]], *, hashed: bool) -> list[bytes | None]:
+    """Copies each source into its slot; the copy's digest for each when ``hashed``, else None."""
     digests: list[bytes | None] = []
     for target, source in jobs:
         if len(source):
             np.copyto(np.frombuffer(target, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
-        digests.append(bytes(blake3(target).digest()))
+        digests.append(block_digest(target) if hashed else None)
     return digests

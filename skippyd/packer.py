@@ -24,12 +24,10 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from blake3 import blake3
-
 from .errors import NoSpace, SkippydError, TooLarge
 from .evictions import EvictionClock
 from .l2 import L2Tier
-from .l2.slabs import Slab, SlotRecord
+from .l2.slabs import Slab, SlotRecord, block_digest
 from .l3 import L3Store
 from .l3.packs import BlockItem, PackRecord
 from .workers import Health
@@ -231,15 +229,19 @@ class BlockWriter:
                         items.append(BlockItem(_pack_record(record), view))
                 for slab, indexes in by_slab.values():
                     leases.append(slab.lease([(i, i) for i in sorted(indexes)]))
+                claimed = [items[at].record.key for at, _, _ in unhashed]
+                self.l2.blocks.hashing_begun(claimed)  # hashed below: the digester leaves them alone
             digests = []
-            for at, slab, index in unhashed:  # (the leases keep these slots as they are)
-                item = items[at]
-                digest = bytes(blake3(item.data).digest())
-                items[at] = BlockItem(replace(item.record, digest=digest), item.data)
-                digests.append((item.record.key, slab, index, digest))
-            if digests:
+            try:
+                for at, slab, index in unhashed:  # (the leases keep these slots as they are)
+                    item = items[at]
+                    digest = block_digest(item.data)
+                    items[at] = BlockItem(replace(item.record, digest=digest), item.data)
+                    digests.append((item.record.key, slab, index, digest))
+            finally:
                 with self.l2.lock:
                     self.l2.blocks.record_digests(digests)
+                    self.l2.blocks.hashing_ended(claimed)
             if items:
                 try:
                     self.l3.blocks.write(items, wanted=lambda key: self._wanted(owners[key]))

@@ -173,3 +173,22 @@ def test_a_digest_backlog_of_zero_or_less_than_a_put_hashes_every_put_before_it_
         assert blocks.put(keys, block_data(2, seed=8), durable=False).stored == 2
         stats = client.stats()["l2"]
         assert (stats["block_deferred_digests"], stats["block_unhashed"]) == (0, 0)
+
+
+def test_a_block_one_hasher_has_taken_is_not_hashed_again_by_the_other(shm_dir: Path) -> None:
+    """The block writer takes the unhashed blocks it packs; the digester skips them (and the reverse)."""
+    with L2Tier.open(shm_dir, 64 << 20) as l2:
+        rules = BlockRules(l2, digester=Digester(l2, 16 << 20, Health()))
+        _put(rules, [b"a", b"b"], seed=9)
+        bound = bind_keys(block_space(MODEL, STATE, "", BLOCK), [b"a", b"b"])
+        with l2.lock:
+            l2.blocks.hashing_begun(bound[:1])  # as the block writer does before it hashes them
+            job = l2.blocks.digest_take(1 << 30)
+            assert job is not None and [key for key, _, _, _ in job.items] == bound[1:]
+            assert l2.blocks.digest_take(1 << 30) is None  # the digester's own step is taken too
+            l2.blocks.hashing_ended(bound[:1])
+            job.close()
+            l2.blocks.hashing_ended(bound[1:])
+            again = l2.blocks.digest_take(1 << 30)
+            assert again is not None and len(again.items) == 2
+            again.close()

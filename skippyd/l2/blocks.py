@@ -41,7 +41,7 @@ from skippyd.errors import NoSpace, TooLarge
 from skippyd.files import private_dirs, remove
 from skippyd.protocol import MAX_BLOCK_BYTES
 
-from .slabs import SLAB_SUFFIX, BadSlab, Slab, SlotRecord, slot_class, slots_for
+from .slabs import SLAB_SUFFIX, BadSlab, Slab, SlotRecord, block_digest, slot_class, slots_for
 
 __all__ = ["BlockPlacement", "DigestJob", "L2BlockStats", "L2Blocks", "Lease", "Pending", "SpaceSummary"]
 
@@ -49,7 +49,7 @@ log = logging.getLogger("skippyd.l2")
 
 _HOLE, _FREE, _WRITING, _USED, _FAULTING = 0, 1, 2, 3, 4  # _FAULTING: the reserve faults it in
 _SLAB_TARGET = 32 << 20
-_QUIET_S = 0.002  # the reserve waits this long after the last put ended
+_QUIET_S = 0.002  # background work (the reserve, the digester) waits this long after the last put ended
 _NO_DIGEST = bytes(32)
 
 
@@ -151,7 +151,7 @@ class DigestJob:
 
     def hash(self) -> list[bytes]:
         """Every item's digest (no lock needed: the leases keep the bytes as they are)."""
-        return [bytes(blake3(view).digest()) for _, _, _, view in self.items]
+        return [block_digest(view) for _, _, _, view in self.items]
 
     def close(self) -> None:
         for _, _, _, view in self.items:
@@ -214,6 +214,7 @@ class L2Blocks:
         self.idle_hooks: list[Callable[[], None]] = []  # told when the last of them ends (reserve, digester)
         self._unhashed: OrderedDict[bytes, int] = OrderedDict()  # held blocks with no digest yet: nbytes
         self.unhashed_bytes = 0
+        self._hashing: set[bytes] = set()  # unhashed blocks a hasher (digester, block writer) has taken
         self._stats = L2BlockStats()
         private_dirs(directory)
 
@@ -435,27 +436,40 @@ class L2Blocks:
     # ------------------------------------------------------------------ digests off the request path
     def digest_take(self, max_bytes: int) -> DigestJob | None:
         """The oldest unhashed blocks (at least one, about ``max_bytes`` in all), leased so that no put
-        reuses their slots while they are hashed; None when every held block has its digest. Pass the
-        job's digests to :meth:`record_digests`, then close it."""
+        reuses their slots while they are hashed; None when every held block has its digest or is being
+        hashed. Pass the job's digests to :meth:`record_digests` (or its keys to :meth:`hashing_ended`),
+        then close it."""
         chosen: list[_Block] = []
         total = 0
         for key, nbytes in self._unhashed.items():
+            if key in self._hashing:  # the block writer hashes it as it packs it
+                continue
             if chosen and total + nbytes > max_bytes:
                 break
             chosen.append(self._blocks[key])
             total += nbytes
         if not chosen:
             return None
+        self.hashing_begun(b.record.key for b in chosen)
         fds, _ = _lease_slots([(b.home, b.index) for b in chosen], max_fds=len(chosen))
         items = [
             (b.record.key, b.home.slab, b.index, b.home.slab.data(b.index, b.record.nbytes)) for b in chosen
         ]
         return DigestJob(items, fds)
 
+    def hashing_begun(self, keys: Iterable[bytes]) -> None:
+        """A hasher took these unhashed blocks: no other takes them until :meth:`record_digests` or
+        :meth:`hashing_ended` names them."""
+        self._hashing.update(keys)
+
+    def hashing_ended(self, keys: Iterable[bytes]) -> None:
+        self._hashing.difference_update(keys)
+
     def record_digests(self, found: Iterable[tuple[bytes, Slab, int, bytes]]) -> None:
         """Digests computed off the request path (``key, slab, slot, digest``): written into the records
         of the blocks that are still held in that slot and still lack one."""
         for key, slab, index, digest in found:
+            self._hashing.discard(key)
             block = self._blocks.get(key)
             if block is None or block.home.slab is not slab or block.index != index or block.record.hashed:
                 continue
@@ -464,6 +478,7 @@ class L2Blocks:
             self._forget_unhashed(key)
 
     def _forget_unhashed(self, key: bytes) -> None:
+        self._hashing.discard(key)
         nbytes = self._unhashed.pop(key, None)
         if nbytes is not None:
             self.unhashed_bytes -= nbytes
@@ -767,21 +782,21 @@ def _lease_slots(
     return fds, where
 
 
-def _digest_holds(slab: Slab, index: int, record: SlotRecord) -> bool:
+def _slot_digest(slab: Slab, index: int, record: SlotRecord) -> bytes:
+    """The digest of the bytes a slot holds now (adoption: all threads, nothing else runs yet)."""
     view = slab.data(index, record.nbytes)
     try:
-        return bytes(blake3(view, max_threads=blake3.AUTO).digest()) == record.digest
+        return bytes(blake3(view, max_threads=blake3.AUTO).digest())
     finally:
         view.release()
+
+
+def _digest_holds(slab: Slab, index: int, record: SlotRecord) -> bool:
+    return _slot_digest(slab, index, record) == record.digest
 
 
 def _hashed_now(slab: Slab, index: int, record: SlotRecord) -> SlotRecord:
     """A record committed unhashed, with its digest computed and written now (adoption)."""
-    view = slab.data(index, record.nbytes)
-    try:
-        digest = bytes(blake3(view, max_threads=blake3.AUTO).digest())
-    finally:
-        view.release()
-    hashed = replace(record, digest=digest, hashed=True)
+    hashed = replace(record, digest=_slot_digest(slab, index, record), hashed=True)
     slab.write_record(index, hashed)
     return hashed

@@ -7,7 +7,8 @@ thread while the blocks it has still to hash stay under ``backlog`` bytes (past 
 own blocks, as before: the backlog is bounded, and a put never waits behind it). The thread hashes the
 oldest first, a step at a time, each step's slots leased so that no put can reuse them meanwhile; it
 waits while a put or an L3 read fills slots (as the reserve does) and wakes as the last one ends. The
-durable writer hashes any block it writes before the digester got to it; :meth:`Digester.close` hashes
+durable writer hashes any block it writes before the digester got to it (and takes it from the digester
+while it does, so no block is hashed twice); :meth:`Digester.close` hashes
 what is left, so a clean stop leaves every record with its digest.
 """
 
@@ -53,6 +54,7 @@ class Digester(Wakeable):
                 job = blocks.digest_take(_STEP_BYTES)
             if job is None:
                 break
+            recorded = False
             try:
                 digests = job.hash()
                 with self.tier.lock:
@@ -60,8 +62,12 @@ class Digester(Wakeable):
                         (key, slab, index, digest)
                         for (key, slab, index, _), digest in zip(job.items, digests, strict=True)
                     )
+                recorded = True
                 done += len(digests)
             finally:
+                if not recorded:  # (a failed step leaves its blocks to the next one)
+                    with self.tier.lock:
+                        blocks.hashing_ended(key for key, _, _, _ in job.items)
                 job.close()
         return done
 

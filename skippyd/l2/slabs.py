@@ -41,6 +41,7 @@ __all__ = [
     "Slab",
     "SlabFacts",
     "SlotRecord",
+    "block_digest",
     "describe",
     "slot_class",
     "slots_for",
@@ -62,6 +63,11 @@ _STEPS_PER_DOUBLING = 8
 FLAG_DURABLE = 1  # an L3 copy is wanted and not yet known written
 FLAG_PARENT = 2
 FLAG_UNHASHED = 4  # committed before its digest was computed (the digest field is zero until it is)
+
+
+def block_digest(data: memoryview | bytes) -> bytes:
+    """A block's digest as its slot record and its L3 pack record carry it: BLAKE3 of its bytes."""
+    return bytes(blake3(data).digest())
 
 
 class BadSlab(ValueError):

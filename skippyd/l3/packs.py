@@ -398,6 +398,10 @@ class L3Blocks:
                 if found is None:
                     break
                 plan.append((found[0], found[0].records[found[1]]))
+        spans: dict[str, tuple[int, int]] = {}  # per pack: where the blocks read from it begin and end
+        for pack, record in plan:
+            start, end = spans.get(pack.name, (record.offset, record.offset))
+            spans[pack.name] = (min(start, record.offset), max(end, record.offset + record.nbytes))
         done = 0
         fds: dict[str, int] = {}
         pending: list[tuple[Future[bytes], PackRecord, _Pack]] = []
@@ -409,7 +413,7 @@ class L3Blocks:
                         fd = fds[pack.name] = os.open(pack.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
                     except FileNotFoundError:
                         break  # evicted meanwhile: the run ends here
-                    _read_ahead(fd, [r for p, r in plan if p is pack])
+                    _read_ahead(fd, *spans[pack.name])
                 target = view[: record.nbytes]
                 if _read_all(fd, target, record.offset) != record.nbytes:
                     self._corrupt(pack, "a block ends past the end of its pack")
@@ -624,13 +628,11 @@ def _digest(view: memoryview) -> bytes:
     return bytes(blake3(view).digest())
 
 
-def _read_ahead(fd: int, records: Sequence[PackRecord]) -> None:
-    """Asks the kernel to start reading the span of a pack these blocks lie in: the blocks are then read
+def _read_ahead(fd: int, start: int, end: int) -> None:
+    """Asks the kernel to start reading the span of a pack a run's blocks lie in: the blocks are then read
     one by one (each hashed while the next is read), and without the hint each read of a cold pack waits
     for its own few I/Os (measured here: 256 reads of 256 KiB 53 ms, with the hint 38-43 ms, one plain
     read of the 64 MiB 33 ms)."""
-    start = min(r.offset for r in records)
-    end = max(r.offset + r.nbytes for r in records)
     with contextlib.suppress(OSError):
         os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
 
