@@ -173,7 +173,7 @@ def _layer_classes() -> dict[type, str]:
     from transformers import cache_utils as cu
 
     joined = _joined_classes()
-    return {
+    classes: dict[type, str] = {
         cu.DynamicLayer: "attn",
         joined[cu.DynamicLayer]: "attn",
         cu.DynamicSlidingWindowLayer: "sliding",
@@ -181,8 +181,11 @@ def _layer_classes() -> dict[type, str]:
         cu.LinearAttentionAndFullAttentionLayer: "hybrid",
         joined[cu.LinearAttentionAndFullAttentionLayer]: "hybrid",
         cu.LinearAttentionAndSlidingWindowAttentionLayer: "hybrid_sliding",
-        cu.DummyLayer: "dummy",
     }
+    dummy = getattr(cu, "DummyLayer", None)  # transformers 5.23 on; before it such layers were not made
+    if dummy is not None:
+        classes[dummy] = "dummy"
+    return classes
 
 
 def _pending_attr(name: str) -> Any:
@@ -410,7 +413,27 @@ def _kind_of(layers: tuple[LayerSpec, ...]) -> str:
     return KIND_RECURRENT if linear else KIND_KV
 
 
+#: The first transformers release this module works with: it passes every model's cache as ``cache=``
+#: and returns it as ``.cache`` (earlier 5.x releases used ``past_key_values`` and, for Mamba-family
+#: models, ``cache_params``). pyproject.toml's ``transformers`` extra declares the same floor.
+MIN_TRANSFORMERS = (5, 24)
+
+
+def _check_transformers() -> None:
+    import transformers
+
+    version = str(transformers.__version__)
+    parts = tuple(int(p) if p.isdigit() else 0 for p in version.split(".")[:2])
+    if parts < MIN_TRANSFORMERS:
+        floor = ".".join(map(str, MIN_TRANSFORMERS))
+        raise InvalidArgument(
+            f"transformers {version} is older than {floor}, the first release skippyd's integration works "
+            f"with (it passes caches as cache=): pip install 'transformers>={floor},<6'"
+        )
+
+
 def _build_profile(model: Any) -> ModelProfile:
+    _check_transformers()
     config = model.config
     dtype = _model_dtype(model)
     layers = _probe(model)
