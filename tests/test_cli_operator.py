@@ -335,7 +335,7 @@ def test_a_transformers_older_than_the_floor_is_one_clear_error_not_a_failure_de
     from skippyd.errors import InvalidArgument
     from skippyd.integrations import transformers as skt
 
-    monkeypatch.setattr(transformers, "__version__", "5.17.0")  # what some GPU images ship
-    with pytest.raises(InvalidArgument, match=r"transformers 5\.17\.0 is older than 5\.24") as raised:
+    monkeypatch.setattr(transformers, "__version__", "5.16.1")
+    with pytest.raises(InvalidArgument, match=r"transformers 5\.16\.1 is older than 5\.17") as raised:
         skt.profile(torch.nn.Linear(2, 2))
-    assert "pip install 'transformers>=5.24,<6'" in str(raised.value)
+    assert "pip install 'transformers>=5.17,<6'" in str(raised.value)
