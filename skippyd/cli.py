@@ -283,7 +283,8 @@ def stats(socket: str | None, config_file: str | None, as_json: bool) -> None:
         return
     latency = data.get("server", {}).pop("latency", {})
     sections = [(name, data[name]) for name in _STATS_SECTIONS if isinstance(data.get(name), dict)]
-    width = max([len(str(key)) for _, values in sections for key in values] + [len(op) for op in latency])
+    width = max([len(str(key)) for _, values in sections for key in values] + [len(op) for op in latency],
+                default=0)  # fmt: skip
     for section, values in sections:
         click.echo(f"[{section}]")
         for key, value in sorted(values.items()):
@@ -782,8 +783,13 @@ def top(socket: str | None, config_file: str | None, interval: float, once: bool
     from .stats import Snapshot
     from .top import render
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # (rich would exit 1) the reader left: stop quietly, below
+            self.quiet = True
+            raise BrokenPipeError
+
     client = _client(socket, config_file, timeout=5.0)
-    console = Console()
+    console = _Console()
     with client:
         current = Snapshot.from_wire(client.stats())
         if once:

@@ -226,6 +226,11 @@ def test_top_prints_one_view_after_another_when_its_output_is_piped(daemon: Daem
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=10)
     assert proc.returncode == 0 and "Traceback" not in err
+    head = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # `skippyd top | head -1`
+    assert head.stdout is not None and head.stdout.readline().startswith(b"skippyd 0.1.0")
+    head.stdout.close()
+    _, head_err = head.communicate(timeout=10)
+    assert head.returncode == 0 and head_err == b"", "the reader left: top stops quietly"
 
 
 # ----------------------------------------------------------------------------- 10: the smaller ones
