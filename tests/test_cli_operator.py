@@ -323,14 +323,17 @@ def test_warm_warmest_help_says_a_node_that_never_registered_can_be_the_answer(
     assert run("warm", "warmest", *common)[1].strip() == "static-gpu 256", "what the help says"
 
 
-def test_the_transformers_floor_pyproject_declares_is_the_one_the_floor_environment_installs() -> None:
+def test_the_transformers_floor_pyproject_declares_is_the_one_the_integration_checks_and_ci_tests() -> None:
+    from skippyd.integrations.transformers import MIN_TRANSFORMERS
+
     root = Path(__file__).resolve().parent.parent
-    text = (root / "pyproject.toml").read_text()
-    floor = re.search(r'"transformers>=([0-9.]+),<6"', text)
+    floor = re.search(r'"transformers>=([0-9.]+),<6"', (root / "pyproject.toml").read_text())
     assert floor is not None
-    script = (root / "scripts" / "transformers-floor-env.sh").read_text()
-    assert "transformers>=" in script and os.access(root / "scripts" / "transformers-floor-env.sh", os.X_OK)
-    assert "scripts/transformers-floor-env.sh" in (root / "scripts" / "test.sh").read_text()
+    assert tuple(int(part) for part in floor.group(1).split(".")[:2]) == MIN_TRANSFORMERS
+    script = root / "scripts" / "transformers-floor-env.sh"
+    assert os.access(script, os.X_OK) and "pyproject.toml" in script.read_text()
+    test_sh = (root / "scripts" / "test.sh").read_text()
+    assert "scripts/transformers-floor-env.sh" in test_sh and "tests/test_transformers.py" in test_sh
 
 
 def test_a_transformers_older_than_the_floor_is_one_clear_error_not_a_failure_deep_inside(
