@@ -7,6 +7,8 @@ Options follow one precedence everywhere: flags > ``SKIPPYD_<OPTION>`` environme
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -27,10 +29,11 @@ from .config import (
     embedded_redis_url,
     human_size,
     load_config,
+    parse_size,
 )
 from .display import human_age, human_us, plural
-from .errors import ConfigError, ConnectionLost, SkippydError, Timeout
-from .locate import resolve_socket_path
+from .errors import ConfigError, ConnectionLost, NotFound, SkippydError, Timeout
+from .locate import local_state_dir, resolve_socket_path
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -242,7 +245,8 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
     hits, misses = plural(l2.hits, "hit"), plural(l2.misses, "miss", "misses")
     click.echo(
         f"  L2         {plural(l2.entries, 'entry')}, {plural(l2.block_count, 'block')}, "
-        f"{human_size(l2.bytes + l2.block_slab_bytes)} of {human_size(l2.budget_bytes)}, {hits} / {misses}"
+        f"{human_size(l2.used_bytes)} used of {human_size(l2.budget_bytes)} "
+        f"(+ {human_size(l2.reserve_bytes)} pre-faulted reserve), {hits} / {misses}"
     )
     l3 = snap.l3
     if l3 is not None:
@@ -278,20 +282,23 @@ def stats(socket: str | None, config_file: str | None, as_json: bool) -> None:
         click.echo(json.dumps(data, indent=2, sort_keys=True))
         return
     latency = data.get("server", {}).pop("latency", {})
-    for section in ("l2", "l3", "durable", "ops", "server", "redis", "threads"):
-        values = data.get(section)
-        if not isinstance(values, dict):
-            continue
+    sections = [(name, data[name]) for name in _STATS_SECTIONS if isinstance(data.get(name), dict)]
+    width = max([len(str(key)) for _, values in sections for key in values] + [len(op) for op in latency],
+                default=0)  # fmt: skip
+    for section, values in sections:
         click.echo(f"[{section}]")
         for key, value in sorted(values.items()):
-            click.echo(f"  {key:22} {_stat(key, value)}")
+            click.echo(f"  {key:{width}} {_stat(key, value)}")
     if latency:
         click.echo("[latency]")
         for op, summary in sorted(latency.items()):
             click.echo(
-                f"  {op:22} count={summary['count']} p50={human_us(summary['p50_us'])} "
+                f"  {op:{width}} count={summary['count']} p50={human_us(summary['p50_us'])} "
                 f"p99={human_us(summary['p99_us'])} mean={human_us(summary['mean_us'])}"
             )
+
+
+_STATS_SECTIONS = ("l2", "l3", "durable", "ops", "server", "redis", "threads")
 
 
 def _stat(key: str, value: Any) -> str:
@@ -308,7 +315,12 @@ def _stat(key: str, value: Any) -> str:
 
 @main.command(name="ls")
 @_socket_options
-@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help='print one JSON document: {"blocks": [...], "entries": [...]} (with --blocks: the blocks list)',
+)
 @click.option("--limit", default=0, show_default=True, help="at most this many entries (0: all)")
 @click.option("--blocks", "only_blocks", is_flag=True, help="only the blocks held per identity")
 def ls_command(
@@ -319,7 +331,8 @@ def ls_command(
         entries = [] if only_blocks else client.ls(limit)
         blocks = client.block_summary()
     if as_json:
-        click.echo(json.dumps(blocks if only_blocks else entries, indent=2, sort_keys=True))
+        doc: Any = blocks if only_blocks else {"blocks": blocks, "entries": entries}
+        click.echo(json.dumps(doc, indent=2, sort_keys=True))
         return
     if blocks:
         click.echo(f"{'BLOCKS OF':16}  {'L2':>8}  {'L2 SIZE':>9}  {'L3':>8}  {'L3 SIZE':>9}")
@@ -373,7 +386,11 @@ def evict(
 ) -> None:
     """Remove entries: by payload digest (a prefix of at least 8 hex digits, as `ls` prints, will do),
     by key (--model, --state, [--namespace,] --tokens), an identity's blocks (--blocks --model --state
-    [--namespace]), or all entries and blocks."""
+    [--namespace]), or all entries and blocks.
+
+    Exit status 0 when the daemon holds none of what was named afterwards, whether this removed it or it
+    was not there ("removed 0 entries"; like `rm -f`, so scripts can evict idempotently); 1 when the
+    daemon could not do it (not answering, a digest prefix more than one entry has); 2 for a usage error."""
     by_key = model is not None or state is not None or tokens_file is not None
     if sum((digest is not None, everything, by_key)) != 1:
         _fail("give exactly one of --digest D, --all, or --model M --state S --tokens FILE (or --blocks)", 2)
@@ -391,7 +408,11 @@ def evict(
         if everything:
             removed = client.evict(all=True)
         elif digest is not None:
-            removed = client.evict(digest=digest.lower())
+            try:
+                removed = client.evict(digest=digest.lower())
+            except NotFound as exc:  # nothing has it: already gone, as an evict of an unknown key
+                click.echo(f"skippyd: {exc}", err=True)
+                removed = 0
         else:
             removed = client.evict(model=model, state=state, namespace=namespace, tokens=tokens)
     click.echo(f"removed {plural(removed, 'entry')}")
@@ -508,7 +529,12 @@ def warm_ran(model: str, node: str, tokens_file: str, block: int, **redis: Any) 
 def warm_warmest(
     model: str, tokens_file: str, block: int, min_blocks: int, as_json: bool, **redis: Any
 ) -> None:
-    """The live node that ran the longest remembered prefix of this prompt."""
+    """The node that ran the longest remembered prefix of this prompt, and its length in tokens (whole
+    blocks of --block tokens).
+
+    A node whose heartbeat expired, or that `warm forget` removed, is stepped over (a shorter prefix
+    another node ran can be the answer). A node that never registered (named only by `warm ran`, as a
+    static setup feeds the table) counts as live: it can be the answer."""
     tokens = read_tokens(tokens_file)
     found = _table(**redis, block=block, min_blocks=min_blocks).warmest(model, tokens)
     if as_json:
@@ -572,7 +598,12 @@ def l3() -> None:
 
 @l3.command(name="fsck")
 @click.option("--l3-dir", default=None, help="the L3 directory [env SKIPPYD_L3_DIR]")
-@click.option("--state-dir", default=None, help="its default parent [env SKIPPYD_STATE_DIR]")
+@click.option(
+    "--state-dir",
+    default=None,
+    help="its default parent (default: the nearest ./.skippyd, else /var/lib/skippyd) "
+    "[env SKIPPYD_STATE_DIR]",
+)
 @click.option("--config", "config_file", default=None, help="TOML config file [env SKIPPYD_CONFIG]")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="hash every stored byte")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document")
@@ -586,9 +617,16 @@ def l3_fsck(
     Exit status 0 when the store was clean, 1 when something was repaired or quarantined.
     """
     try:
-        config = load_config({"l3_dir": l3_dir, "state_dir": state_dir}, config_file=config_file).config
+        loaded = load_config({"l3_dir": l3_dir, "state_dir": state_dir}, config_file=config_file)
     except ConfigError as exc:
         _fail(str(exc), 2)
+    config = loaded.config
+    if all(loaded.sources.get(name) == "default" for name in ("l3_dir", "state_dir")):
+        local = local_state_dir()  # in a checkout: the store of the daemon scripts/run.sh runs there
+        if local is not None:
+            config = replace(config, state_dir=str(local))
+            if not as_json:
+                click.echo(f"skippyd: the store of this checkout's daemon ({local})", err=True)
     path = config.l3_path
     if path is None:
         _fail("L3 is turned off in this configuration (l3_dir = off)", 2)
@@ -616,8 +654,8 @@ def l3_fsck(
         click.echo(json.dumps({"clean": clean, **doc}, indent=2))
     else:
         click.echo(
-            f"{path}: {report.manifests} entries, {report.objects} objects, {report.verified} verified; "
-            f"{report.blocks} blocks, {report.blocks_verified} verified"
+            f"{path}: {plural(report.manifests, 'entry')}, {plural(report.objects, 'object')}, "
+            f"{report.verified} verified; {plural(report.blocks, 'block')}, {report.blocks_verified} verified"
         )
         for key in repairs:
             click.echo(f"  {key.replace('_', ' ')}: {doc[key]}")
@@ -635,11 +673,11 @@ def config_group() -> None:
     """The effective configuration."""
 
 
-_SIZES = ("l2_budget", "l3_budget", "l3_min_free", "max_entry", "staging_budget", "fill_budget", "max_frame")
+_SIZES = frozenset(name for name, spec in FIELDS.items() if spec.parse is parse_size)
 
 
 def _shown(name: str, value: Any) -> str:
-    if name in _SIZES and value:
+    if name in _SIZES and value:  # every size the same way: bytes, then in units
         return f"{value} ({human_size(value)})"
     if isinstance(value, tuple):
         return ",".join(str(v) for v in value) or "(none)"
@@ -715,35 +753,69 @@ def doctor(config_file: str | None, as_json: bool, **flags: Any) -> None:
     sys.exit(1 if any(f.level == FAIL for f in findings) else 0)
 
 
+_MIN_INTERVAL = 0.1
+
+
+def _interval(_ctx: click.Context, _param: click.Parameter, value: float) -> float:
+    if not math.isfinite(value) or value < _MIN_INTERVAL:
+        raise click.BadParameter(f"{value} is not a refresh interval: give seconds, at least {_MIN_INTERVAL}")
+    return value
+
+
 @main.command()
 @_socket_options
-@click.option("--interval", default=1.0, show_default=True, help="seconds between refreshes")
+@click.option(
+    "--interval",
+    default=1.0,
+    show_default=True,
+    callback=_interval,
+    help=f"seconds between refreshes (at least {_MIN_INTERVAL})",
+)
 @click.option("--once", is_flag=True, help="print one view and exit")
 def top(socket: str | None, config_file: str | None, interval: float, once: bool) -> None:
-    """A live view of hit rates, bytes and latencies, refreshed every second."""
+    """A live view of hit rates, bytes and latencies, refreshed every second (--interval).
+
+    On a terminal the view is redrawn in place; when the output is piped or redirected, one view is
+    printed after another, each after a blank line, until interrupted."""
     from rich.console import Console
     from rich.live import Live
 
     from .stats import Snapshot
     from .top import render
 
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:  # (rich would exit 1) the reader left: stop quietly, below
+            self.quiet = True
+            raise BrokenPipeError
+
     client = _client(socket, config_file, timeout=5.0)
-    console = Console()
+    console = _Console()
     with client:
         current = Snapshot.from_wire(client.stats())
         if once:
             console.print(render(current, None, interval))
             return
-        with Live(render(current, None, interval), console=console, refresh_per_second=4) as live:
-            try:
+        try:
+            if not console.is_terminal:  # a pipe or a file: plain views, one after another
+                console.print(render(current, None, interval))
+                sys.stdout.flush()
+                while True:
+                    time.sleep(interval)
+                    previous, current = current, Snapshot.from_wire(client.stats())
+                    console.print()
+                    console.print(render(current, previous, interval))
+                    sys.stdout.flush()
+            with Live(render(current, None, interval), console=console, refresh_per_second=4) as live:
                 while True:
                     time.sleep(interval)
                     previous, current = current, Snapshot.from_wire(client.stats())
                     live.update(render(current, previous, interval))
-            except KeyboardInterrupt:
-                pass
-            except SkippydError as exc:
-                _fail(str(exc))
+        except KeyboardInterrupt:
+            pass
+        except BrokenPipeError:  # `skippyd top | head`: the reader is gone, so is the view
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except SkippydError as exc:
+            _fail(str(exc))
 
 
 # Options that select what a destructive command destroys are never taken from the environment.

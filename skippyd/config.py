@@ -367,6 +367,7 @@ def load_config(
     file_values = _load_toml(path) if path is not None else {}
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    raws: dict[str, Any] = {}
     for name, spec in FIELDS.items():
         if name in flags:
             raw, source = flags[name], "flag"
@@ -376,24 +377,42 @@ def load_config(
             raw, source = file_values[name], f"file {path}"
         else:
             raw, source = spec.default, "default"
+        raws[name] = raw
         try:
             values[name] = spec.parse(raw)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"invalid {name} (from {source}): {exc}") from exc
         sources[name] = source
     config = Config(**values)
-    _check(config)
+    _check(config, raw=raws)
     return LoadedConfig(config, sources, path)
 
 
-def _check(config: Config) -> None:
-    for name in ("l2_budget", "l3_budget", "staging_budget"):
+_BUDGETS = ("l2_budget", "l3_budget", "staging_budget")
+
+
+def _check(config: Config, raw: Mapping[str, Any] | None = None) -> None:
+    """What no single value says wrong: budgets too small to hold one entry, an entry limit no budget
+    could hold, timings that contradict each other. ``raw`` holds the budgets as they were written
+    (a bare number like ``8`` most likely meant ``8GiB``: the hint says so)."""
+    for name in _BUDGETS:
         value = getattr(config, name)
         if value < MIN_BUDGET:
+            written = str((raw or {}).get(name, "")).strip()
+            if 0 < value <= 1024 and written.isdigit():
+                hint = f"sizes take units: did you mean {value}GiB?"
+            else:
+                hint = f"give a size such as {FIELDS[name].default}"
+            shown = "0 bytes" if value == 0 else human_size(value)
             raise ConfigError(
-                f"invalid {name}: {value} bytes is smaller than one entry ({human_size(MIN_BUDGET)}); "
-                f"sizes take units, e.g. {value}GiB"
+                f"invalid {name}: {shown} is smaller than one entry ({human_size(MIN_BUDGET)}); {hint}"
             )
+    if config.max_entry > config.l2_budget:
+        raise ConfigError(
+            f"invalid max_entry: {human_size(config.max_entry)} is larger than the L2 budget "
+            f"({human_size(config.l2_budget)}), which could never hold such an entry; "
+            "set --max-entry at most --l2-budget (0: the L2 budget)"
+        )
     if config.max_frame < 64 * 1024:
         raise ConfigError("invalid max_frame: must be at least 64KiB")
     if len(os.fsencode(config.socket)) >= 108:

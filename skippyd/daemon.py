@@ -19,6 +19,7 @@ from . import __version__
 from .blocks import Admission
 from .config import Config, human_size
 from .coordination import Coordinator, LocalPromotions, PromotionSettings
+from .display import plural
 from .errors import ConfigError
 from .handlers import Handlers
 from .keys import Identity
@@ -113,9 +114,10 @@ def run(
         if l3 is not None:
             report = l3.last_reconciliation
             log.info(
-                "L3 at %s: %d entries; reconciliation removed %d temporary file(s), quarantined %d, "
-                "collected %d orphan(s)", config.l3_path, report.manifests, report.temporary_removed,
-                report.manifests_quarantined, report.orphans_collected,
+                "L3 at %s: %s, %s; reconciliation removed %s, quarantined %d, collected %s",
+                config.l3_path, plural(report.manifests, "entry"), plural(report.blocks, "block"),
+                plural(report.temporary_removed, "temporary file"), report.manifests_quarantined,
+                plural(report.orphans_collected, "orphan"),
             )  # fmt: skip
         health = Health()
         tiers = Tiers(
@@ -137,12 +139,10 @@ def run(
             tiers.capture_hooks.append(_feed_warm_table(coordinator))
         stats = l2.stats()
         log.info(
-            "L2 at %s: %d entries adopted (%d dropped), budget %d bytes",
-            config.shm_path,
-            stats.adopted,
-            stats.adopt_dropped,
-            config.l2_budget,
-        )
+            "L2 at %s: %s adopted (%d dropped), %s adopted (%d dropped), budget %s",
+            config.shm_path, plural(stats.adopted, "entry"), stats.adopt_dropped,
+            plural(stats.block_adopted, "block"), stats.block_adopt_dropped, human_size(config.l2_budget),
+        )  # fmt: skip
         handlers = Handlers(config, tiers, coordinator, health=health, sources=sources, server=state)
         server = Server(
             config, handlers, health=health, state=state, housekeeping=tiers.housekeeping,

@@ -325,7 +325,9 @@ def check_daemon(daemon: Snapshot | None) -> Iterator[Finding]:
     yield Finding(
         OK,
         f"daemon {daemon.version} answers: node {daemon.node}, "
-        f"{plural(daemon.l2.entries, 'L2 entry', 'L2 entries')}",
+        f"{plural(daemon.l2.entries, 'L2 entry', 'L2 entries')}, "
+        f"{plural(daemon.l2.block_count, 'L2 block')}, {human_size(daemon.l2.used_bytes)} used of "
+        f"{human_size(daemon.l2.budget_bytes)} (+ {human_size(daemon.l2.reserve_bytes)} pre-faulted reserve)",
     )
     l2 = daemon.l2
     if l2.block_count or l2.block_slabs:

@@ -8,6 +8,10 @@ published, and removes it when it stops. A client given no socket looks, in orde
    ``scripts/run.sh`` started in this checkout (its state directory is ``./.skippyd``);
 3. ``/run/skippyd/skippyd.sock``, the system service's socket.
 
+Commands that work on a stopped daemon's files (``skippyd l3 fsck``) and are given no state directory
+use the nearest ``.skippyd`` directory in the working directory or one of its parents
+(:func:`local_state_dir`), else the system's ``/var/lib/skippyd``.
+
 Nothing here imports torch or redis: the CLI, the client and the daemon all use it.
 """
 
@@ -24,6 +28,7 @@ __all__ = [
     "LOCAL_STATE_DIR",
     "RUNTIME_FILE",
     "discover_local",
+    "local_state_dir",
     "read_runtime",
     "remove_runtime",
     "resolve_socket_path",
@@ -62,6 +67,20 @@ def discover_local(start: Path | None = None) -> dict[str, Any] | None:
         info = read_runtime(directory / LOCAL_STATE_DIR)
         if info is not None and Path(str(info["socket"])).exists():
             return info
+    return None
+
+
+def local_state_dir(start: Path | None = None) -> Path | None:
+    """The nearest ``.skippyd`` directory at or above ``start`` (default: the working directory): the
+    state directory ``scripts/run.sh`` uses in a checkout, whether or not its daemon runs."""
+    try:
+        here = (start or Path.cwd()).absolute()
+    except OSError:
+        return None
+    for directory in (here, *here.parents):
+        candidate = directory / LOCAL_STATE_DIR
+        if candidate.is_dir() and not candidate.is_symlink():
+            return candidate
     return None
 
 

@@ -1,4 +1,7 @@
-"""The view behind ``skippyd top``: rates from two snapshots of the daemon's counters, in 80 columns."""
+"""The view behind ``skippyd top``: rates from two snapshots of the daemon's counters, in 80 columns.
+
+L2's "used" is what ``status`` says too (:attr:`~skippyd.l2.L2Stats.used_bytes`: entries and blocks);
+its notes name the pre-faulted reserve beside it (memory holding no data)."""
 
 from __future__ import annotations
 
@@ -50,12 +53,12 @@ def render(now: Snapshot, before: Snapshot | None, seconds: float) -> Group:
     tiers.add_row(
         "L2",
         str(l2.entries),
-        human_size(l2.bytes),
+        human_size(l2.used_bytes),
         human_size(l2.budget_bytes),
         _hit_rate(hits, misses),
         _rate(l2.hits, l2_before.hits if l2_before else None, seconds),
         _rate(l2.evictions, l2_before.evictions if l2_before else None, seconds),
-        f"{human_size(l2.free_bytes)} free",
+        f"+{human_size(l2.reserve_bytes)} reserve",
     )
     l3 = now.l3
     if l3 is not None:

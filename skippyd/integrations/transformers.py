@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import threading
 import weakref
@@ -173,7 +174,7 @@ def _layer_classes() -> dict[type, str]:
     from transformers import cache_utils as cu
 
     joined = _joined_classes()
-    return {
+    classes: dict[type, str] = {
         cu.DynamicLayer: "attn",
         joined[cu.DynamicLayer]: "attn",
         cu.DynamicSlidingWindowLayer: "sliding",
@@ -181,8 +182,11 @@ def _layer_classes() -> dict[type, str]:
         cu.LinearAttentionAndFullAttentionLayer: "hybrid",
         joined[cu.LinearAttentionAndFullAttentionLayer]: "hybrid",
         cu.LinearAttentionAndSlidingWindowAttentionLayer: "hybrid_sliding",
-        cu.DummyLayer: "dummy",
     }
+    dummy = getattr(cu, "DummyLayer", None)  # transformers 5.23 on; before it such layers were not made
+    if dummy is not None:
+        classes[dummy] = "dummy"
+    return classes
 
 
 def _pending_attr(name: str) -> Any:
@@ -353,6 +357,33 @@ def _attn_tensor(t: torch.Tensor, name: str) -> TensorShape:
     return TensorShape(name, t.dtype, tuple(int(d) for d in t.shape), t.dim() - 2)
 
 
+#: The names a model's forward has taken its cache by: ``cache`` from transformers 5.24 on (the old
+#: names still accepted there, deprecated), before it ``past_key_values`` and, for the Mamba family,
+#: ``cache_params``. Passing the wrong one is silently ignored by some models (they start from scratch).
+_CACHE_NAMES = ("cache", "past_key_values", "cache_params")
+_cache_kwargs: dict[type, str] = {}
+
+
+def _cache_kwarg(model: Any) -> str:
+    """The keyword this model's forward takes its cache by (read from its signature once per class)."""
+    kind = type(model)
+    name = _cache_kwargs.get(kind)
+    if name is None:
+        params = inspect.signature(model.forward).parameters
+        name = next((n for n in _CACHE_NAMES if n in params), _CACHE_NAMES[0])
+        _cache_kwargs[kind] = name
+    return name
+
+
+def _returned_cache(out: Any) -> Any:
+    """The cache a forward returned, under whichever name this transformers gives it."""
+    for name in _CACHE_NAMES:
+        found = getattr(out, name, None)
+        if found is not None:
+            return found
+    return None
+
+
 def _probe(model: Any) -> tuple[LayerSpec, ...]:
     """Runs one token through a fresh cache and reads every layer's kind, tensor shapes and dtypes."""
     from transformers import DynamicCache
@@ -360,8 +391,8 @@ def _probe(model: Any) -> tuple[LayerSpec, ...]:
     cache = DynamicCache(config=model.config)
     ids = torch.zeros((1, 1), dtype=torch.long, device=_model_device(model))
     with torch.no_grad():
-        out = model(input_ids=ids, cache=cache, use_cache=True)
-    returned = getattr(out, "cache", None)
+        out = model(input_ids=ids, use_cache=True, **{_cache_kwarg(model): cache})
+    returned = _returned_cache(out)
     if returned is not None and returned is not cache:
         cache = returned
     if not isinstance(cache, DynamicCache) or type(cache) is not DynamicCache:
@@ -410,7 +441,26 @@ def _kind_of(layers: tuple[LayerSpec, ...]) -> str:
     return KIND_RECURRENT if linear else KIND_KV
 
 
+#: The first transformers release this module is tested with (scripts/transformers-floor-env.sh runs
+#: the transformers tests on it); pyproject.toml's ``transformers`` extra declares the same floor.
+MIN_TRANSFORMERS = (5, 17)
+
+
+def _check_transformers() -> None:
+    import transformers
+
+    version = str(transformers.__version__)
+    parts = tuple(int(p) if p.isdigit() else 0 for p in version.split(".")[:2])
+    if parts < MIN_TRANSFORMERS:
+        floor = ".".join(map(str, MIN_TRANSFORMERS))
+        raise InvalidArgument(
+            f"transformers {version} is older than {floor}, the first release skippyd's integration is "
+            f"tested with: pip install 'transformers>={floor},<6'"
+        )
+
+
 def _build_profile(model: Any) -> ModelProfile:
+    _check_transformers()
     config = model.config
     dtype = _model_dtype(model)
     layers = _probe(model)
@@ -989,12 +1039,12 @@ def prefill(
     extra: dict[str, Any] = {"logits_to_keep": logits_to_keep} if logits_to_keep > 0 else {}
     with torch.no_grad():
         if not (prof.stepwise and _has_state(cache)):
-            out = model(input_ids=ids, cache=cache, use_cache=True, **extra)
+            out = model(input_ids=ids, use_cache=True, **{_cache_kwarg(model): cache}, **extra)
             return out.logits, cache
         keep = n if logits_to_keep <= 0 else min(n, logits_to_keep)
         kept: list[torch.Tensor] = []
         for i in range(n):
-            out = model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True)
+            out = model(input_ids=ids[:, i : i + 1], use_cache=True, **{_cache_kwarg(model): cache})
             if i >= n - keep:
                 kept.append(out.logits[:, -1:])
         return torch.cat(kept, dim=1), cache

@@ -61,6 +61,7 @@ class L2BlockStats:
     block_slabs: int = 0
     block_slab_bytes: int = 0  # every charged byte of the slabs: slots in use, free slots, headers
     block_free_slots: int = 0
+    block_free_bytes: int = 0  # the free slots' bytes (pre-faulted, no block in them): part of the reserve
     block_hits: int = 0
     block_misses: int = 0
     block_inserts: int = 0
@@ -567,13 +568,7 @@ class L2Blocks:
         for key in list(self._blocks):
             if key in self._blocks:
                 self._remove_chain(key)
-        for group in list(self._groups.values()):
-            for _ in range(len(group.free)):
-                home, index = group.free.popleft()
-                if home.slab.has_readers(index):
-                    group.free.append((home, index))
-                else:
-                    self._punch(group, home, index)
+        self.release_all_free()
         return count
 
     def _remove_chain(self, key: bytes) -> None:
@@ -683,10 +678,26 @@ class L2Blocks:
                 block.home.slab.set_last_use(block.index, block.last_use)
 
     def close(self) -> None:
+        """Writes pending recency, punches every free slot nobody reads (unlinking slabs left with no
+        block) and unmaps the slabs; the blocks stay for the next start to adopt."""
         self.flush_recency()
+        self.release_all_free()
         for group in self._groups.values():
             for home in group.homes:
                 home.slab.close()
+
+    def release_all_free(self) -> int:
+        """Gives back every free slot's memory nobody still reads; returns how many slots."""
+        released = 0
+        for group in list(self._groups.values()):
+            for _ in range(len(group.free)):
+                home, index = group.free.popleft()
+                if home.slab.has_readers(index):
+                    group.free.append((home, index))
+                else:
+                    self._punch(group, home, index)
+                    released += 1
+        return released
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> L2BlockStats:
@@ -697,6 +708,7 @@ class L2Blocks:
         stats.block_slabs = sum(len(group.homes) for group in self._groups.values())
         stats.block_slab_bytes = self.charged
         stats.block_free_slots = sum(len(group.free) for group in self._groups.values())
+        stats.block_free_bytes = sum(len(group.free) * group.slot_size for group in self._groups.values())
         stats.block_unhashed = len(self._unhashed)
         stats.block_unhashed_bytes = self.unhashed_bytes
         return stats

@@ -77,6 +77,9 @@ class L2Stats(L2BlockStats):
     adopted: int = 0
     adopt_dropped: int = 0
     prefaulted_files: int = 0  # free entry files the reserve faulted in ahead of demand
+    # The one reading of L2 usage that status, top, stats, metrics and doctor all print:
+    used_bytes: int = 0  # what cached data takes: the entries' files and the held blocks' slots
+    reserve_bytes: int = 0  # pre-faulted memory holding no data: free entry files and free block slots
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,16 +284,19 @@ class L2Tier:
                     break
 
     def close(self) -> None:
-        """Writes pending recency, drops mappings and releases the directory. Entries stay on tmpfs."""
+        """Writes pending recency, gives back the memory that holds no data (free entry files and free
+        block slots: the reserve, pre-faulted ahead of demand, and what evictions left for reuse), drops
+        mappings and releases the directory. Entries and blocks stay on tmpfs for the next start to adopt;
+        a file or slot a client still reads keeps its pages."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self.flush_recency()
+            self._pool.drop_all()
             self.blocks.close()
             for slot in self._index:
                 slot.file.unmap()
-            self._pool.unmap_all()
             os.close(self._lock_fd)
 
     def __enter__(self) -> L2Tier:
@@ -601,6 +607,8 @@ class L2Tier:
             blocks = self.blocks.stats()
             for name in L2BlockStats.__slots__:
                 setattr(stats, name, getattr(blocks, name))
+            stats.used_bytes = stats.bytes + stats.block_bytes
+            stats.reserve_bytes = stats.free_bytes + stats.block_free_bytes
             return stats
 
     def flush_recency(self) -> None:
