@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, embedded_redis_url, human_size
-from .display import plural
+from .display import human_age, plural
 from .errors import SkippydError
 from .l2.slabs import SLAB_SUFFIX, BadSlab, describe
 from .stats import Snapshot
@@ -105,10 +106,22 @@ def check_redis(config: Config, daemon: Snapshot | None) -> Iterator[Finding]:
     else:
         yield Finding(OK, f"Redis {version} reachable at {url}")
     if daemon is not None and daemon.redis.degraded:
+        since = time.strftime("%H:%M:%S", time.localtime(time.time() - daemon.redis.degraded_for_s))
         yield Finding(
             FAIL,
-            f"the daemon's Redis link is degraded: {daemon.redis.cause}",
-            "check Redis load and network; the daemon retries with backoff",
+            f"the daemon's Redis link is degraded since {since} ({human_age(daemon.redis.degraded_for_s)}): "
+            f"{daemon.redis.cause}",
+            "check Redis load and network; the daemon retries with backoff"
+            + (" and restarts its embedded redis-server" if daemon.redis.embedded else ""),
+        )
+    if daemon is not None and daemon.redis.embedded and daemon.redis.server_restarts:
+        age = daemon.redis.server_last_restart_age_s
+        yield Finding(
+            WARN,
+            f"the embedded redis-server died and was restarted {plural(daemon.redis.server_restarts, 'time')}"
+            + (f", last {human_age(age)} ago" if age is not None else "")
+            + (f" (the one before {daemon.redis.server_last_exit})" if daemon.redis.server_last_exit else ""),
+            f"see {Path(config.state_dir) / 'redis' / 'redis.log'} and the kernel log (OOM killer)",
         )
 
 
