@@ -24,6 +24,8 @@ from skippyd import WarmTable
 from skippyd.cli import main
 from skippyd.coordination import connect
 from skippyd.errors import NotConfigured
+from skippyd.files import lock_holder
+from skippyd.redis_embedded import EmbeddedRedis
 from skippyd.rediskeys import RedisKeys
 
 MODEL, STATE = "m", "kv-v1"
@@ -231,8 +233,7 @@ def test_a_killed_embedded_redis_server_is_restarted_and_what_ran_meanwhile_reac
         assert redis["server_pid"] == redis_pid(daemon) != pid and running(redis["server_pid"])
         assert redis["server_last_exit"] == "was killed by SIGKILL" and redis["failures"] >= 1
         assert redis["ran_dropped"] == 0
-        for prompt in gap:
-            assert eventually(lambda p=prompt: table.warmest(MODEL, p)) == ("test-node", 256)
+        assert eventually(lambda: all(table.warmest(MODEL, p) == ("test-node", 256) for p in gap))
         assert table.warmest(MODEL, before) == ("test-node", 192), "reloaded from the append-only file"
         assert [n.node for n in table.nodes()] == ["test-node"], "registered again"
     code, out, _ = cli("status", "--socket", str(daemon.socket))
@@ -264,3 +265,57 @@ def test_status_exits_4_while_the_configured_redis_is_down_and_0_once_it_is_back
         server.cleanup()
     proc.stop()
     assert cli("status", "--check", "--socket", sock)[0] == 3
+
+
+def test_a_leftover_redis_server_is_stopped_once_the_lock_shows_its_daemon_is_gone(make_daemon: Any) -> None:
+    proc = make_daemon()
+    where = proc.state_dir / "redis"
+    where.mkdir(parents=True)
+    leftover = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", "0",
+         "--unixsocket", str(where / "redis.sock"), "--dir", str(where),
+         "--pidfile", str(where / "redis.pid"), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert eventually(lambda: (where / "redis.pid").exists() and (where / "redis.sock").exists())
+        proc.start()
+        assert leftover.wait(timeout=10) == 0, "stopped with SIGTERM (its AOF flushed)"
+        assert (
+            f"stopping an embedded redis-server (pid {leftover.pid}) left by an earlier run"
+            in proc.log_text()
+        )
+        assert redis_pid(proc) != leftover.pid and running(redis_pid(proc))
+    finally:
+        if leftover.poll() is None:
+            leftover.kill()
+            leftover.wait()
+
+
+def test_the_supervisor_restarts_a_dead_server_with_callbacks_and_stop_ends_it_for_good(
+    tmp_short: Path,
+) -> None:
+    state = tmp_short / "state"
+    embedded = EmbeddedRedis(state, appendonly=False)
+    downs: list[str] = []
+    ups: list[int] = []
+    embedded.start()
+    assert lock_holder(state) == os.getpid(), "the state directory's lock is taken by whoever starts it"
+    embedded.supervise(on_down=downs.append, on_up=lambda: ups.append(1))
+    try:
+        assert embedded.proc is not None
+        first = embedded.proc.pid
+        os.kill(first, signal.SIGKILL)
+        assert eventually(lambda: ups == [1], timeout=10)
+        assert downs == [f"the embedded redis-server (pid {first}) was killed by SIGKILL"]
+        status = embedded.status()
+        assert status["server_restarts"] == 1 and status["server_last_exit"] == "was killed by SIGKILL"
+        assert status["server_pid"] not in (0, first) and running(status["server_pid"])
+        assert status["server_down_for_s"] is None and status["server_last_restart_age_s"] >= 0
+        assert connect(embedded.url).ping()
+        second = status["server_pid"]
+    finally:
+        embedded.stop()
+    assert not running(second) and lock_holder(state) is None
+    time.sleep(1.0)
+    assert ups == [1] and embedded.proc is None, "a stopped server is not started again"
