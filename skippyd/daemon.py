@@ -184,7 +184,7 @@ def lock_state_dir(state_dir: Path) -> int:
     """Takes the state directory's owner lock (the embedded Redis, the default L3 and ``daemon.json``
     live there); a live daemon holding it refuses this one with one line, before anything is touched."""
     try:
-        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        state_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"invalid state_dir: cannot create {state_dir}: {exc.strerror}") from exc
     with _owned("state directory", "--state-dir"):

@@ -87,7 +87,7 @@ class EmbeddedRedis:
 
         :class:`~skippyd.errors.StoreLocked` when another live process holds the state directory."""
         binary = redis_server_binary()
-        self.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
         if lock_holder(self.state_dir) != os.getpid():
             self._lock_fd = take_owner_lock(self.state_dir)
         try:
@@ -220,7 +220,7 @@ class EmbeddedRedis:
                 try:
                     self._spawn(redis_server_binary(), 15.0)
                     break
-                except SkippydError as exc:
+                except (SkippydError, OSError) as exc:  # no binary, no memory to fork: try again later
                     if self._stopping.is_set():
                         return
                     delay = RESTART_DELAYS[min(quick_deaths, len(RESTART_DELAYS) - 1)]
