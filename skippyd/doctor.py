@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import stat
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from .config import Config, embedded_redis_url, human_size
 from .display import human_age, plural
 from .errors import SkippydError
 from .l2.slabs import SLAB_SUFFIX, BadSlab, describe
-from .stats import Snapshot
+from .stats import Snapshot, redis_summary
 
 __all__ = ["Finding", "diagnose"]
 
@@ -106,11 +105,9 @@ def check_redis(config: Config, daemon: Snapshot | None) -> Iterator[Finding]:
     else:
         yield Finding(OK, f"Redis {version} reachable at {url}")
     if daemon is not None and daemon.redis.degraded:
-        since = time.strftime("%H:%M:%S", time.localtime(time.time() - daemon.redis.degraded_for_s))
         yield Finding(
             FAIL,
-            f"the daemon's Redis link is degraded since {since} ({human_age(daemon.redis.degraded_for_s)}): "
-            f"{daemon.redis.cause}",
+            f"the daemon's Redis link is {redis_summary(daemon.redis)}",
             "check Redis load and network; the daemon retries with backoff"
             + (" and restarts its embedded redis-server" if daemon.redis.embedded else ""),
         )

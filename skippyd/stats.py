@@ -11,6 +11,7 @@ counter renamed in one place is a type error everywhere it is read, never a sile
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
@@ -213,11 +214,14 @@ class Condition:
 
 
 def redis_summary(redis: RedisStatus) -> str:
-    """The Redis link in a few words: ``ok``, or ``degraded for 4s: <cause>``; with the embedded
+    """The Redis link in a few words: ``ok``, or ``degraded since 16:05:01 (4s): <cause>``; with the embedded
     server's restarts when it had any (``restarted 2 times, last 1m05s ago: it was killed by SIGKILL``)."""
     if not redis.configured:
         return "not configured"
-    text = f"degraded for {human_age(redis.degraded_for_s)}: {redis.cause}" if redis.degraded else "ok"
+    text = "ok"
+    if redis.degraded:
+        since = time.strftime("%H:%M:%S", time.localtime(time.time() - redis.degraded_for_s))
+        text = f"degraded since {since} ({human_age(redis.degraded_for_s)}): {redis.cause}"
     if redis.embedded and redis.server_down_for_s is not None and not redis.degraded:
         text += f"; embedded redis-server down for {human_age(redis.server_down_for_s)}"
     if redis.embedded and redis.server_restarts:

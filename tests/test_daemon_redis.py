@@ -251,11 +251,11 @@ def test_status_exits_4_while_the_configured_redis_is_down_and_0_once_it_is_back
         server.kill()
         assert eventually(lambda: cli("status", "--check", "--socket", sock)[0] == 4)
         code, out, err = cli("status", "--check", "--socket", sock)
-        assert out == "" and len(err.strip().splitlines()) == 1 and "is degraded: redis degraded for" in err
+        assert out == "" and len(err.strip().splitlines()) == 1 and "is degraded: redis degraded since" in err
         code, out, _ = cli("status", "--json", "--socket", sock)
         doc = json.loads(out)
         assert code == 4 and doc["up"] and doc["healthy"] is False and doc["state"] == "degraded"
-        assert len(doc["problems"]) == 1 and doc["problems"][0].startswith("redis degraded for")
+        assert len(doc["problems"]) == 1 and doc["problems"][0].startswith("redis degraded since")
         code, out, _ = cli("status", "--socket", sock)
         assert code == 4 and "DEGRADED" in out
         server.start()
