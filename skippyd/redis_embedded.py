@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import signal
+import socket as socketlib
 import subprocess
 import threading
 import time
@@ -179,7 +180,12 @@ class EmbeddedRedis:
                 preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
         deadline = time.monotonic() + timeout
-        while not self.socket.exists():
+        while True:  # started means answering: it opens its socket before it has read its AOF
+            answer = _ping(self.socket)
+            if answer == "PONG":
+                break
+            if answer == "LOADING":  # reading a large append-only file: give it time
+                deadline = max(deadline, time.monotonic() + 5)
             if proc.poll() is not None:
                 tail = _tail(self.dir / "redis.log")
                 raise SkippydError(f"the embedded redis-server exited at start: {tail}")
@@ -187,7 +193,7 @@ class EmbeddedRedis:
                 with contextlib.suppress(OSError):
                     proc.kill()
                 proc.wait()
-                raise SkippydError("the embedded redis-server did not open its socket in time")
+                raise SkippydError("the embedded redis-server did not answer on its socket in time")
             time.sleep(0.02)
         self._started_at = time.monotonic()
         log.info("embedded redis-server (pid %d) on %s", proc.pid, self.socket)
@@ -280,6 +286,24 @@ def _die_with_parent() -> None:
     pr_set_pdeathsig = 1
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+def _ping(path: Path) -> str:
+    """``PONG``, ``LOADING`` or ``""`` (no answer yet): one PING over the unix socket, without redis-py
+    (only :mod:`skippyd.coordination` speaks Redis's client protocol for real)."""
+    if not path.exists():
+        return ""
+    try:
+        with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as conn:
+            conn.settimeout(1.0)
+            conn.connect(os.fspath(path))
+            conn.sendall(b"PING\r\n")
+            reply = conn.recv(256)
+    except OSError:
+        return ""
+    if reply.startswith(b"+PONG"):
+        return "PONG"
+    return "LOADING" if reply.startswith(b"-LOADING") else ""
 
 
 def _tail(path: Path, lines: int = 3) -> str:

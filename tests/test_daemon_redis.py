@@ -319,3 +319,28 @@ def test_the_supervisor_restarts_a_dead_server_with_callbacks_and_stop_ends_it_f
     assert not running(second) and lock_holder(state) is None
     time.sleep(1.0)
     assert ups == [1] and embedded.proc is None, "a stopped server is not started again"
+
+
+def test_a_server_that_cannot_start_again_stays_down_and_is_retried_until_it_can(tmp_short: Path) -> None:
+    state = tmp_short / "state"
+    embedded = EmbeddedRedis(state)
+    ups: list[int] = []
+    embedded.start()
+    embedded.supervise(on_up=lambda: ups.append(1))
+    aof = embedded.dir / "appendonlydir"
+    try:
+        assert embedded.proc is not None
+        os.kill(embedded.proc.pid, signal.SIGKILL)
+        aof.rename(embedded.dir / "aof-aside")
+        aof.touch()  # redis-server exits at start: "Can't open or create append-only dir"
+        assert eventually(lambda: (embedded.status()["server_down_for_s"] or 0) > 2.0, timeout=10)
+        status = embedded.status()
+        assert status["server_pid"] == 0 and status["server_restarts"] == 0 and ups == []
+        aof.unlink()
+        (embedded.dir / "aof-aside").rename(aof)
+        assert eventually(lambda: ups == [1], timeout=20), "retried with backoff until it starts"
+        status = embedded.status()
+        assert status["server_restarts"] == 1 and status["server_down_for_s"] is None
+        assert connect(embedded.url).ping()
+    finally:
+        embedded.stop()
