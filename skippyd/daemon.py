@@ -61,7 +61,9 @@ def run(
     preflight(config)
     with contextlib.ExitStack() as stack:
         state_dir = Path(config.state_dir)
-        stack.callback(os.close, lock_state_dir(state_dir))
+        state_lock = lock_state_dir(state_dir, needed=_needs_state_dir(config))
+        if state_lock is not None:
+            stack.callback(os.close, state_lock)
         # the tiers' constructors take their directories' locks and touch nothing else: recovery (adopt,
         # reconcile) waits until everything this daemon needs is known to be its own
         with _owned("L2 directory", "--shm-dir"):
@@ -180,15 +182,31 @@ def run(
     return 0
 
 
-def lock_state_dir(state_dir: Path) -> int:
+def lock_state_dir(state_dir: Path, *, needed: bool = True) -> int | None:
     """Takes the state directory's owner lock (the embedded Redis, the default L3 and ``daemon.json``
-    live there); a live daemon holding it refuses this one with one line, before anything is touched."""
+    live there); a live daemon holding it refuses this one with one line, before anything is touched.
+
+    A daemon that keeps nothing there (a shared Redis or none, L3 elsewhere or off) runs on when the
+    directory cannot be made (None): only ``daemon.json``, a convenience, is then not written."""
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
+        with _owned("state directory", "--state-dir"):
+            return take_owner_lock(state_dir)
+    except StoreLocked:
+        raise
     except OSError as exc:
-        raise ConfigError(f"invalid state_dir: cannot create {state_dir}: {exc.strerror}") from exc
-    with _owned("state directory", "--state-dir"):
-        return take_owner_lock(state_dir)
+        if needed:
+            raise ConfigError(f"invalid state_dir: cannot use {state_dir}: {exc.strerror}") from exc
+        log.info("state directory %s not usable (%s): nothing of this daemon's lives there", state_dir,
+                 exc.strerror)  # fmt: skip
+        return None
+
+
+def _needs_state_dir(config: Config) -> bool:
+    """Whether anything of the daemon's lives in the state directory: the embedded Redis, or L3."""
+    l3 = config.l3_path
+    state = Path(config.state_dir).absolute()
+    return not config.redis_url or (l3 is not None and state in (l3.absolute(), *l3.absolute().parents))
 
 
 @contextlib.contextmanager
