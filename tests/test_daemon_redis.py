@@ -344,3 +344,20 @@ def test_a_server_that_cannot_start_again_stays_down_and_is_retried_until_it_can
         assert connect(embedded.url).ping()
     finally:
         embedded.stop()
+
+
+def test_the_condition_status_reports_is_unhealthy_over_degraded_over_healthy() -> None:
+    from skippyd.stats import Condition, RedisStatus, Snapshot
+    from skippyd.workers import ThreadHealth
+
+    assert Snapshot(redis=RedisStatus(configured=True)).condition() == Condition("healthy")
+    assert Snapshot().condition() == Condition("healthy"), "no Redis configured: nothing to miss"
+    away = RedisStatus(configured=True, degraded=True, cause="Connection refused", degraded_for_s=3.0)
+    degraded = Snapshot(redis=away).condition()
+    assert degraded.state == "degraded" and len(degraded.problems) == 1
+    assert degraded.problems[0].startswith("redis degraded since ")
+    assert degraded.problems[0].endswith("(3s): Connection refused")
+    dead = Snapshot(healthy=False, threads={"skippyd-promoter": ThreadHealth(alive=False)}, redis=away)
+    unhealthy = dead.condition()
+    assert unhealthy.state == "unhealthy" and len(unhealthy.problems) == 2
+    assert unhealthy.problems[0] == "background thread(s) skippyd-promoter died: restart the daemon"
