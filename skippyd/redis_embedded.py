@@ -33,6 +33,7 @@ from typing import Any
 from .config import embedded_redis_socket, embedded_redis_url
 from .errors import ConfigError, SkippydError, StoreLocked
 from .files import lock_holder, take_owner_lock
+from .workers import Health
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]
 
@@ -86,7 +87,8 @@ class EmbeddedRedis:
     def start(self, timeout: float = 15.0) -> str:
         """Starts the server (once the state directory's lock is this process's); returns its URL.
 
-        :class:`~skippyd.errors.StoreLocked` when another live process holds the state directory."""
+        :class:`~skippyd.errors.StoreLocked` when another live process holds the state directory. One
+        object per state directory and process: a lock this process holds counts as this object's."""
         binary = redis_server_binary()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if lock_holder(self.state_dir) != os.getpid():
@@ -106,7 +108,7 @@ class EmbeddedRedis:
         *,
         on_down: Callable[[str], None] | None = None,
         on_up: Callable[[], None] | None = None,
-        health: Any = None,
+        health: Health | None = None,
     ) -> None:
         """Restarts the server whenever it dies, until :meth:`stop`. ``on_down(cause)`` runs when it died,
         ``on_up()`` once a new one answers; ``health`` (a :class:`~skippyd.workers.Health`) watches the
