@@ -252,7 +252,7 @@ class EmbeddedRedis:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except (OSError, ValueError):
             return
-        if b"redis-server" not in cmdline or os.fsencode(str(self.socket)) not in cmdline:
+        if b"redis-server" not in cmdline or not self._ours(pid, cmdline):
             return
         log.warning("stopping an embedded redis-server (pid %d) left by an earlier run", pid)
         with contextlib.suppress(ProcessLookupError):
@@ -260,6 +260,16 @@ class EmbeddedRedis:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and Path(f"/proc/{pid}").exists():
             time.sleep(0.02)
+
+    def _ours(self, pid: int, cmdline: bytes) -> bool:
+        """Whether redis-server ``pid`` serves this directory: its title names our socket (Redis 7), or
+        it works in our directory (it changes into ``--dir`` at start, in every version)."""
+        if os.fsencode(str(self.socket)) in cmdline:
+            return True
+        try:
+            return Path(os.readlink(f"/proc/{pid}/cwd")) == self.dir.resolve()
+        except OSError:
+            return False
 
     def _release(self) -> None:
         fd, self._lock_fd = self._lock_fd, None

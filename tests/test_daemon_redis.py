@@ -267,14 +267,19 @@ def test_status_exits_4_while_the_configured_redis_is_down_and_0_once_it_is_back
     assert cli("status", "--check", "--socket", sock)[0] == 3
 
 
-def test_a_leftover_redis_server_is_stopped_once_the_lock_shows_its_daemon_is_gone(make_daemon: Any) -> None:
+@pytest.mark.parametrize("title", ["", "{title} {port}"], ids=["title-names-the-socket", "bare-title"])
+def test_a_leftover_redis_server_is_stopped_once_the_lock_shows_its_daemon_is_gone(
+    make_daemon: Any, title: str
+) -> None:
+    """Recognised by the socket in its process title (Redis 7's default) or by its working directory."""
     proc = make_daemon()
     where = proc.state_dir / "redis"
     where.mkdir(parents=True)
     leftover = subprocess.Popen(
         [shutil.which("redis-server") or "redis-server", "--port", "0",
          "--unixsocket", str(where / "redis.sock"), "--dir", str(where),
-         "--pidfile", str(where / "redis.pid"), "--save", "", "--appendonly", "no"],
+         "--pidfile", str(where / "redis.pid"), "--save", "", "--appendonly", "no",
+         *(["--proc-title-template", title] if title else [])],
         stdout=subprocess.DEVNULL,
     )  # fmt: skip
     try:
