@@ -190,39 +190,53 @@ def serve(config_file: str | None, **flags: Any) -> None:
     sys.exit(code)
 
 
-@main.command()
+# ``status`` exits (every form): 0 answers and is healthy; 1 answers but is unhealthy (a background
+# thread died: restart it), or refuses this user; 3 does not answer (no daemon there, as
+# ``systemctl is-active`` exits for a unit that is not running); 4 answers and serves but is degraded
+# (its configured Redis is unreachable: a restart would not help). 2 is a usage error, as everywhere.
+STATUS_EXIT = {"healthy": 0, "unhealthy": 1, "degraded": 4}
+STATUS_NOT_ANSWERING = 3
+
+
+@main.command(
+    epilog="Exit status: 0 answers and healthy; 1 unhealthy (a background thread died: restart it) or "
+    "refused; 3 not answering; 4 degraded (serves, but its configured Redis is unreachable)."
+)
 @_socket_options
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document")
-@click.option("--check", is_flag=True, help="exit 0 only if the daemon answers; print nothing")
+@click.option(
+    "--check",
+    is_flag=True,
+    help="print nothing when healthy, else one line on stderr; the exit status says which (below)",
+)
 def status(socket: str | None, config_file: str | None, as_json: bool, check: bool) -> None:
     """Is the daemon up, and how is it doing."""
     client = _client(socket, config_file, timeout=5.0)
     with client:
-        if check:
-            try:
-                health = client.health()
-            except SkippydError:
-                sys.exit(1)
-            if not health["healthy"]:
-                dead = ", ".join(health["dead_threads"])
-                click.echo(f"skippyd on {client.socket_path} is unhealthy: {dead} died", err=True)
-                sys.exit(1)
-            sys.exit(0)
         try:
             info = client.server_info
             stats = client.stats()
         except SkippydError as exc:
-            if as_json:
+            answering = not isinstance(exc, (ConnectionLost, Timeout))
+            code = 1 if answering else STATUS_NOT_ANSWERING
+            if as_json and not check:
                 doc = {"up": False, "socket": client.socket_path, "error": str(exc), "code": exc.code}
                 click.echo(json.dumps(doc))
-            elif isinstance(exc, (ConnectionLost, Timeout)):
+            elif not answering:
                 click.echo(f"skippyd is not answering on {client.socket_path}: {exc}", err=True)
             else:
                 click.echo(f"skippyd on {client.socket_path} refused: {exc} [{exc.code}]", err=True)
-            sys.exit(1)
-    from .stats import Snapshot
+            sys.exit(code)
+    from .stats import Snapshot, redis_summary
 
     snap = Snapshot.from_wire(stats)
+    condition = snap.condition()
+    code = STATUS_EXIT[condition.state]
+    if check:
+        if condition.problems:
+            click.echo(f"skippyd on {client.socket_path} is {condition.state}: "
+                       f"{'; '.join(condition.problems)}", err=True)  # fmt: skip
+        sys.exit(code)
     if as_json:
         doc = {
             "up": True,
@@ -230,14 +244,16 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
             "server": info.get("server"),
             "node": snap.node,
             "uptime_s": snap.uptime_s,
-            "healthy": snap.healthy,
+            "healthy": condition.state == "healthy",
+            "state": condition.state,
+            "problems": list(condition.problems),
             "l2": stats["l2"],
             "l3": stats.get("l3"),
             "redis": stats.get("redis", {}),
             "connections": snap.server.connections,
         }
         click.echo(json.dumps(doc, indent=2, sort_keys=True))
-        return
+        sys.exit(code)
     l2 = snap.l2
     version, uptime = _version_of(info.get("server")), human_age(snap.uptime_s)
     click.echo(f"skippyd {version} on {client.socket_path}: up {uptime}")
@@ -261,14 +277,11 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
         )
     else:
         click.echo("  L3         off")
-    if not snap.redis.configured:
-        click.echo("  redis      not configured")
-    else:
-        click.echo(f"  redis      {'degraded: ' + snap.redis.cause if snap.redis.degraded else 'ok'}")
+    click.echo(f"  redis      {redis_summary(snap.redis)}")
     click.echo(f"  clients    {snap.server.connections} connected")
-    died = sorted(name for name, thread in snap.threads.items() if not thread.alive)
-    if died:
-        click.echo(f"  UNHEALTHY  background thread(s) {', '.join(died)} died: restart the daemon")
+    if condition.state != "healthy":
+        click.echo(f"  {condition.state.upper():10} {'; '.join(condition.problems)}")
+    sys.exit(code)
 
 
 @main.command()

@@ -457,6 +457,14 @@ class RedisStatus:
     promotions_local: int = 0
     promotions_redis: int = 0
     superseded: int = 0
+    # the embedded redis-server (``--redis-url`` empty): its pid (0 while down), how often it was
+    # restarted after dying, how the last one went, how long it has been down, since its last restart
+    embedded: bool = False
+    server_pid: int = 0
+    server_restarts: int = 0
+    server_last_exit: str = ""
+    server_down_for_s: float | None = None
+    server_last_restart_age_s: float | None = None
 
 
 class Coordinator:
@@ -521,6 +529,9 @@ class Coordinator:
                          "promotions_local": 0, "promotions_redis": 0, "superseded": 0}  # fmt: skip
         self._last_heartbeat = 0.0
         self._health = Health()
+        self._woken = False  # Redis is known to be back (say the embedded server restarted): retry now
+        self._server_down = ""  # why the server is known to be gone, while it is (the degraded cause)
+        self.server_status: Callable[[], dict[str, Any]] | None = None  # the embedded server's, if any
 
     # ------------------------------------------------------------- request side (never blocks on Redis)
     def ran(self, model: str, tokens: bytes) -> None:
@@ -569,6 +580,7 @@ class Coordinator:
         with self._cond:
             retry = self._retry
             buffered = len(self._buffer) + (len(retry[1]) if retry is not None else 0)
+        more: dict[str, Any] = {**self.counters, **(self.server_status() if self.server_status else {})}
         return RedisStatus(
             configured=True,
             degraded=self.degraded,
@@ -578,8 +590,21 @@ class Coordinator:
             incarnation=self.incarnation,
             buffered=buffered,
             last_heartbeat_age_s=time.monotonic() - self._last_heartbeat if self._last_heartbeat else None,
-            **self.counters,
+            **more,
         )
+
+    def server_down(self, cause: str) -> None:
+        """The Redis server is known to be gone (the embedded one died): degraded now, not at the next
+        call; ``ran`` updates wait in the buffer and promotions are counted locally until it is back."""
+        self._server_down = cause
+        self._degrade(cause)
+
+    def server_up(self) -> None:
+        """The Redis server is back: reconnect and send what the buffer holds now, not after the backoff."""
+        self._server_down = ""
+        with self._cond:
+            self._woken = True
+            self._cond.notify()
 
     # ------------------------------------------------------------- background side
     def start(self, health: Health | None = None) -> None:
@@ -601,7 +626,7 @@ class Coordinator:
             log.warning("coordination degraded: %s (serving continues; retrying in the background)", cause)
             self.degraded_since = time.monotonic()
         self.degraded = True
-        self.cause = cause
+        self.cause = self._server_down or cause  # "the server died" says more than "connection refused"
         self.counters["failures"] += 1
 
     def _recover(self) -> None:
@@ -629,11 +654,13 @@ class Coordinator:
         while True:
             with self._cond:
                 final = self._stop
-                if not final and not self._buffer and self._retry is None:
+                idle = not self._buffer and self._retry is None and not self._woken and not self.degraded
+                if not final and idle:
                     due = self._last_heartbeat + self.heartbeat_s - time.monotonic()
                     if due > 0:
                         self._cond.wait(timeout=due)
                     final = self._stop
+                self._woken = False
             try:
                 self._tick()
             except Exception as exc:  # Redis trouble or a bug: degrade, count, back off, go on
@@ -643,9 +670,10 @@ class Coordinator:
                 if final:
                     return
                 with self._cond:
-                    if not self._stop:
+                    if not self._stop and not self._woken:
                         self._cond.wait(timeout=backoff)
-                backoff = min(backoff * 2, 5.0)
+                    woken, self._woken = self._woken, False
+                backoff = 0.1 if woken else min(backoff * 2, 5.0)
                 continue
             self._recover()
             backoff = 0.1
@@ -653,8 +681,9 @@ class Coordinator:
                 return
 
     def _tick(self) -> None:
-        """Heartbeat when due, then send what the buffer holds (a few batches at most per tick)."""
-        if time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
+        """Heartbeat when due (and first thing while degraded: the link recovers only once Redis answered),
+        then send what the buffer holds (a few batches at most per tick)."""
+        if self.degraded or time.monotonic() - self._last_heartbeat >= self.heartbeat_s:
             if not self.table.heartbeat(self.node, self.incarnation, self.ttl_s):
                 self.counters["superseded"] += 1
                 log.error("another daemon with a newer incarnation claims node %s", self.node)

@@ -1,9 +1,12 @@
 """The composition root: builds the tiers, coordination and server from a Config and runs them.
 
-Start-up order: the checks that need no tier (:func:`preflight`), the metrics port, the embedded Redis
-(when no ``redis_url``), L2 (re-adopting what tmpfs still holds), L3 (reconciled), the tiers and
-handlers, then the socket; the node is announced to Redis only once the socket serves. Shutdown runs the
-same list backwards, so committed entries and the warm table are always left consistent.
+Start-up order: the checks that need no tier (:func:`preflight`); the owner locks of the state
+directory, the L2 directory and the L3 directory, taken before anything under them is touched (a second
+daemon pointed at a live one's directories is refused there, with ``store_locked``, having changed
+nothing); the metrics port; the embedded Redis (when no ``redis_url``), supervised from then on; L2
+(re-adopting what tmpfs still holds), L3 (reconciled), the tiers and handlers, then the socket; the node
+is announced to Redis only once the socket serves. Shutdown runs the same list backwards, so committed
+entries and the warm table are always left consistent.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 from . import __version__
@@ -20,7 +23,8 @@ from .blocks import Admission
 from .config import Config, human_size
 from .coordination import Coordinator, LocalPromotions, PromotionSettings
 from .display import plural
-from .errors import ConfigError
+from .errors import ConfigError, StoreLocked
+from .files import take_owner_lock
 from .handlers import Handlers
 from .keys import Identity
 from .l2 import L2Tier
@@ -51,11 +55,26 @@ def run(
 
     Everything that can be checked without touching the tiers is checked first (the configuration
     was validated when it was loaded; here: a live daemon on the socket, the socket's directory, the
-    metrics port), so a mistake fails in a second, not after minutes of L2 verification.
+    owner locks of the state, L2 and L3 directories, the metrics port), so a mistake fails in a second,
+    not after minutes of L2 verification, and a refused daemon leaves a live one's files alone.
     """
     setup_logging(config.log_level, config.log_format)
     preflight(config)
     with contextlib.ExitStack() as stack:
+        state_dir = Path(config.state_dir)
+        state_lock = lock_state_dir(state_dir, needed=_needs_state_dir(config))
+        if state_lock is not None:
+            stack.callback(os.close, state_lock)
+        # the tiers' constructors take their directories' locks and touch nothing else: recovery (adopt,
+        # reconcile) waits until everything this daemon needs is known to be its own
+        with _owned("L2 directory", "--shm-dir"):
+            l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=config.copy_threads)
+        stack.callback(l2.close)  # idempotent: normally closed by the tiers first
+        l3 = None
+        if config.l3_path is not None:
+            with _owned("L3 directory", "--l3-dir"):
+                l3 = L3Store(config.l3_path, config.l3_budget, min_free_bytes=config.l3_min_free)
+            stack.callback(l3.close)
         late: dict[str, Handlers] = {}
         state = ServerState()
         if config.metrics_addr:
@@ -69,8 +88,9 @@ def run(
             metrics.start()  # bound before the tiers start: a port in use fails now
             stack.callback(metrics.stop)
         redis_url = config.redis_url
+        embedded = None
         if not redis_url:
-            embedded = EmbeddedRedis(Path(config.state_dir))
+            embedded = EmbeddedRedis(state_dir)
             redis_url = embedded.start()
             stack.callback(embedded.stop)
         coordinator = None
@@ -93,25 +113,23 @@ def run(
             )
             stack.callback(coordinator.close)
             promotions = coordinator
+        health = Health()
+        if embedded is not None and coordinator is not None:  # restarted whenever it dies; the
+            # coordinator hears of both, buffers meanwhile, and reports the server's restarts
+            coordinator.server_status = embedded.status
+            embedded.supervise(on_down=coordinator.server_down, on_up=coordinator.server_up, health=health)
         admission: Admission | None = None
         if config.l3_block_admission == "second-put":
             admission = (
                 coordinator.admit if coordinator is not None else LocalPromotions(promotion).consider_many
             )
-        l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=config.copy_threads)
-        try:
-            held = l2.bytes_to_verify(config.shm_path)
-            if held:  # adoption hashes every byte still on tmpfs: tell systemd how long that may take
-                seconds = 30 + held / 300e6  # a conservative 300 MB/s of hashing, on top of the usual start
-                extend_start_timeout(seconds, f"verifying {held >> 20} MiB of L2 entries")
-            l2.adopt()
-            l3 = None
-            if config.l3_path is not None:
-                l3 = L3Store.open(config.l3_path, config.l3_budget, min_free_bytes=config.l3_min_free)
-        except BaseException:
-            l2.close()
-            raise
+        held = l2.bytes_to_verify(config.shm_path)
+        if held:  # adoption hashes every byte still on tmpfs: tell systemd how long that may take
+            seconds = 30 + held / 300e6  # a conservative 300 MB/s of hashing, on top of the usual start
+            extend_start_timeout(seconds, f"verifying {held >> 20} MiB of L2 entries")
+        l2.adopt()
         if l3 is not None:
+            l3.reconcile()
             report = l3.last_reconciliation
             log.info(
                 "L3 at %s: %s, %s; reconciliation removed %s, quarantined %d, collected %s",
@@ -119,7 +137,6 @@ def run(
                 plural(report.temporary_removed, "temporary file"), report.manifests_quarantined,
                 plural(report.orphans_collected, "orphan"),
             )  # fmt: skip
-        health = Health()
         tiers = Tiers(
             l2,
             l3=l3,
@@ -153,7 +170,6 @@ def run(
         def serving() -> None:
             if coordinator is not None:  # the node is announced only once its socket serves
                 coordinator.start(health)
-            state_dir = Path(config.state_dir)
             with contextlib.suppress(OSError):  # how `skippyd` commands in a checkout find this daemon
                 info = {"socket": config.socket, "pid": os.getpid(), "node": config.node_name,
                         "version": __version__, "state_dir": config.state_dir}  # fmt: skip
@@ -164,6 +180,44 @@ def run(
 
         asyncio.run(server.serve(install_signals=install_signals, on_ready=serving))
     return 0
+
+
+def lock_state_dir(state_dir: Path, *, needed: bool = True) -> int | None:
+    """Takes the state directory's owner lock (the embedded Redis, the default L3 and ``daemon.json``
+    live there); a live daemon holding it refuses this one with one line, before anything is touched.
+
+    A daemon that keeps nothing there (a shared Redis or none, L3 elsewhere or off) runs on when the
+    directory cannot be made (None): only ``daemon.json``, a convenience, is then not written."""
+    try:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        with _owned("state directory", "--state-dir"):
+            return take_owner_lock(state_dir)
+    except StoreLocked:
+        raise
+    except OSError as exc:
+        if needed:
+            raise ConfigError(f"invalid state_dir: cannot use {state_dir}: {exc.strerror}") from exc
+        log.info("state directory %s not usable (%s): nothing of this daemon's lives there", state_dir,
+                 exc.strerror)  # fmt: skip
+        return None
+
+
+def _needs_state_dir(config: Config) -> bool:
+    """Whether anything of the daemon's lives in the state directory: the embedded Redis, or L3."""
+    l3 = config.l3_path
+    state = Path(config.state_dir).absolute()
+    return not config.redis_url or (l3 is not None and state in (l3.absolute(), *l3.absolute().parents))
+
+
+@contextlib.contextmanager
+def _owned(what: str, flag: str) -> Iterator[None]:
+    """A directory another live daemon owns: one line that says what to do."""
+    try:
+        yield
+    except StoreLocked as exc:
+        raise StoreLocked(
+            f"{exc}: another skippyd uses this {what}; stop it, or give this daemon its own {flag}"
+        ) from None
 
 
 def preflight(config: Config) -> None:

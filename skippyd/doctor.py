@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, embedded_redis_url, human_size
-from .display import plural
+from .display import human_age, plural
 from .errors import SkippydError
 from .l2.slabs import SLAB_SUFFIX, BadSlab, describe
-from .stats import Snapshot
+from .stats import Snapshot, redis_summary
 
 __all__ = ["Finding", "diagnose"]
 
@@ -107,8 +107,18 @@ def check_redis(config: Config, daemon: Snapshot | None) -> Iterator[Finding]:
     if daemon is not None and daemon.redis.degraded:
         yield Finding(
             FAIL,
-            f"the daemon's Redis link is degraded: {daemon.redis.cause}",
-            "check Redis load and network; the daemon retries with backoff",
+            f"the daemon's Redis link is {redis_summary(daemon.redis)}",
+            "check Redis load and network; the daemon retries with backoff"
+            + (" and restarts its embedded redis-server" if daemon.redis.embedded else ""),
+        )
+    if daemon is not None and daemon.redis.embedded and daemon.redis.server_restarts:
+        age = daemon.redis.server_last_restart_age_s
+        yield Finding(
+            WARN,
+            f"the embedded redis-server died and was restarted {plural(daemon.redis.server_restarts, 'time')}"
+            + (f", last {human_age(age)} ago" if age is not None else "")
+            + (f" (the one before {daemon.redis.server_last_exit})" if daemon.redis.server_last_exit else ""),
+            f"see {Path(config.state_dir) / 'redis' / 'redis.log'} and the kernel log (OOM killer)",
         )
 
 

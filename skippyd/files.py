@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .errors import ConfigError, InvalidArgument, StoreLocked
 
-__all__ = ["fsync_dir", "private_dirs", "remove", "take_owner_lock"]
+__all__ = ["fsync_dir", "lock_holder", "private_dirs", "remove", "take_owner_lock"]
 
 log = logging.getLogger("skippyd.files")
 
@@ -48,6 +48,25 @@ def take_owner_lock(directory: Path) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def lock_holder(directory: Path) -> int | None:
+    """The pid of the live process holding ``directory``'s owner lock (:func:`take_owner_lock`), or None
+    when nobody holds it. Asked through a fresh open file description, so it answers for this process too
+    (``flock`` locks of two descriptions conflict even within one process); it never takes the lock."""
+    try:
+        fd = os.open(directory / ".lock", os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            text = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            return int(text) if text.isdigit() else -1  # held; -1: by a process that wrote no pid yet
+        return None  # nobody holds it (our shared lock goes with the descriptor)
+    finally:
+        os.close(fd)
 
 
 def remove(path: Path) -> None:

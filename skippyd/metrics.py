@@ -176,6 +176,8 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("promotions_redis", "promotions_counted", "promotion decisions counted in Redis", True),
         ("promotions_local", "promotions_counted_locally",
          "promotion decisions counted on this node (no Redis, or Redis away)", True),
+        ("server_restarts", "server_restarts",
+         "times the embedded redis-server died and was started again", True),
     )),
 }  # fmt: skip
 

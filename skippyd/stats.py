@@ -11,12 +11,14 @@ counter renamed in one place is a type error everywhere it is read, never a sile
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import Counter
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from .blocks import BlockCounters
 from .coordination import RedisStatus
+from .display import human_age, plural
 from .durable import DurableStats
 from .fills import FillStats
 from .l2 import L2Stats
@@ -26,7 +28,16 @@ from .packer import BlockWriterStats
 from .tiers import Counters
 from .workers import ThreadHealth
 
-__all__ = ["LatencySummary", "RedisStatus", "ServerState", "ServerStats", "Snapshot", "from_fields"]
+__all__ = [
+    "Condition",
+    "LatencySummary",
+    "RedisStatus",
+    "ServerState",
+    "ServerStats",
+    "Snapshot",
+    "from_fields",
+    "redis_summary",
+]
 
 T = TypeVar("T")
 
@@ -143,6 +154,22 @@ class Snapshot:
             doc["l3_reconciliation"] = report
         return doc
 
+    def condition(self) -> Condition:
+        """How the daemon is doing, the one definition ``status``, ``status --check`` and ``doctor``
+        share: ``unhealthy`` once a background thread died (restart it), ``degraded`` while its
+        configured Redis is unreachable (it serves on: warm-table updates wait in a buffer, promotions
+        are counted locally; a restart would not help), else ``healthy``."""
+        problems = []
+        died = sorted(name for name, thread in self.threads.items() if not thread.alive)
+        if not self.healthy and died:
+            problems.append(f"background thread(s) {', '.join(died)} died: restart the daemon")
+        elif not self.healthy:
+            problems.append("a background thread died: restart the daemon")
+        if self.redis.configured and self.redis.degraded:
+            problems.append(f"redis {redis_summary(self.redis)}")
+        state = "unhealthy" if not self.healthy else "degraded" if problems else "healthy"
+        return Condition(state, tuple(problems))
+
     @classmethod
     def from_wire(cls, doc: dict[str, Any]) -> Snapshot:
         """The typed snapshot of a ``stats`` reply (fields a peer does not send keep their defaults)."""
@@ -176,6 +203,33 @@ class Snapshot:
                 for name, thread in dict(doc.get("threads") or {}).items()
             },
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Condition:
+    """``healthy``, ``degraded`` or ``unhealthy`` (:meth:`Snapshot.condition`) and one line per problem."""
+
+    state: str
+    problems: tuple[str, ...] = ()
+
+
+def redis_summary(redis: RedisStatus) -> str:
+    """The Redis link in a few words: ``ok``, or ``degraded since 16:05:01 (4s): <cause>``; with the embedded
+    server's restarts when it had any (``restarted 2 times, last 1m05s ago: it was killed by SIGKILL``)."""
+    if not redis.configured:
+        return "not configured"
+    text = "ok"
+    if redis.degraded:
+        since = time.strftime("%H:%M:%S", time.localtime(time.time() - redis.degraded_for_s))
+        text = f"degraded since {since} ({human_age(redis.degraded_for_s)}): {redis.cause}"
+    if redis.embedded and redis.server_down_for_s is not None and not redis.degraded:
+        text += f"; embedded redis-server down for {human_age(redis.server_down_for_s)}"
+    if redis.embedded and redis.server_restarts:
+        age = redis.server_last_restart_age_s
+        last = f", last {human_age(age)} ago" if age is not None else ""
+        why = f" (the one before {redis.server_last_exit})" if redis.server_last_exit else ""
+        text += f"; embedded redis-server restarted {plural(redis.server_restarts, 'time')}{last}{why}"
+    return text
 
 
 def counter_names(cls: type[Any]) -> set[str]:

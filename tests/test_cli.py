@@ -24,16 +24,22 @@ def run(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
-def test_status_check_exits_zero_only_when_the_daemon_answers(daemon: DaemonProcess, tmp_short: Path) -> None:
+def test_status_check_exits_zero_when_healthy_and_three_when_nothing_answers(
+    daemon: DaemonProcess, tmp_short: Path
+) -> None:
     assert run("status", "--check", "--socket", str(daemon.socket)) == (0, "", "")
-    code, out, _ = run("status", "--check", "--socket", str(tmp_short / "nothing.sock"))
-    assert code == 1 and out == ""
+    code, out, err = run("status", "--check", "--socket", str(tmp_short / "nothing.sock"))
+    assert code == 3 and out == "", "3: not answering, as systemctl is-active exits for a stopped unit"
+    assert len(err.strip().splitlines()) == 1 and "not answering" in err
+    for form in ([], ["--json"]):
+        assert run("status", *form, "--socket", str(tmp_short / "nothing.sock"))[0] == 3, form
 
 
 def test_status_json_is_one_document(daemon: DaemonProcess) -> None:
     code, out, _ = run("status", "--json", "--socket", str(daemon.socket))
     doc = json.loads(out)
     assert code == 0 and doc["up"] is True and doc["node"] == "test-node"
+    assert doc["healthy"] is True and doc["state"] == "healthy" and doc["problems"] == []
     assert doc["l2"]["budget_bytes"] == 256 << 20
 
 
@@ -45,7 +51,7 @@ def test_status_reads_the_socket_from_the_environment_and_the_config_file(
     config.write_text(f'socket = "{daemon.socket}"\n')
     assert run("status", "--check", "--config", str(config), env={"SKIPPYD_SOCKET": ""})[0] == 0
     bogus = str(tmp_short / "nope.sock")
-    assert run("status", "--check", "--config", str(config), env={"SKIPPYD_SOCKET": bogus})[0] == 1, (
+    assert run("status", "--check", "--config", str(config), env={"SKIPPYD_SOCKET": bogus})[0] == 3, (
         "the environment wins over the file"
     )
 

@@ -1,5 +1,6 @@
 """The daemon's Redis link (Coordinator) against real redis-server processes: batching, timeouts,
-outages. Its thread is not started here: each test drives ``_tick`` itself, so every outcome is exact."""
+outages. Its thread is started in one test only (a server known down and back); the others drive
+``_tick`` themselves, so every outcome is exact."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from daemonutil import eventually
 from redisutil import RedisServer
 
 from skippyd import coordination
@@ -97,5 +99,33 @@ def test_a_warm_batch_that_never_reached_redis_is_kept_and_sent_later(server: Re
         c._tick()
         assert c.status().buffered == 0 and clock(server) == 1
         assert c.counters["batches_resent"] == 1 and c.counters["batches_applied_before"] == 0
+    finally:
+        c.close()
+
+
+def test_a_server_known_down_counts_promotions_locally_and_its_return_flushes_the_buffer(
+    server: RedisServer,
+) -> None:
+    """What the embedded server's supervisor tells the coordinator (this test runs its thread)."""
+    c = make(server, heartbeat_s=60.0)
+    c.start()
+    try:
+        server.kill()
+        c.server_down("the embedded redis-server (pid 1) was killed by SIGKILL")
+        assert c.status().degraded, "degraded at once, not at the next call"
+        assert [c.consider("a" * 64, 10, 100), c.consider("a" * 64, 10, 100)] == [False, True], (
+            "the second hit promotes, counted locally"
+        )
+        assert c.counters["promotions_local"] == 2 and c.counters["promotions_redis"] == 0
+        c.ran("m", encode_tokens(list(range(256))))
+        time.sleep(0.5)  # the thread tried, and failed
+        status = c.status()
+        assert status.degraded and status.buffered == 1 and status.failures >= 2
+        assert status.cause == "the embedded redis-server (pid 1) was killed by SIGKILL", "not 'refused'"
+        server.start()
+        c.server_up()
+        assert eventually(lambda: not c.status().degraded, timeout=10)
+        assert eventually(lambda: c.status().buffered == 0) and clock(server) == 1, "flushed"
+        assert c.consider("b" * 64, 10, 100) is False and c.counters["promotions_redis"] == 1
     finally:
         c.close()

@@ -229,12 +229,17 @@ class L2Tier:
         self._pool = FilePool(
             self.directory / "free", self.directory / "tmp", max(map_threshold, self.budget_bytes // 16384)
         )
-        private_dirs(self.directory, self._entries_dir, self._pool.free_dir, self._pool.tmp_dir)
-        self._lock_fd = take_owner_lock(self.directory)
-        self.blocks = L2Blocks(
-            self.directory / "blocks", self._lock, budget_bytes=self.budget_bytes,
-            make_room=self._free_room, room=self._room, evict_one=self._evict_one, tick=self._next_tick,
-        )  # fmt: skip
+        private_dirs(self.directory)
+        self._lock_fd = take_owner_lock(self.directory)  # before anything under the directory is touched
+        try:
+            private_dirs(self._entries_dir, self._pool.free_dir, self._pool.tmp_dir)
+            self.blocks = L2Blocks(
+                self.directory / "blocks", self._lock, budget_bytes=self.budget_bytes,
+                make_room=self._free_room, room=self._room, evict_one=self._evict_one, tick=self._next_tick,
+            )  # fmt: skip
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
 
     @classmethod
     def open(

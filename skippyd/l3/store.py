@@ -30,7 +30,7 @@ from typing import Any
 from blake3 import blake3
 
 from skippyd.errors import CorruptEntry, InvalidArgument, NoSpace, NotFound, TooLarge
-from skippyd.files import fsync_dir, remove, take_owner_lock
+from skippyd.files import fsync_dir, private_dirs, remove, take_owner_lock
 from skippyd.index import PrefixIndex
 from skippyd.payload import Entry, EntryRef, payload_digest
 
@@ -128,12 +128,17 @@ class L3Store:
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippyd-l3-hash")
         self._closed = False
         self.last_reconciliation = Reconciliation()
-        self.layout.create()
-        self._lock_fd = take_owner_lock(self.directory)
-        self.blocks = L3Blocks(
-            self.layout.packs, self.layout.tmp, self._lock,
-            make_room=self._room_for_blocks, quarantine=self._quarantine_path,
-        )  # fmt: skip
+        private_dirs(self.directory)
+        self._lock_fd = take_owner_lock(self.directory)  # before anything under the directory is touched
+        try:
+            self.layout.create()
+            self.blocks = L3Blocks(
+                self.layout.packs, self.layout.tmp, self._lock,
+                make_room=self._room_for_blocks, quarantine=self._quarantine_path,
+            )  # fmt: skip
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
 
     @property
     def lock(self) -> threading.RLock:
