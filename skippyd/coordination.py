@@ -266,6 +266,8 @@ def _check_loads(loads: Mapping[str, float] | None) -> Mapping[str, float] | Non
     if not isinstance(loads, Mapping):
         raise InvalidArgument("loads must map node names to numbers (e.g. running requests)")
     for node, value in loads.items():
+        if not isinstance(node, str):
+            raise InvalidArgument(f"loads are keyed by node name, got {node!r}")
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
             raise InvalidArgument(f"load of {node!r} must be a finite number >= 0, got {value!r}")
     return loads
@@ -420,18 +422,28 @@ class WarmTable:
         return self.route_chain(self.chain(model, tokens), nodes, loads=loads)
 
     def warm_candidates(self, chain: bytes, nodes: Sequence[str] | None = None) -> list[tuple[str, int]]:
-        """The live candidates and the blocks of this chain each ran (0: none or fewer than
-        ``min_blocks``): what :meth:`route` decides on, in one round trip."""
+        """Every live candidate and the blocks of this chain it ran last (0: none, or fewer than
+        ``min_blocks``), in one round trip: a full search (route() stops as soon as its rule is
+        decided)."""
+        return self._candidates(chain, nodes, "all", None)
+
+    def _candidates(
+        self, chain: bytes, nodes: Sequence[str] | None, mode: str, loads: Mapping[str, float] | None
+    ) -> list[tuple[str, int]]:
         names = [] if nodes is None else [_check_node(n) for n in nodes]
         if nodes is not None and not names:
             raise InvalidArgument("nodes, when given, must name at least one candidate")
+        pairs: list[Any] = []
+        for node, value in (loads or {}).items():
+            pairs += [node, repr(float(value))]
         shard = self.shard_of(chain)
         with _redis_errors("warm table route failed"):
             raw = self._run(
                 "warm_route.lua",
                 [shard.prefixes, shard.nodes],
-                [chain, WARM_HASH_BYTES, self.min_blocks, self.max_runs, *names],
-            )
+                [chain, WARM_HASH_BYTES, self.min_blocks, self.max_runs, mode, repr(self.balance_abs),
+                 repr(self.balance_rel), len(pairs) // 2, *pairs, *names],
+            )  # fmt: skip
         out = []
         for name, live, blocks in zip(raw[0::3], raw[1::3], raw[2::3], strict=True):
             if int(live):
@@ -442,7 +454,7 @@ class WarmTable:
         self, chain: bytes, nodes: Sequence[str] | None = None, *, loads: Mapping[str, float] | None = None
     ) -> Route:
         loads = _check_loads(loads)
-        candidates = self.warm_candidates(chain, nodes)
+        candidates = self._candidates(chain, nodes, "warmest" if loads is None else "balance", loads)
         if not candidates:
             asked = "the registered nodes" if nodes is None else f"{list(nodes)!r}"
             raise NotFound(f"no live node to route to among {asked}")

@@ -215,12 +215,17 @@ history = st.lists(
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(events=history, dead=st.sets(st.sampled_from("abcde"), max_size=2))
+@given(
+    events=history,
+    dead=st.sets(st.sampled_from("abcde"), max_size=2),
+    loads=st.none() | st.dictionaries(st.sampled_from("abcde"), st.integers(0, 12)),
+)
 def test_each_candidates_warm_prefix_agrees_with_a_linear_scan(
-    redis_url: str, events: list[tuple[int, int, int, str]], dead: set[str]
+    redis_url: str, events: list[tuple[int, int, int, str]], dead: set[str], loads: dict[str, int] | None
 ) -> None:
     """A candidate's prefix is the longest remembered prefix whose last runner it is (the seed's scan,
-    per node), for every live candidate, over random histories that interleave nodes."""
+    per node), for every live candidate, over random histories that interleave nodes; route(), which
+    stops searching once its rule is decided, answers what the rule answers on the full search."""
     client = redis.Redis.from_url(redis_url)
     client.flushall()
     table = WarmTable(client, max_runs=10_000)
@@ -248,7 +253,14 @@ def test_each_candidates_warm_prefix_agrees_with_a_linear_scan(
 
     for p in prompts + stems:
         chain = table.chain("m", p)
-        assert dict(table.warm_candidates(chain, list("abcde"))) == linear(p)
+        full = table.warm_candidates(chain, list("abcde"))
+        assert dict(full) == linear(p)
+        tight = WarmTable(client, max_runs=10_000, balance_abs=2, balance_rel=1.2)
+        for t in (table, tight):
+            rule = choose_route(full, loads, block=64, first_hash=chain[:8], balance_abs=t.balance_abs,
+                                balance_rel=t.balance_rel)  # fmt: skip
+            assert t.route_chain(chain, list("abcde"), loads=loads) == rule
+            assert t.route_chain(chain, loads=loads) == rule, "default candidates: the registered ones"
         found = table.warmest_chain(chain)
         expected = max(linear(p).items(), key=lambda kv: kv[1], default=("", 0))
         assert (found[1] // 64 if found else 0) == expected[1]
