@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -242,9 +243,22 @@ def slowlog_times(probe: redis.Redis, script: str) -> str:
     return f"{p50:.0f} µs (p99 {p99:.0f})"
 
 
+def one_call_time(probe: redis.Redis, call: Callable[[], object]) -> float:
+    """Redis's own µs for the one script ``call`` makes (the slow log logs every command meanwhile)."""
+    probe.slowlog_reset()
+    call()
+    for entry in probe.slowlog_get(8):
+        command = entry["command"]
+        text = command.decode(errors="replace") if isinstance(command, bytes) else str(command)
+        if text.upper().startswith("EVALSHA"):
+            return float(entry["duration"])
+    raise RuntimeError("the call made no EVALSHA")
+
+
 def long_prompt_times(probe: redis.Redis, warm: WarmTable, names: list[str]) -> dict[str, str]:
     """Redis's time per decision at 32k-token prompts: 64 prompts over 4 shared 30k-token documents,
-    2k tokens of their own, each ran by two nodes (half of it, then all of it), daemons stopped."""
+    2k tokens of their own, each ran by two nodes (half of it, then all of it); daemons stopped. The
+    three kinds of call alternate prompt by prompt, so the machine's other work weighs on each alike."""
     probe.flushall()
     for node in names:
         warm.heartbeat(node, time.time_ns(), 600)
@@ -255,22 +269,24 @@ def long_prompt_times(probe: redis.Redis, warm: WarmTable, names: list[str]) -> 
         warm.ran(MODEL, p[: len(p) // 2 + 1024 * (i % 3)], names[i % NODES])
         warm.ran(MODEL, p, names[(i + 1) % NODES])
         chains.append(warm.chain(MODEL, p))
-    out = {}
-    slowlog_start(probe)
+    spread = {n: i for i, n in enumerate(names)}
+    samples: dict[str, list[float]] = {"warmest": [], "route": [], "route, warmest overloaded": []}
+    probe.config_set("slowlog-log-slower-than", 0)
     for _ in range(4):
-        for chain in chains:
-            warm.warmest_chain(chain)
-    out["warmest"] = slowlog_times(probe, "warm_warmest.lua")
-    even = dict.fromkeys(names, 40)
-    for label, loads in (("route", {n: i for i, n in enumerate(names)}), ("route, overloaded", even)):
-        slowlog_start(probe)
-        for _ in range(4):
-            for i, chain in enumerate(chains):
-                busy = dict(loads)
-                if label.endswith("overloaded"):
-                    busy[names[(i + 1) % NODES]] = 100  # the warmest is overloaded: the search goes on
-                warm.route_chain(chain, loads=busy)
-        out[label] = slowlog_times(probe, "warm_route.lua")
+        for i, chain in enumerate(chains):
+            busy = {**dict.fromkeys(names, 40), names[(i + 1) % NODES]: 100}  # the warmest: overloaded
+            samples["warmest"].append(one_call_time(probe, partial(warm.warmest_chain, chain)))
+            samples["route"].append(one_call_time(probe, partial(warm.route_chain, chain, loads=spread)))
+            samples["route, warmest overloaded"].append(
+                one_call_time(probe, partial(warm.route_chain, chain, loads=busy))
+            )
+    probe.config_set("slowlog-log-slower-than", 10_000)
+    out = {}
+    for label, durations in samples.items():
+        durations.sort()
+        p50 = durations[len(durations) // 2]
+        p99 = durations[min(len(durations) - 1, round(0.99 * (len(durations) - 1)))]
+        out[label] = f"{p50:.0f} µs (p99 {p99:.0f})"
     return out
 
 

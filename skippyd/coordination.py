@@ -6,7 +6,9 @@ hash slot; key names come from :mod:`skippyd.rediskeys`). Redis errors become
 :class:`~skippyd.errors.CoordinationUnavailable` here, at the boundary.
 
 * :class:`WarmTable` — the seed's ``Warm`` (superfluid ``fleet_warm``): which node last ran each prompt
-  prefix; ``warmest`` is one round trip and a binary search inside Redis.
+  prefix, sharded over hash slots by each prompt's model and first block; ``warmest`` and ``route`` (the
+  warmest live candidate unless the router's loads make it overloaded, :func:`choose_route`) are one
+  round trip and a binary search inside Redis (docs/routing.md).
 * :class:`Promotions` — the seed's ``should_promote``/``promote``, counted in Redis on Redis's clock
   by every process that shares a scope; :class:`LocalPromotions` is the same rules in-process.
 * :class:`Coordinator` — the daemon's side: registers its node and heartbeats, sends ``ran`` updates in
