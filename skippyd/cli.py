@@ -805,8 +805,9 @@ def top(socket: str | None, config_file: str | None, interval: float, once: bool
                 _fail(str(exc))
 
 
-# Options that select what a destructive command destroys are never taken from the environment.
-_NO_ENV = {("evict", "everything"), ("evict", "digest")}
+# Options that select what a destructive command destroys are never taken from the environment, nor
+# a router's candidates and loads (SKIPPYD_NODE names a daemon host's own node).
+_NO_ENV = {("evict", "everything"), ("evict", "digest"), ("route", "candidates"), ("route", "load_pairs")}
 
 
 def _environment_everywhere(group: click.Group, path: tuple[str, ...] = ()) -> None:

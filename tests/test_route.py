@@ -297,6 +297,8 @@ def test_route_from_the_command_line(redis_url: str, tmp_short: Any) -> None:
     assert out.strip() == "gpu-2 0 balance"
     bad = CliRunner().invoke(main, [*args, "--load", "gpu-1"])
     assert bad.exit_code == 2 and "NODE=LOAD" in bad.stderr
+    pinned = CliRunner().invoke(main, [*args, "--json"], env={"SKIPPYD_NODE": "gpu-2"})
+    assert json.loads(pinned.stdout)["node"] == "gpu-1", "a daemon host's SKIPPYD_NODE is no candidate list"
     none = CliRunner().invoke(main, [*args, "--node", "gone-1"])
     assert none.exit_code == 0, "an unregistered node is taken as live"
     table.forget("gpu-1")
