@@ -266,8 +266,9 @@ def test_each_candidates_warm_prefix_agrees_with_a_linear_scan(
         assert (found[1] // 64 if found else 0) == expected[1]
 
 
-def test_a_version_1_table_is_migrated_by_a_command(redis_url: str) -> None:
-    client = redis.Redis.from_url(redis_url)
+def test_a_version_1_table_is_migrated_by_a_command(any_redis_url: str) -> None:
+    redis_url = any_redis_url
+    client = WarmTable.from_url(redis_url).client  # a cluster client on a cluster
     legacy = RedisKeys().legacy_warm
     client.hset(legacy.nodes, mapping={"old-gpu": "41 1700000000000 600000000000000 up", "x": "bad"})
     client.hset(legacy.prefixes, mapping={b"12345678": "1 old-gpu", b"abcdefgh": "2 old-gpu"})
