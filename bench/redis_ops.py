@@ -1,4 +1,4 @@
-"""Coordination in Redis, one run: warmest/ran/consider beside a trivial EVALSHA and PING.
+"""Coordination in Redis, one run: warmest/route/ran/consider beside a trivial EVALSHA and PING.
 
     python -m bench.redis_ops [--reps 300] [--write-docs]
 
@@ -81,6 +81,8 @@ def main() -> None:
         trivial = probe.register_script(TRIVIAL)
         linear = probe.register_script(LINEAR)
         trivial()
+        for node in ("node-a", "node-b", "node-c", "node-d"):
+            warm.heartbeat(node, 1, 3600)
 
         def row(
             name: str, fn: Callable[[], object], n: int = reps, server: Callable[[], object] | None = None
@@ -119,7 +121,13 @@ def main() -> None:
             rows.append([f"  of which: chain hashing, {label}", fmt_time(hashing), "", "", ""])
             row(
                 f"  reference: seed's linear scan as a script, {label} all warm",
-                partial(linear, keys=[warm.keys.warm_prefixes], args=[chain, WARM_HASH_BYTES]),
+                partial(linear, keys=[warm.shard_of(chain).prefixes], args=[chain, WARM_HASH_BYTES]),
+            )
+            loads = {"node-a": 20, "node-b": 1, "node-c": 3, "node-d": 2}
+            row(
+                f"route, {label}, all warm, 4 live nodes, loads",
+                partial(warm.route, "bench-model", prompt, loads=loads),
+                server=partial(warm.route_chain, chain, loads=loads),
             )
             ran = partial(warm.ran, "bench-model", prompt, "node-a")
             row(f"ran, {label} (hashing included)", ran, max(20, reps // (1 + n // 8192)))

@@ -1,6 +1,6 @@
 -- node_heartbeat.lua: register a node or renew its liveness.
 --
--- KEYS[1]  {<prefix>:v1:warm}:nodes  HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms> <state>"
+-- KEYS[1]  {<prefix>:v2:registry}:nodes  HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms> <state>"
 -- ARGV[1]  node name
 -- ARGV[2]  incarnation (grows with every start of the node's daemon)
 -- ARGV[3]  ttl in ms: the node is gone once this long passes without a heartbeat

@@ -1,6 +1,6 @@
 -- node_list.lua: every registered node with its liveness, on Redis's clock.
 --
--- KEYS[1]  {<prefix>:v1:warm}:nodes  HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms> <state>"
+-- KEYS[1]  {<prefix>:v2:registry}:nodes  HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms> <state>"
 -- Returns  {now_ms, node1, record1, node2, record2, …}
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

@@ -1,12 +1,13 @@
--- warm_ran.lua: record that a node ran one or more prompts (the seed's Warm::ran, atomically).
+-- warm_ran.lua: record that a node ran one or more prompts (the seed's Warm::ran, atomically), in one
+-- shard of the warm table (every prompt passed shares the shard: the first hash of its chain picks it).
 --
--- KEYS[1]  {<prefix>:v1:warm}:prefixes  HASH  8-byte chain hash -> "<at> <node>"
--- KEYS[2]  {<prefix>:v1:warm}:ages      ZSET  chain hash, scored by <at>
--- KEYS[3]  {<prefix>:v1:warm}:clock     STRING counter, one tick per prompt
--- KEYS[4]  {<prefix>:v1:warm}:batch:<id> STRING this call's marker, set for ARGV[4] ms: a call sent again
---          with the same id (its first answer was lost to a timeout) changes nothing
+-- KEYS[1]  {<prefix>:v2:warm:<shard>}:prefixes  HASH  8-byte chain hash -> "<at> <node>"
+-- KEYS[2]  {<prefix>:v2:warm:<shard>}:ages      ZSET  chain hash, scored by <at>
+-- KEYS[3]  {<prefix>:v2:warm:<shard>}:clock     STRING counter, one tick per prompt
+-- KEYS[4]  {<prefix>:v2:warm:<shard>}:batch:<id> STRING this call's marker, set for ARGV[4] ms: a call sent
+--          again with the same id (its first answer was lost to a timeout) changes nothing
 -- ARGV[1]  node name (letters, digits, '.', '_', '-')
--- ARGV[2]  max_prefixes: past this many, the oldest eighth is dropped
+-- ARGV[2]  max_prefixes of this shard: past this many, the shard's oldest eighth is dropped
 -- ARGV[3]  hash length in bytes (8)
 -- ARGV[4]  how long the marker lives, in ms
 -- ARGV[5…] one chain per prompt: the concatenated block hashes of that prompt

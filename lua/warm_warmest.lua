@@ -1,8 +1,9 @@
 -- warm_warmest.lua: which live node ran the longest remembered prefix of a prompt (the seed's
 -- Warm::warmest, with liveness), in O(log n) lookups made in a few HMGETs for an n-block prompt.
 --
--- KEYS[1]  {<prefix>:v1:warm}:prefixes  HASH  8-byte chain hash -> "<at> <node>"
--- KEYS[2]  {<prefix>:v1:warm}:nodes     HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms> <state>"
+-- KEYS[1]  {<prefix>:v2:warm:<shard>}:prefixes  HASH  8-byte chain hash -> "<at> <node>"
+-- KEYS[2]  {<prefix>:v2:warm:<shard>}:nodes     HASH  node -> "<incarnation> <last heartbeat ms> <ttl ms>
+--          <state>": this shard's copy of the registry (every heartbeat writes it to each shard)
 -- ARGV[1]  the prompt's chain: concatenated block hashes, block 1 first
 -- ARGV[2]  hash length in bytes (8)
 -- ARGV[3]  min_blocks: a shorter answer is no answer
@@ -19,7 +20,8 @@
 -- Ticks never increase along the chain, so the prefixes one ran() stamped form a contiguous run; when
 -- its node is gone (heartbeat expired, or forgotten) the same search finds where that run starts and
 -- the answer steps below it. Nodes that never registered are taken as live (static setups that feed
--- ran() themselves).
+-- ran() themselves); a forgotten node's record stays in the shard copies ("forgotten") until it
+-- heartbeats again, so it is never taken as live.
 local prefixes, nodes = KEYS[1], KEYS[2]
 local chain = ARGV[1]
 local hl = tonumber(ARGV[2])

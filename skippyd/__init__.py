@@ -46,6 +46,7 @@ _LAZY = {
     "Hit": "skippyd.client",
     "Restored": "skippyd.client",
     "WarmTable": "skippyd.coordination",
+    "Route": "skippyd.coordination",
     "Promotions": "skippyd.coordination",
     "Identity": "skippyd.keys",
     "cache_key": "skippyd.keys",
@@ -78,6 +79,7 @@ __all__ = [
     "PermissionDenied",
     "Promotions",
     "Restored",
+    "Route",
     "ShuttingDown",
     "SkippydError",
     "StoreLocked",
@@ -93,7 +95,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import AsyncClient, CaptureResult, Client, Hit, Restored
-    from .coordination import Promotions, WarmTable
+    from .coordination import Promotions, Route, WarmTable
     from .keys import Identity, cache_key, encode_tokens
 
 

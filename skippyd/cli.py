@@ -559,6 +559,65 @@ def warm_warmest(
         click.echo("no warm prefix")
 
 
+def _parse_loads(pairs: tuple[str, ...]) -> dict[str, float] | None:
+    if not pairs:
+        return None
+    loads: dict[str, float] = {}
+    for pair in pairs:
+        node, sep, value = pair.partition("=")
+        try:
+            loads[node] = float(value) if sep else float("nan")
+        except ValueError:
+            loads[node] = float("nan")
+        if not sep or not 0 <= loads[node] < float("inf"):
+            _fail(f"--load {pair!r}: expected NODE=LOAD with LOAD a number >= 0 (e.g. gpu-3=12)", 2)
+    return loads
+
+
+@warm.command(name="route")
+@_redis_options
+@click.option("--model", required=True, help="model identity")
+@click.option("--tokens", "tokens_file", default="-", show_default=True, help=TOKENS_HELP)
+@click.option(
+    "--node", "candidates", multiple=True, help="a candidate node (repeat; default: every live node)"
+)
+@click.option("--load", "load_pairs", multiple=True, help="NODE=LOAD, e.g. running requests (repeat)")
+@click.option("--block", default=64, show_default=True, help="tokens per block")
+@click.option("--min-blocks", default=2, show_default=True, help="shorter prefixes count as none")
+@click.option("--balance-abs", default=8.0, show_default=True, help="load gap that may overrule warmth")
+@click.option("--balance-rel", default=1.5, show_default=True, help="load ratio that may overrule warmth")
+@click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+def warm_route(
+    *,
+    model: str, tokens_file: str, candidates: tuple[str, ...], load_pairs: tuple[str, ...], block: int,
+    min_blocks: int, balance_abs: float, balance_rel: float, as_json: bool, **redis: Any,
+) -> None:  # fmt: skip
+    """Where a router should run this prompt: the warmest live node unless it is overloaded."""
+    tokens = read_tokens(tokens_file)
+    loads = _parse_loads(load_pairs)
+    table = _table(**redis, block=block, min_blocks=min_blocks, balance_abs=balance_abs,
+                   balance_rel=balance_rel)  # fmt: skip
+    route = table.route(model, tokens, list(candidates) or None, loads=loads)
+    if as_json:
+        click.echo(
+            json.dumps({"node": route.node, "prefix_tokens": route.prefix_tokens, "reason": route.reason})
+        )
+    else:
+        click.echo(f"{route.node} {route.prefix_tokens} {route.reason}")
+
+
+@warm.command(name="migrate")
+@_redis_options
+def warm_migrate(**redis: Any) -> None:
+    """Move a table of schema version 1 (one hash slot) to the sharded layout."""
+    report = _table(**redis).migrate_legacy()
+    click.echo(
+        f"migrated: {report.nodes_copied} node registration(s) copied, {report.prefixes_dropped} "
+        f"version-1 prefix(es) dropped (the table refills as nodes run prompts), "
+        f"{report.keys_removed} old key(s) removed"
+    )
+
+
 @warm.command(name="forget")
 @_redis_options
 @click.option("--node", required=True, help="the node to remove with every prefix it holds")
@@ -831,8 +890,9 @@ def top(socket: str | None, config_file: str | None, interval: float, once: bool
             _fail(str(exc))
 
 
-# Options that select what a destructive command destroys are never taken from the environment.
-_NO_ENV = {("evict", "everything"), ("evict", "digest")}
+# Options that select what a destructive command destroys are never taken from the environment, nor
+# a router's candidates and loads (SKIPPYD_NODE names a daemon host's own node).
+_NO_ENV = {("evict", "everything"), ("evict", "digest"), ("route", "candidates"), ("route", "load_pairs")}
 
 
 def _environment_everywhere(group: click.Group, path: tuple[str, ...] = ()) -> None:

@@ -6,7 +6,9 @@ hash slot; key names come from :mod:`skippyd.rediskeys`). Redis errors become
 :class:`~skippyd.errors.CoordinationUnavailable` here, at the boundary.
 
 * :class:`WarmTable` — the seed's ``Warm`` (superfluid ``fleet_warm``): which node last ran each prompt
-  prefix; ``warmest`` is one round trip and a binary search inside Redis.
+  prefix, sharded over hash slots by each prompt's model and first block; ``warmest`` and ``route`` (the
+  warmest live candidate unless the router's loads make it overloaded, :func:`choose_route`) are one
+  round trip and a binary search inside Redis (docs/routing.md).
 * :class:`Promotions` — the seed's ``should_promote``/``promote``, counted in Redis on Redis's clock
   by every process that shares a scope; :class:`LocalPromotions` is the same rules in-process.
 * :class:`Coordinator` — the daemon's side: registers its node and heartbeats, sends ``ran`` updates in
@@ -23,7 +25,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -32,23 +34,27 @@ from typing import Any
 import redis
 import redis.cluster
 import redis.exceptions
+from blake3 import blake3
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .config import valid_node_name, valid_redis_url
-from .errors import CoordinationTimeout, CoordinationUnavailable, InvalidArgument, SkippydError
+from .errors import CoordinationTimeout, CoordinationUnavailable, InvalidArgument, NotFound, SkippydError
 from .keys import WARM_HASH_BYTES, encode_tokens, warm_chain
-from .rediskeys import RedisKeys
+from .rediskeys import MAX_WARM_SHARDS, WARM_SHARDS, RedisKeys, WarmShard
 from .workers import Health
 
 __all__ = [
     "DEFAULT_PROMOTION",
     "Coordinator",
     "LocalPromotions",
+    "MigrationReport",
     "NodeInfo",
     "PromotionSettings",
     "Promotions",
+    "Route",
     "WarmTable",
+    "choose_route",
     "connect",
     "lua_source",
     "server_version",
@@ -125,11 +131,35 @@ class _Scripts:
         self._client = client
         self._scripts: dict[str, Any] = {}
 
-    def __call__(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    def _script(self, name: str) -> Any:
         registered = self._scripts.get(name)
         if registered is None:
             registered = self._scripts[name] = self._client.register_script(_source(name))
-        return registered(keys=list(keys), args=list(args))
+        return registered
+
+    def __call__(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        return self._script(name)(keys=list(keys), args=list(args))
+
+    def many(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
+        """One script over several key sets (shards) in one pipeline: one round trip on a single Redis,
+        one per primary on a cluster. A call answered NOSCRIPT did not run; it is sent again by itself
+        (which loads the script). Any other error is raised after the pipeline."""
+        if len(calls) == 1:
+            keys, args = calls[0]
+            return [self(name, keys, args)]
+        script = self._script(name)
+        pipe = self._client.pipeline(transaction=False)
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        answers = list(pipe.execute(raise_on_error=False))
+        for i, answer in enumerate(answers):
+            if isinstance(answer, redis.exceptions.NoScriptError):
+                keys, args = calls[i]
+                answers[i] = self(name, keys, args)
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+        return answers
 
 
 @functools.cache
@@ -164,8 +194,97 @@ class NodeInfo:
     last_heartbeat_age_ms: int
 
 
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where :meth:`WarmTable.route` sends a prompt.
+
+    ``node``: the chosen node. ``prefix_tokens``: how many leading tokens of the prompt that node ran
+    last (whole blocks; 0 when none, or fewer than ``min_blocks`` blocks). ``reason``: ``"warm"`` (the
+    warmest candidate, not overloaded), ``"balance"`` (the warmest was overloaded against the least
+    loaded, which got it instead) or ``"cold"`` (no candidate holds a warm prefix: the least loaded).
+    """
+
+    node: str
+    prefix_tokens: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class MigrationReport:
+    """What ``WarmTable.migrate_legacy`` (``skippyd warm migrate``) did."""
+
+    nodes_copied: int
+    prefixes_dropped: int
+    keys_removed: int
+
+
+DEFAULT_BALANCE_ABS = 8.0  # the warmest must run this many more requests than the least loaded …
+DEFAULT_BALANCE_REL = 1.5  # … and more than this many times as many, before the least loaded gets it
+DEFAULT_MAX_RUNS = 64  # runs of a chain (one ran() each) route() steps through looking for candidates
+
+
+def _route_rank(first_hash: bytes, node: str) -> bytes:
+    """Rendezvous order of ``node`` for a prompt family: ties between equally loaded candidates go to
+    the same node for every prompt with this first block (as consistent hashing would place it)."""
+    return blake3(first_hash + node.encode()).digest(8)
+
+
+def choose_route(
+    candidates: Sequence[tuple[str, int]],
+    loads: Mapping[str, float] | None,
+    *,
+    block: int,
+    first_hash: bytes = b"",
+    balance_abs: float = DEFAULT_BALANCE_ABS,
+    balance_rel: float = DEFAULT_BALANCE_REL,
+) -> Route:
+    """The routing rule, on what Redis answered: ``candidates`` are the live candidates with the blocks
+    each ran of the prompt (0: none). The warmest wins unless ``loads`` say it is overloaded against the
+    least loaded: ``load(warmest) - load(least) > balance_abs`` and ``load(warmest) > balance_rel *
+    load(least)`` (SGLang's router's balance rule, applied to the warmest candidate), when the least
+    loaded wins; with nothing warm, the least loaded. Ties: warmest by lower load, least loaded by
+    longer prefix, then the prompt family's rendezvous order. A candidate missing from ``loads`` has
+    load 0."""
+    if not candidates:
+        raise NotFound("no live node among the candidates")
+
+    def load(node: str) -> float:
+        return float(loads.get(node, 0.0)) if loads else 0.0
+
+    warm = min(candidates, key=lambda c: (-c[1], load(c[0]), _route_rank(first_hash, c[0])))
+    least = min(candidates, key=lambda c: (load(c[0]), -c[1], _route_rank(first_hash, c[0])))
+    if warm[1] == 0:
+        return Route(least[0], 0, "cold")
+    if loads is not None:
+        busy, idle = load(warm[0]), load(least[0])
+        if busy - idle > balance_abs and busy > balance_rel * idle:
+            return Route(least[0], least[1] * block, "balance")
+    return Route(warm[0], warm[1] * block, "warm")
+
+
+def _check_loads(loads: Mapping[str, float] | None) -> Mapping[str, float] | None:
+    if loads is None:
+        return None
+    if not isinstance(loads, Mapping):
+        raise InvalidArgument("loads must map node names to numbers (e.g. running requests)")
+    for node, value in loads.items():
+        if not isinstance(node, str):
+            raise InvalidArgument(f"loads are keyed by node name, got {node!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < float("inf"):
+            raise InvalidArgument(f"load of {node!r} must be a finite number >= 0, got {value!r}")
+    return loads
+
+
 class WarmTable:
-    """Which node last ran each prompt prefix (matched in whole ``block``-token blocks)."""
+    """Which node last ran each prompt prefix (matched in whole ``block``-token blocks).
+
+    The table is split into ``shards`` Redis Cluster hash slots by the first hash of each prompt's
+    chain (model and first block: every prefix of a prompt is in its shard). ``max_prefixes`` and the
+    seed's oldest-eighth eviction hold per shard, so the table remembers at most ``shards *
+    max_prefixes`` prefixes; with ``shards=1`` it is the seed's single table exactly. Every writer and
+    reader of one table must use the same ``shards`` (daemons use the default).
+    ``balance_abs``/``balance_rel`` are :meth:`route`'s load thresholds (:func:`choose_route`).
+    """
 
     def __init__(
         self,
@@ -176,9 +295,19 @@ class WarmTable:
         max_prefixes: int = 65536,
         prefix: str = "skippyd",
         max_dead_runs: int = 8,
+        shards: int = WARM_SHARDS,
+        balance_abs: float = DEFAULT_BALANCE_ABS,
+        balance_rel: float = DEFAULT_BALANCE_REL,
+        max_runs: int = DEFAULT_MAX_RUNS,
     ) -> None:
         if min_blocks < 1 or max_prefixes < 8:
             raise InvalidArgument("min_blocks must be at least 1 and max_prefixes at least 8")
+        if not isinstance(shards, int) or not 1 <= shards <= MAX_WARM_SHARDS:
+            raise InvalidArgument(f"shards must be 1 to {MAX_WARM_SHARDS}")
+        if not (balance_abs >= 0 and balance_rel >= 1):
+            raise InvalidArgument("balance_abs must be >= 0 and balance_rel >= 1")
+        if max_runs < 1:
+            raise InvalidArgument("max_runs must be at least 1")
         warm_chain("validate", b"", block)  # checks the block size
         self.client = client
         self._run = _Scripts(client)
@@ -187,6 +316,10 @@ class WarmTable:
         self.max_prefixes = max_prefixes
         self.keys = RedisKeys(prefix)
         self.max_dead_runs = max_dead_runs
+        self.shards = shards
+        self.balance_abs = float(balance_abs)
+        self.balance_rel = float(balance_rel)
+        self.max_runs = max_runs
 
     @classmethod
     def from_url(
@@ -198,13 +331,26 @@ class WarmTable:
         max_prefixes: int = 65536,
         prefix: str = "skippyd",
         timeout: float = 1.0,
+        shards: int = WARM_SHARDS,
+        balance_abs: float = DEFAULT_BALANCE_ABS,
+        balance_rel: float = DEFAULT_BALANCE_REL,
     ) -> WarmTable:
         return cls(connect(url, timeout=timeout), block=block, min_blocks=min_blocks,
-                   max_prefixes=max_prefixes, prefix=prefix)  # fmt: skip
+                   max_prefixes=max_prefixes, prefix=prefix, shards=shards, balance_abs=balance_abs,
+                   balance_rel=balance_rel)  # fmt: skip
 
     def chain(self, model: str, tokens: Any) -> bytes:
         """The prompt's block chain (8 bytes a whole block), as sent to Redis."""
         return warm_chain(model, tokens if isinstance(tokens, bytes) else encode_tokens(tokens), self.block)
+
+    def shard_of(self, chain: bytes) -> WarmShard:
+        """The shard holding every prefix of this chain (shard 0 for a chain shorter than one block,
+        which holds no prefix; any shard answers liveness)."""
+        index = self.keys.warm_shard_index(chain, self.shards) if chain else 0
+        return self.keys.warm_shard(index, self.shards)
+
+    def all_shards(self) -> list[WarmShard]:
+        return [self.keys.warm_shard(i, self.shards) for i in range(self.shards)]
 
     # ------------------------------------------------------------- the seed's operations
     def ran(self, model: str, tokens: Any, node: str) -> None:
@@ -212,21 +358,35 @@ class WarmTable:
         self.ran_chains([self.chain(model, tokens)], node)
 
     def ran_chains(self, chains: Sequence[bytes], node: str, batch_id: str | None = None) -> int:
-        """Several prompts' chains in one round trip (each prompt gets its own tick, as in the seed).
+        """Several prompts' chains, one script call per shard they fall in, pipelined (each prompt gets
+        its own tick in its shard, as in the seed). Returns the prefixes written.
 
         A call sent again with the same ``batch_id`` (say its answer timed out) within
-        :data:`BATCH_MARKER_S` changes nothing and returns -1: re-sending a batch is always safe.
+        :data:`BATCH_MARKER_S` changes nothing: each shard keeps the batch's marker, so a shard that
+        applied it skips it; -1 when every shard had.
         """
         _check_node(node)
-        k = self.keys
-        marker = k.warm_batch(batch_id or new_batch_id())
-        with _redis_errors("warm table update failed"):
-            written = self._run(
-                "warm_ran.lua",
-                [k.warm_prefixes, k.warm_ages, k.warm_clock, marker],
-                [node, self.max_prefixes, WARM_HASH_BYTES, int(BATCH_MARKER_S * 1000), *chains],
+        batch_id = batch_id or new_batch_id()
+        by_shard: dict[int, list[bytes]] = {}
+        for chain in chains:
+            if len(chain) >= WARM_HASH_BYTES:
+                by_shard.setdefault(self.keys.warm_shard_index(chain, self.shards), []).append(chain)
+        if not by_shard:
+            return 0
+        calls = []
+        for index, group in sorted(by_shard.items()):
+            shard = self.keys.warm_shard(index, self.shards)
+            calls.append(
+                (
+                    [shard.prefixes, shard.ages, shard.clock, shard.batch(batch_id)],
+                    [node, self.max_prefixes, WARM_HASH_BYTES, int(BATCH_MARKER_S * 1000), *group],
+                )
             )
-        return int(written)
+        with _redis_errors("warm table update failed"):
+            answers = [int(a) for a in self._run.many("warm_ran.lua", calls)]
+        if all(a < 0 for a in answers):
+            return -1
+        return sum(a for a in answers if a > 0)
 
     def warmest(self, model: str, tokens: Any) -> tuple[str, int] | None:
         """The live node that ran the longest remembered prefix of ``tokens``, and its length in tokens."""
@@ -235,26 +395,94 @@ class WarmTable:
     def warmest_chain(self, chain: bytes) -> tuple[str, int] | None:
         if len(chain) // WARM_HASH_BYTES < self.min_blocks:
             return None
-        k = self.keys
+        shard = self.shard_of(chain)
         with _redis_errors("warm table lookup failed"):
             found = self._run(
                 "warm_warmest.lua",
-                [k.warm_prefixes, k.nodes],
+                [shard.prefixes, shard.nodes],
                 [chain, WARM_HASH_BYTES, self.min_blocks, self.max_dead_runs],
             )
         if not found:
             return None
         return _text(found[0]), int(found[1]) * self.block
 
+    # ------------------------------------------------------------- routing
+    def route(
+        self,
+        model: str,
+        tokens: Any,
+        nodes: Sequence[str] | None = None,
+        *,
+        loads: Mapping[str, float] | None = None,
+    ) -> Route:
+        """Where to run this prompt: the warmest live candidate unless it is overloaded against the least
+        loaded (see :func:`choose_route`; thresholds ``balance_abs``/``balance_rel``), else the least
+        loaded. Candidates are ``nodes`` (default: every live registered node); a node whose heartbeat
+        expired or that was forgotten is never chosen, a node that never registered counts as live.
+        One Redis round trip (``warm_route.lua`` on the prompt's shard). :class:`NotFound` when no
+        candidate is live."""
+        return self.route_chain(self.chain(model, tokens), nodes, loads=loads)
+
+    def warm_candidates(self, chain: bytes, nodes: Sequence[str] | None = None) -> list[tuple[str, int]]:
+        """Every live candidate and the blocks of this chain it ran last (0: none, or fewer than
+        ``min_blocks``), in one round trip: a full search (route() stops as soon as its rule is
+        decided)."""
+        return self._candidates(chain, nodes, "all", None)
+
+    def _candidates(
+        self, chain: bytes, nodes: Sequence[str] | None, mode: str, loads: Mapping[str, float] | None
+    ) -> list[tuple[str, int]]:
+        names = [] if nodes is None else [_check_node(n) for n in nodes]
+        if nodes is not None and not names:
+            raise InvalidArgument("nodes, when given, must name at least one candidate")
+        pairs: list[Any] = []
+        for node, value in (loads or {}).items():
+            pairs += [node, repr(float(value))]
+        shard = self.shard_of(chain)
+        with _redis_errors("warm table route failed"):
+            raw = self._run(
+                "warm_route.lua",
+                [shard.prefixes, shard.nodes],
+                [chain, WARM_HASH_BYTES, self.min_blocks, self.max_runs, mode, repr(self.balance_abs),
+                 repr(self.balance_rel), len(pairs) // 2, *pairs, *names],
+            )  # fmt: skip
+        out = []
+        for name, live, blocks in zip(raw[0::3], raw[1::3], raw[2::3], strict=True):
+            if int(live):
+                out.append((_text(name), int(blocks)))
+        return out
+
+    def route_chain(
+        self, chain: bytes, nodes: Sequence[str] | None = None, *, loads: Mapping[str, float] | None = None
+    ) -> Route:
+        loads = _check_loads(loads)
+        candidates = self._candidates(chain, nodes, "warmest" if loads is None else "balance", loads)
+        if not candidates:
+            asked = "the registered nodes" if nodes is None else f"{list(nodes)!r}"
+            raise NotFound(f"no live node to route to among {asked}")
+        return choose_route(
+            candidates, loads, block=self.block, first_hash=chain[:WARM_HASH_BYTES],
+            balance_abs=self.balance_abs, balance_rel=self.balance_rel,
+        )  # fmt: skip
+
     # ------------------------------------------------------------- node liveness
     def heartbeat(self, node: str, incarnation: int, ttl_s: float) -> bool:
-        """Registers or renews ``node``; False when a newer incarnation of it holds the name."""
+        """Registers or renews ``node``; False when a newer incarnation of it holds the name. The record
+        is then copied into every shard (one pipeline), where lookups read liveness."""
         _check_node(node)
+        ttl_ms = int(ttl_s * 1000)
         with _redis_errors("node heartbeat failed"):
             ok, _current = self._run(
-                "node_heartbeat.lua", [self.keys.nodes], [node, int(incarnation), int(ttl_s * 1000)]
+                "node_heartbeat.lua", [self.keys.nodes], [node, int(incarnation), ttl_ms]
             )
-        return bool(int(ok))
+            if not int(ok):
+                return False
+            self._mark_shards(node, int(incarnation), ttl_ms, "up")
+        return True
+
+    def _mark_shards(self, node: str, incarnation: int, ttl_ms: int, what: str, *extra: str) -> None:
+        calls = [([s.nodes], [node, incarnation, ttl_ms, what, *extra]) for s in self.all_shards()]
+        self._run.many("node_mark.lua", calls)
 
     def nodes(self, *, include_gone: bool = False) -> list[NodeInfo]:
         """Registered nodes (live ones only unless ``include_gone``), with incarnation and last heartbeat."""
@@ -272,19 +500,49 @@ class WarmTable:
         return sorted(out, key=lambda n: n.node)
 
     def forget(self, node: str, *, step: int = 1000) -> int:
-        """Removes ``node`` and every prefix it holds, ``step`` table fields per script call."""
+        """Removes ``node`` and every prefix it holds, ``step`` table fields per script call. Lookups
+        stop answering it before the first prefix goes; each shard keeps a "forgotten" record of it
+        until it heartbeats again."""
         _check_node(node)
-        k = self.keys
-        cursor, removed = "0", 0
-        while True:
-            with _redis_errors("forget failed"):
-                cursor_raw, count = self._run(
-                    "node_forget.lua", [k.warm_prefixes, k.warm_ages, k.nodes], [node, cursor, step]
-                )
-            removed += int(count)
-            cursor = _text(cursor_raw)
-            if cursor == "0":
-                return removed
+        with _redis_errors("forget failed"):
+            self._run("node_mark.lua", [self.keys.nodes], [node, 0, 0, "forgotten"])
+            self._mark_shards(node, 0, 0, "forgotten")
+        removed = 0
+        for shard in self.all_shards():
+            cursor = "0"
+            while True:
+                with _redis_errors("forget failed"):
+                    cursor_raw, count = self._run(
+                        "node_forget.lua", [shard.prefixes, shard.ages], [node, cursor, step]
+                    )
+                removed += int(count)
+                cursor = _text(cursor_raw)
+                if cursor == "0":
+                    break
+        with _redis_errors("forget failed"):
+            self._run("node_mark.lua", [self.keys.nodes], [node, 0, 0, "drop"])
+        return removed
+
+    def migrate_legacy(self) -> MigrationReport:
+        """Moves a schema-version-1 table (one slot, ``{<prefix>:v1:warm}``) to this layout: its node
+        registrations are copied (where this table has none), its prefixes are dropped (version 1 kept
+        no chain with them, so their shard cannot be known; the table refills as nodes run prompts) and
+        its keys removed. Safe to run again; a no-op when there is nothing of version 1."""
+        legacy = self.keys.legacy_warm
+        copied = 0
+        with _redis_errors("migration failed"):
+            records = self.client.hgetall(legacy.nodes)
+            for name, record in records.items():
+                node, text = _text(name), _text(record)
+                if not valid_node_name(node) or len(text.split()) != 4:
+                    continue
+                copied += int(self._run("node_mark.lua", [self.keys.nodes], [node, 0, 0, "copy", text]))
+                self._mark_shards(node, 0, 0, "copy", text)
+            dropped = int(self.client.hlen(legacy.prefixes))
+            removed = 0
+            for key in (legacy.prefixes, legacy.ages, legacy.clock, legacy.nodes):
+                removed += int(self.client.unlink(key))
+        return MigrationReport(copied, dropped, removed)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):

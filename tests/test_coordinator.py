@@ -16,7 +16,7 @@ from skippyd import coordination
 from skippyd.coordination import Coordinator
 from skippyd.errors import CoordinationTimeout, CoordinationUnavailable
 from skippyd.keys import encode_tokens
-from skippyd.rediskeys import RedisKeys
+from skippyd.rediskeys import WARM_SHARDS, RedisKeys
 
 # about a second of Lua work on the server (it handles nothing else meanwhile)
 BUSY_LUA = "local x = 0 for i = 1, 150000000 do x = x + i end return 1"
@@ -38,7 +38,9 @@ def make(server: RedisServer, **kwargs: float) -> Coordinator:
 
 
 def clock(server: RedisServer) -> int:
-    return int(server.client().get(RedisKeys().warm_clock) or 0)
+    """Prompts recorded: the sum of every warm-table shard's clock."""
+    keys = RedisKeys()
+    return sum(int(server.client().get(keys.warm_shard(i).clock) or 0) for i in range(WARM_SHARDS))
 
 
 def test_warm_updates_go_in_batches_bounded_by_bytes(server: RedisServer) -> None:

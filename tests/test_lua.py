@@ -15,8 +15,8 @@ SCRIPTS = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "lua"
 
 def test_the_scripts_are_package_resources() -> None:
     assert set(SCRIPTS) == {
-        "warm_ran.lua", "warm_warmest.lua", "node_heartbeat.lua", "node_list.lua", "node_forget.lua",
-        "promo_consider.lua", "promo_settle.lua",
+        "warm_ran.lua", "warm_warmest.lua", "warm_route.lua", "node_heartbeat.lua", "node_list.lua",
+        "node_forget.lua", "node_mark.lua", "promo_consider.lua", "promo_settle.lua",
     }  # fmt: skip
 
 

@@ -15,6 +15,7 @@ from redisutil import RedisServer
 from skippyd import WarmTable
 from skippyd.errors import CoordinationUnavailable, InvalidArgument
 from skippyd.keys import WARM_HASH_BYTES, encode_tokens, warm_chain
+from skippyd.rediskeys import RedisKeys
 
 
 class SeedWarm:
@@ -46,6 +47,33 @@ class SeedWarm:
             ages = sorted(at for _, at in self.by_prefix.values())
             cut = ages[self.max // 8]
             self.by_prefix = {h: v for h, v in self.by_prefix.items() if v[1] > cut}
+
+
+class ShardedSeed:
+    """The seed's ``Warm`` per shard: a prompt's shard follows from its chain's first hash, and each
+    shard is a seed table of its own (``max_prefixes`` and the oldest eighth hold per shard)."""
+
+    def __init__(self, shards: int, **seed: Any) -> None:
+        self.shards = [SeedWarm(**seed) for _ in range(shards)]
+
+    def _of(self, model: str, tokens: list[int]) -> SeedWarm:
+        first = self.shards[0].chain(model, tokens)[:1]
+        return self.shards[RedisKeys.warm_shard_index(first[0], len(self.shards)) if first else 0]
+
+    def ran(self, model: str, tokens: list[int], node: str) -> None:
+        self._of(model, tokens).ran(model, tokens, node)
+
+    def warmest(self, model: str, tokens: list[int]) -> tuple[str, int] | None:
+        return self._of(model, tokens).warmest(model, tokens)
+
+
+def stored(warm: WarmTable) -> int:
+    """Prefixes the table holds over all its shards."""
+    return sum(int(warm.client.hlen(s.prefixes)) for s in warm.all_shards())
+
+
+def clocks(warm: WarmTable) -> int:
+    return sum(int(warm.client.get(s.clock) or 0) for s in warm.all_shards())
 
 
 def test_the_longest_prefix_a_node_ran_wins_and_is_kept_across_a_restart(any_redis_url: str) -> None:
@@ -82,7 +110,8 @@ def test_the_table_survives_a_redis_restart_with_the_append_only_file_on() -> No
 
 
 def test_past_max_prefixes_the_oldest_eighth_goes(any_redis_url: str) -> None:
-    warm = WarmTable.from_url(any_redis_url, max_prefixes=16)
+    """With one shard the table is the seed's exactly."""
+    warm = WarmTable.from_url(any_redis_url, max_prefixes=16, shards=1)
     seed = SeedWarm(max_prefixes=16)
     prompts = [[i * 1000 + j for j in range(64 * 3)] for i in range(8)]  # three blocks each
     for i, prompt in enumerate(prompts):
@@ -92,8 +121,25 @@ def test_past_max_prefixes_the_oldest_eighth_goes(any_redis_url: str) -> None:
         assert warm.warmest("m", prompt) == seed.warmest("m", prompt)
     assert warm.warmest("m", prompts[0]) is None, "the first prompts were evicted"
     assert warm.warmest("m", prompts[-1]) == ("n7", 192)
-    stored = len(warm.client.hkeys(warm.keys.warm_prefixes))
-    assert stored == len(seed.by_prefix) <= 16
+    assert stored(warm) == len(seed.by_prefix) <= 16
+
+
+def test_past_max_prefixes_a_shard_drops_its_own_oldest_eighth(any_redis_url: str) -> None:
+    """Sharded, each shard is a seed table of ``max_prefixes``: a shard that fills drops its oldest
+    eighth and leaves the other shards' prefixes alone."""
+    warm = WarmTable.from_url(any_redis_url, max_prefixes=16, shards=4)
+    seed = ShardedSeed(4, max_prefixes=16)
+    prompts = [[i * 1000 + j for j in range(64 * 3)] for i in range(40)]
+    for i, prompt in enumerate(prompts):
+        warm.ran("m", prompt, f"n{i}")
+        seed.ran("m", prompt, f"n{i}")
+    for prompt in prompts:
+        assert warm.warmest("m", prompt) == seed.warmest("m", prompt)
+    per_shard = [int(warm.client.hlen(s.prefixes)) for s in warm.all_shards()]
+    assert per_shard == [len(s.by_prefix) for s in seed.shards]
+    assert all(0 < n <= 16 for n in per_shard), "every shard got prompts and none holds more than 16"
+    assert warm.warmest("m", prompts[-1]) == ("n39", 192), "the newest prompt is remembered"
+    assert sum(warm.warmest("m", p) is None for p in prompts) > 0, "full shards evicted their oldest"
 
 
 def test_models_never_share_prefixes(any_redis_url: str) -> None:
@@ -118,14 +164,14 @@ history = st.lists(
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(events=history, max_prefixes=st.sampled_from([16, 40, 65536]))
+@given(events=history, max_prefixes=st.sampled_from([16, 40, 65536]), shards=st.sampled_from([1, 3, 16]))
 def test_the_binary_search_agrees_with_the_seeds_linear_scan_on_random_histories(
-    redis_url: str, events: list[tuple[str, int, int, int, str]], max_prefixes: int
+    redis_url: str, events: list[tuple[str, int, int, int, str]], max_prefixes: int, shards: int
 ) -> None:
     client = redis.Redis.from_url(redis_url)
     client.flushall()
-    warm = WarmTable(client, max_prefixes=max_prefixes)
-    seed = SeedWarm(max_prefixes=max_prefixes)
+    warm = WarmTable(client, max_prefixes=max_prefixes, shards=shards)
+    seed = ShardedSeed(shards, max_prefixes=max_prefixes)
     stems = [[s * 100000 + j for j in range(64 * 6)] for s in range(4)]
     prompts = []
     for n, (model, stem, keep, extra, node) in enumerate(events):
@@ -179,7 +225,7 @@ def test_warmest_agrees_with_a_linear_scan_over_live_nodes_on_long_random_histor
         owners = []
         for k in range(len(chain) // WARM_HASH_BYTES):
             value = client.hget(
-                warm.keys.warm_prefixes, chain[k * WARM_HASH_BYTES : (k + 1) * WARM_HASH_BYTES]
+                warm.shard_of(chain).prefixes, chain[k * WARM_HASH_BYTES : (k + 1) * WARM_HASH_BYTES]
             )
             if value is None:
                 break  # the longest remembered prefix ends here (the seed's scan)
@@ -235,7 +281,7 @@ def test_forget_removes_a_nodes_prefixes_in_bounded_steps(any_redis_url: str) ->
     assert warm.warmest("m", [10000 + j for j in range(64 * 5)]) is None
     assert warm.warmest("m", keep) == ("stays", 192)
     assert [n.node for n in warm.nodes(include_gone=True)] == []
-    assert len(warm.client.hkeys(warm.keys.warm_prefixes)) == 3
+    assert stored(warm) == 3
 
 
 def test_scripts_are_reloaded_after_script_flush(redis_url: str) -> None:
@@ -254,23 +300,29 @@ def test_scripts_are_reloaded_after_a_script_flush(redis_url: str) -> None:
     warm.ran("m", list(range(256)), "a")
     warm.client.script_flush()
     warm.ran("m", list(range(512)), "b")
-    assert int(warm.client.get(warm.keys.warm_clock)) == 2, (
-        "the non-idempotent script ran exactly once per call"
-    )
+    assert clocks(warm) == 2, "the non-idempotent script ran exactly once per call"
     assert warm.warmest("m", list(range(512))) == ("b", 512)
 
 
-def test_every_key_of_a_script_shares_one_cluster_slot() -> None:
+def test_every_key_of_a_script_shares_one_cluster_slot_and_the_shards_spread_over_slots() -> None:
     from redis.crc import key_slot
 
-    from skippyd.rediskeys import RedisKeys
+    from skippyd.rediskeys import WARM_SHARDS
 
     keys = RedisKeys("prod")
-    warm = [keys.warm_prefixes, keys.warm_ages, keys.warm_clock, keys.nodes, keys.warm_batch("ab" * 16)]
-    assert len({key_slot(k.encode()) for k in warm}) == 1
+    slots = set()
+    for i in range(WARM_SHARDS):
+        shard = keys.warm_shard(i)
+        one = {key_slot(k.encode()) for k in
+               [shard.prefixes, shard.ages, shard.clock, shard.nodes, shard.batch("ab" * 16)]}  # fmt: skip
+        assert len(one) == 1, "one script's keys share one slot"
+        slots |= one
+    assert len(slots) == WARM_SHARDS, "every shard is a slot of its own"
+    assert key_slot(keys.nodes.encode()) not in slots, "the registry is a slot of its own"
     promo = [keys.promo_obs("node:a"), keys.promo_ages("node:a")]
     assert len({key_slot(k.encode()) for k in promo}) == 1
-    assert all(k.startswith("{prod:v1:") for k in warm + promo)
+    assert all(k.startswith("{prod:v2:") for k in [keys.nodes, keys.warm_shard(3).prefixes])
+    assert all(k.startswith("{prod:v1:promo:") for k in promo), "promotion scopes keep their layout"
 
 
 def test_bad_node_names_and_unreachable_redis_are_typed_errors(tmp_short: Any) -> None:
@@ -287,11 +339,11 @@ def test_a_ran_batch_sent_twice_with_one_id_is_applied_once(redis_url: str) -> N
     batch_id = "5" * 32
     assert warm.ran_chains([chain], "a", batch_id) == 4
     assert warm.ran_chains([chain], "b", batch_id) == -1, "the same batch again changes nothing"
-    assert int(warm.client.get(warm.keys.warm_clock)) == 1
+    assert clocks(warm) == 1
     assert warm.warmest("m", list(range(256))) == ("a", 256)
     assert warm.ran_chains([chain], "b") == 4, "a new batch applies"
     assert warm.warmest("m", list(range(256))) == ("b", 256)
-    ttl = warm.client.pttl(warm.keys.warm_batch(batch_id))
+    ttl = warm.client.pttl(warm.shard_of(chain).batch(batch_id))
     assert 0 < ttl <= 600_000, "the marker expires"
 
 
@@ -307,18 +359,29 @@ def test_every_lua_header_names_the_keys_python_passes(
     from skippyd import Promotions
     from skippyd.coordination import _Scripts, lua_source
 
-    passed: dict[str, list[str]] = {}
-    real_call = _Scripts.__call__
+    passed: dict[str, list[list[str]]] = {}
+    real_call, real_many = _Scripts.__call__, _Scripts.many
 
     def recording(self: _Scripts, name: str, keys: Any, args: Any) -> Any:
-        passed[name] = list(keys)
+        passed.setdefault(name, []).append(list(keys))
         return real_call(self, name, keys, args)
 
+    def recording_many(self: _Scripts, name: str, calls: Any) -> Any:
+        for keys, _ in calls:
+            passed.setdefault(name, []).append(list(keys))
+        return real_many(self, name, calls)
+
     monkeypatch.setattr(_Scripts, "__call__", recording)
+    monkeypatch.setattr(_Scripts, "many", recording_many)
+    legacy = RedisKeys("hdr").legacy_warm
+    redis.Redis.from_url(redis_url).hset(legacy.nodes, "old", "5 1 10000 up")
     warm = WarmTable.from_url(redis_url, prefix="hdr")
+    warm.migrate_legacy()
     warm.heartbeat("a", 1, 60.0)
     warm.ran("m", list(range(256)), "a")
+    warm.ran_chains([warm.chain("m", list(range(256))), warm.chain("m", list(range(9000, 9256)))], "a")
     warm.warmest("m", list(range(256)))
+    warm.route("m", list(range(256)))
     warm.nodes()
     warm.forget("a")
     promotions = Promotions.from_url(redis_url, scope="node:a", prefix="hdr")
@@ -326,16 +389,26 @@ def test_every_lua_header_names_the_keys_python_passes(
     promotions.settle("ab" * 32)
 
     scope = blake3(b"node:a").hexdigest()[:32]
-    for name, keys in passed.items():
-        header = [
-            line.split()[2] for line in lua_source(name).splitlines() if re.match(r"^-- KEYS\[\d+\]", line)
-        ]
-        expected = []
-        for i, pattern in enumerate(header):
-            name_ = pattern.replace("<prefix>", "hdr").replace("<scope>", scope)
-            if name_.endswith("<id>") and i < len(keys):
-                name_ = name_[: -len("<id>")] + keys[i].rsplit(":", 1)[-1]
-            expected.append(name_)
-        assert expected == keys, name
+    for name, calls in passed.items():
+        # each KEYS[i] line (and its continuation lines) names the key, or the keys, that index takes
+        choices: list[list[str]] = []
+        for line in lua_source(name).splitlines():
+            if re.match(r"^-- KEYS\[\d+\]", line):
+                choices.append([])
+            elif not re.match(r"^--\s{6,}", line) or not choices:
+                if choices and not line.startswith("--  "):
+                    break
+                continue
+            choices[-1] += re.findall(r"\{<prefix>[^ ,)]*", line)
+        for keys in calls:
+            assert len(keys) == len(choices), name
+            for key, patterns in zip(keys, choices, strict=True):
+                regexes = [
+                    re.escape(p.replace("<prefix>", "hdr").replace("<scope>", scope))
+                    .replace(re.escape("<shard>"), r"\d+")
+                    .replace(re.escape("<id>"), "[0-9a-f]{32}")
+                    for p in patterns
+                ]
+                assert any(re.fullmatch(r, key) for r in regexes), (name, key, patterns)
     lua_files = {p.name for p in (Path(__file__).resolve().parent.parent / "lua").glob("*.lua")}
     assert set(passed) == lua_files, "every script was exercised"
