@@ -546,15 +546,28 @@ def test_dockerfile_runs_as_a_numeric_non_root_user_it_creates(dockerfile: list[
     assert re.search(rf'groupadd\b[^&]*--gid "?{group}\b[^&]*\bskippyd\b', runs)
 
 
-def test_dockerfile_healthcheck_asks_status_check_on_the_served_socket(dockerfile: list[Instruction]) -> None:
+def test_dockerfile_healthcheck_asks_status_check_on_the_served_socket_and_takes_degraded_as_healthy(
+    dockerfile: list[Instruction], tmp_path: Path
+) -> None:
     stage = final_stage(dockerfile)
     health = only(stage, "HEALTHCHECK").args
     _, cmd, command = health.partition("CMD ")
     assert cmd, "HEALTHCHECK CMD ..."
     argv = exec_form(command.strip())
-    assert argv[:3] == ["skippyd", "status", "--check"]
+    assert argv[:2] == ["sh", "-c"], "a shell, so that exit 4 (degraded) can count as healthy"
+    words = shlex.split(argv[2])
+    assert words[:3] == ["skippyd", "status", "--check"]
     served = serve_config(exec_form(only(stage, "ENTRYPOINT").args)[2:])
-    assert argv[argv.index("--socket") + 1] == served.socket
+    assert words[words.index("--socket") + 1] == served.socket
+    # the check's verdict for each of status's exits, with a stand-in skippyd that exits as told
+    fake = tmp_path / "skippyd"
+    fake.write_text('#!/bin/sh\nexit "$FAKE_EXIT"\n')
+    fake.chmod(0o755)
+    verdicts = {}
+    for code in (0, 1, 3, 4):
+        env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "FAKE_EXIT": str(code)}
+        verdicts[code] = subprocess.run(argv, env=env, check=False).returncode == 0
+    assert verdicts == {0: True, 1: False, 3: False, 4: True}
 
 
 def test_dockerfile_serves_on_volumes_engines_can_share(dockerfile: list[Instruction]) -> None:
