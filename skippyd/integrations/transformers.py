@@ -51,7 +51,8 @@ import torch
 
 from skippyd.blockspace import in_two
 from skippyd.errors import InvalidArgument, Mismatch
-from skippyd.protocol import MAX_BLOCK_BYTES  # the largest block: a model's layers are split below it
+from skippyd.protocol import MAX_BLOCK_BYTES
+from skippyd.transfer.device import resolve_device  # the largest block: a model's layers are split below it
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -242,9 +243,12 @@ def _cat_tokens(pieces: list[torch.Tensor], device: torch.device | None = None) 
     """``torch.cat(pieces, dim=-2)``, the same bytes, in one tensor on ``device`` (default: the first
     piece's). On the CPU the pieces are copied by numpy, split over two threads: torch.cat gathering many
     block-sized pieces out of shared memory measured 2-3x slower than these copies on the test machines;
-    elsewhere each piece is copied into its place once (a block view goes to the device directly)."""
+    pieces already on ``device`` (blocks copied there by DMA) are gathered by one ``torch.cat``; elsewhere
+    each piece is copied into its place once (a block view goes to the device directly)."""
     first = pieces[0]
     device = first.device if device is None else device
+    if device.type != "cpu" and all(p.device == device for p in pieces):
+        return torch.cat(pieces, dim=-2)  # on the device: one kernel gathers the pieces
     shape = list(first.shape)
     shape[-2] = sum(int(p.shape[-2]) for p in pieces)
     out = torch.empty(shape, dtype=first.dtype, device=device)
@@ -559,15 +563,22 @@ class _Store:
         )
 
 
-def _leading_blocks(store: _Store, layout: _Layout, seq: Any, want: int) -> list[list[torch.Tensor]]:
-    """Zero-copy views of the leading held blocks of ``seq`` (at most ``want``), the same run in every
-    group: a group that holds fewer cuts the run for all."""
+def _leading_blocks(
+    store: _Store, layout: _Layout, seq: Any, want: int, target: torch.device | None = None
+) -> list[list[torch.Tensor]]:
+    """The leading held blocks of ``seq`` (at most ``want``), the same run in every group: a group that
+    holds fewer cuts the run for all. On the CPU zero-copy views; on a CUDA ``target`` slices of one
+    device buffer per group that the blocks were copied into by DMA (queued: the current stream waits)."""
     views: list[list[torch.Tensor]] = []
     limit = want
     for group, space in zip(layout.groups, store.spaces(layout), strict=True):
         if not limit:
             break
-        got = space.get(space.keys(seq[: limit * layout.block_tokens]))
+        keys = space.keys(seq[: limit * layout.block_tokens])
+        if target is not None and target.type == "cuda":
+            got = _blocks_on_device(space, keys, group.block_bytes, target)
+        else:
+            got = space.get(keys)
         for index, block in enumerate(got):
             if block.numel() != group.block_bytes:
                 raise Mismatch(
@@ -577,6 +588,16 @@ def _leading_blocks(store: _Store, layout: _Layout, seq: Any, want: int) -> list
         limit = min(limit, len(got))
         views.append(got)
     return [group[:limit] for group in views] if limit else []
+
+
+def _blocks_on_device(space: Any, keys: list[bytes], block_bytes: int, device: torch.device) -> list[Any]:
+    """The leading held blocks of ``keys`` copied into one buffer on ``device`` (few large DMA runs:
+    consecutive slots land in consecutive slices), one slice per block."""
+    if not keys:
+        return []
+    buffer = torch.empty((len(keys), block_bytes), dtype=torch.uint8, device=device)
+    outs = list(buffer.unbind(0))
+    return outs[: space.get_into(keys, outs)]
 
 
 def _block_pieces(
@@ -846,7 +867,7 @@ def _find(
         if layout is None:
             raise Mismatch("the entry names blocks, but this model has no attention layer to hold them")
         want = max(count, n // span) if blocks_alone else count  # one get answers both questions
-        views = _leading_blocks(store, layout, seq, want)
+        views = _leading_blocks(store, layout, seq, want, target)
         run = _blocks_alone(prof, layout, views) if blocks_alone else None
         if run is not None and (alone is None or run.count > alone.count):
             alone = run
@@ -857,7 +878,8 @@ def _find(
             break
         hit = store.entry(prof, seq[: hit.token_count - 1], target)
     if blocks_alone and alone is None and default is not None and n >= default.block_tokens:
-        alone = _blocks_alone(prof, default, _leading_blocks(store, default, seq, n // default.block_tokens))
+        views = _leading_blocks(store, default, seq, n // default.block_tokens, target)
+        alone = _blocks_alone(prof, default, views)
     if alone is not None and (found is None or alone.count > found.count):
         return alone
     return found
@@ -892,7 +914,7 @@ def restore(
     if n < 1:
         raise InvalidArgument("tokens must hold at least one token")
     default = _layout(prof, block_tokens) if block_tokens != 0 else None  # (checks the value too)
-    target = torch.device(device) if device is not None else _model_device(model)
+    target = resolve_device(device) if device is not None else _model_device(model)
     store = _Store(client, model_id or prof.model_id, namespace)
     found = _find(store, prof, seq, target=target, default=default)
     if found is None:
