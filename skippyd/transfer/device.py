@@ -181,7 +181,8 @@ class FileMaps:
 
     def get(self, fd: int, end: int) -> tuple[Hashable, _Mapped] | None:
         """The mapping of the file open as ``fd`` covering ``[0, end)``; None for a descriptor that is not
-        a linked regular file (a memfd: served once)."""
+        a linked regular file (a memfd: served once) or that this process cannot open again (the caller
+        copies another way)."""
         info = os.fstat(fd)
         if info.st_nlink == 0 or not stat.S_ISREG(info.st_mode) or info.st_size < end:
             return None
@@ -192,7 +193,10 @@ class FileMaps:
             return key, found
         if found is not None:
             self.drop(key)
-        keep = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            keep = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # (a daemon of another user: its files can only be used through the reply's fd)
+            return None
         try:
             mapping = mmap.mmap(keep, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except BaseException:
