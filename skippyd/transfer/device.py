@@ -50,7 +50,7 @@ __all__ = [
 log = logging.getLogger("skippyd.transfer")
 
 _SRC_ACCESS_ORDER_STREAM = 1  # CUmemcpySrcAccessOrder: the source is read in stream order
-_MAX_PENDING = 64  # leases kept for copies in flight before the oldest is waited for
+_MAX_PENDING = 256  # copies in flight (their leases held) before a new one waits for the oldest
 
 
 # ---------------------------------------------------------------- devices
@@ -240,6 +240,56 @@ class FileMaps:
 # ---------------------------------------------------------------- the transfer
 
 
+class _Leases:
+    """The leases of copies in flight: a thread waits for each copy's event, then closes its descriptors,
+    so the daemon may reuse the memory as soon as the copy has landed (and never before). At most
+    ``_MAX_PENDING`` copies are held; past that, a new one waits for the oldest."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[Any, list[int]]] = deque()
+        self._held = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def hold(self, event: Any, fds: list[int]) -> None:
+        with self._cond:
+            while self._held >= _MAX_PENDING:
+                self._cond.wait()
+            self._queue.append((event, fds))
+            self._held += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="skippyd-leases", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                event, fds = self._queue.popleft()
+            try:
+                event.synchronize()
+            except Exception as exc:  # a failed copy still gives its leases back
+                log.warning("a copy's event failed (%s); its leases are released", exc)
+            finally:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                with self._cond:
+                    self._held -= 1
+                    self._cond.notify_all()
+
+    def drain(self) -> None:
+        with self._cond:
+            while self._held:
+                self._cond.wait()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return self._held
+
+
 def _storage_base(tensor: torch.Tensor) -> tuple[int, int]:
     """``(storage address, byte offset of the tensor in it)``."""
     base = tensor.untyped_storage().data_ptr()
@@ -268,7 +318,7 @@ class DeviceTransfer:
         )
         self.maps = FileMaps(self.book.drop, maps)
         self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
-        self._pending: deque[tuple[Any, list[int]]] = deque()
+        self._leases = _Leases()
         self._lock = threading.RLock()
         self._use_batch = batch
         self.copies = 0  # runs issued (for tests and benchmarks)
@@ -282,21 +332,17 @@ class DeviceTransfer:
             stream = self._streams[key] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         return stream
 
-    def _retire(self) -> None:
-        """Closes the leases of copies that have landed (and waits for the oldest past the bound)."""
-        while self._pending:
-            event, fds = self._pending[0]
-            if len(self._pending) <= _MAX_PENDING and not event.query():
-                break
-            event.synchronize()
-            self._pending.popleft()
-            for fd in fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-
     def _hold(self, event: Any, fds: Sequence[int]) -> None:
-        kept = [os.dup(fd) for fd in fds]  # a duplicate shares the description: its read locks stay
-        self._pending.append((event, kept))
+        self._leases.hold(event, [os.dup(fd) for fd in fds])  # a duplicate keeps the description's locks
+
+    @property
+    def in_flight(self) -> int:
+        """Copies whose leases are still held (their event has not been seen to pass)."""
+        return len(self._leases)
+
+    def drain(self) -> None:
+        """Waits until every copy issued so far has landed and its leases are closed."""
+        self._leases.drain()
 
     def _issue(
         self,
@@ -348,7 +394,6 @@ class DeviceTransfer:
         if generation == 0:
             return None
         with self._lock:
-            self._retire()
             self.maps.sweep()
             found = self.maps.get(fd, data_offset + data_len)
             if found is None:
@@ -379,7 +424,6 @@ class DeviceTransfer:
             return True
         device = outs[0].device
         with self._lock:
-            self._retire()
             self.maps.sweep()
             sources: dict[int, tuple[Hashable, _Mapped]] = {}
             ends: dict[int, int] = {}
@@ -455,7 +499,6 @@ class DeviceTransfer:
             return
         device = jobs[0][1].device
         with self._lock:
-            self._retire()
             base, host = _address_of(region)
             key = ("host", base)
             current = torch.cuda.current_stream(device)
@@ -498,13 +541,8 @@ class DeviceTransfer:
             self.book.drop(("host", address))
 
     def close(self) -> None:
+        self._leases.drain()
         with self._lock:
-            while self._pending:
-                event, fds = self._pending.popleft()
-                event.synchronize()
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
             self.maps.close()
             self.book.close()
 
