@@ -210,3 +210,42 @@ def test_a_descriptor_served_once_is_left_to_the_host_path(sim: dict[str, Any]) 
         assert not sim["transfer"].blocks_to_device([(0, 0, 4096)], [handle.fileno()], [0], outs)
         assert sim["transfer"].entry_to_device(handle.fileno(), 0, 0, 4096, torch.device("cpu")) is None
     assert sim["rec"].calls == []
+
+
+def test_a_layered_get_issues_every_blocks_first_layer_before_any_second_and_gives_an_event_each(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    transfer, current = sim["transfer"], sim["current"]
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    nbytes, half = 64 * 1024, 40 * 1024
+    issued: list[int] = []
+    issue = transfer._issue
+
+    def recording(runs: Any, *args: Any) -> None:
+        issued.extend(r.dst_offset % nbytes for r in runs)
+        issue(runs, *args)
+
+    transfer._issue = recording
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        keys = blocks.keys(list(range(6 * BLOCK)))
+        data = [_random(nbytes, 70 + i) for i in range(6)]
+        blocks.put(keys, data, durable=False)
+        pages = torch.zeros((6, nbytes), dtype=torch.uint8)
+        with transfer.layered([(0, half), (half, nbytes)]) as copies:
+            for first in (0, 3):  # two replies, as a long get gets
+                reply, fds = client._call(blocks._body("blocks_get", keys[first : first + 3]))
+                try:
+                    outs = list(pages[first : first + 3].unbind(0))
+                    placements = [tuple(p) for p in reply["blocks"]]
+                    assert transfer.blocks_to_device(placements, fds, reply["generations"], outs)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            assert transfer.copies == 0 and not pages.any()  # only collected so far
+        assert len(copies.events) == 2
+        assert all(torch.equal(pages[i], data[i]) for i in range(6))
+        assert issued == [0] * 6 + [half] * 6  # every block's first span, then every block's second
+        assert not [w for w in current.waited if w[0] == "event"]  # the caller waits per layer, not here
+        transfer.drain()
+        assert transfer.in_flight == 0

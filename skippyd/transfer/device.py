@@ -27,7 +27,7 @@ import stat
 import threading
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from .plan import Run, plan_runs, split_runs
 __all__ = [
     "DeviceTransfer",
     "FileMaps",
+    "Layered",
     "batch_available",
     "forget_host",
     "resolve_device",
@@ -240,6 +241,50 @@ class FileMaps:
 # ---------------------------------------------------------------- the transfer
 
 
+@dataclass(slots=True)
+class _Part:
+    pieces: list[tuple[Hashable, int, int, int, int]]  # source, offset, destination storage, offset, size
+    hosts: dict[Hashable, _Mapped]
+    dests: dict[Any, torch.Tensor]
+    cuts: dict[Hashable, list[int]]
+    leases: list[int]  # duplicated descriptors: ours to close
+
+
+class Layered:
+    """Copies collected by :meth:`DeviceTransfer.layered` and, once issued, one event per span."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        self.spans = spans
+        self.parts: list[_Part] = []
+        self.events: list[Any] = []
+        self.device: torch.device | None = None
+
+    def add(  # noqa: PLR0917 - one reply's copies, as blocks_to_device prepared them
+        self,
+        pieces: list[tuple[Hashable, int, int, int, int]],
+        hosts: dict[Hashable, _Mapped],
+        dests: dict[Any, torch.Tensor],
+        cuts: dict[Hashable, list[int]],
+        leases: list[int],
+        device: torch.device,
+    ) -> None:
+        if self.device is not None and device != self.device:
+            raise InvalidArgument("the CUDA destinations of one layered get must be on one device")
+        self.device = device
+        self.parts.append(_Part(pieces, hosts, dests, cuts, [os.dup(fd) for fd in leases]))
+
+    def take_leases(self) -> list[int]:
+        leases = [fd for part in self.parts for fd in part.leases]
+        for part in self.parts:
+            part.leases = []
+        return leases
+
+    def release(self) -> None:
+        for fd in self.take_leases():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 class _Leases:
     """The leases of copies in flight: a thread waits for each copy's event, then closes its descriptors,
     so the daemon may reuse the memory as soon as the copy has landed (and never before). At most
@@ -320,6 +365,7 @@ class DeviceTransfer:
         self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
         self._leases = _Leases()
         self._lock = threading.RLock()
+        self._local = threading.local()  # a layered collection in progress on this thread
         self._use_batch = batch
         self.copies = 0  # runs issued (for tests and benchmarks)
         self.calls = 0  # batch calls or copy_ calls issued
@@ -451,16 +497,78 @@ class DeviceTransfer:
                 if base not in dests:
                     dests[base] = _storage_bytes(out)
                 pieces.append((sources[index][0], offset, base, at, nbytes))
-            runs = plan_runs(pieces)
             cuts: dict[Hashable, list[int]] = {}
             for index, (key, mapped) in sources.items():
                 spans = [(o, o + n) for i, o, n in placements if i == index]
                 got = self.book.ensure(key, generations[index], mapped.base, spans, readonly=True)
                 if got is not None:
                     cuts[key] = got
-            runs = split_runs(runs, cuts)
+            collecting: Layered | None = getattr(self._local, "layered", None)
+            if collecting is not None:  # issued layer by layer when the collection ends
+                collecting.add(pieces, dict(sources.values()), dests, cuts, [fds[i] for i in sources], device)
+                return True
+            runs = split_runs(plan_runs(pieces), cuts)
             self._to_device(runs, dict(sources.values()), dests, device, [fds[i] for i in sources])
             return True
+
+    @contextlib.contextmanager
+    def layered(self, spans: Sequence[tuple[int, int]]) -> Iterator[Layered]:
+        """Within this block, ``blocks_to_device`` (``get_into`` into CUDA tensors) only collects its
+        copies (their leases and registrations taken); at its end they are issued span by span: every
+        block's bytes ``[start, stop)`` of span 0 (one layer's keys and values, say), an event, then span
+        1's, and so on. ``Layered.events[j]`` passes once span ``j`` of every block has landed; the caller
+        waits on each where it needs that span (the current stream is not made to wait)."""
+        collected = Layered([(int(a), int(b)) for a, b in spans])
+        self._local.layered = collected
+        try:
+            yield collected
+        except BaseException:
+            collected.release()
+            raise
+        finally:
+            self._local.layered = None
+        with self._lock:
+            self._issue_layered(collected)
+
+    def _issue_layered(self, collected: Layered) -> None:
+        if not collected.parts:
+            return
+        device = collected.device
+        assert device is not None
+        current = torch.cuda.current_stream(device)
+        stream = self._stream(device, "h2d")
+        stream.wait_stream(current)
+        hosts: dict[Hashable, _Mapped] = {}
+        dests: dict[Any, torch.Tensor] = {}
+        cuts: dict[Hashable, set[int]] = {}
+        for part in collected.parts:
+            hosts.update(part.hosts)
+            dests.update(part.dests)
+            for key, bounds in part.cuts.items():
+                cuts.setdefault(key, set()).update(bounds)
+        sorted_cuts = {key: sorted(bounds) for key, bounds in cuts.items()}
+
+        def address(buffer: Any, offset: int) -> int:
+            mapped = hosts.get(buffer)
+            return (mapped.base if mapped is not None else int(dests[buffer].data_ptr())) + offset
+
+        def view(buffer: Any, offset: int, nbytes: int) -> torch.Tensor:
+            mapped = hosts.get(buffer)
+            return (mapped.host if mapped is not None else dests[buffer])[offset : offset + nbytes]
+
+        event: Any = None
+        for start, stop in collected.spans:
+            pieces = [
+                (key, offset + start, base, at + start, min(stop, nbytes) - start)
+                for part in collected.parts
+                for key, offset, base, at, nbytes in part.pieces
+                if start < nbytes
+            ]
+            self._issue(split_runs(plan_runs(pieces), sorted_cuts), address, view, stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            collected.events.append(event)
+        self._leases.hold(event, collected.take_leases())
 
     def _to_device(
         self,
