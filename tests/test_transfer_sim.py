@@ -249,3 +249,39 @@ def test_a_layered_get_issues_every_blocks_first_layer_before_any_second_and_giv
         assert not [w for w in current.waited if w[0] == "event"]  # the caller waits per layer, not here
         transfer.drain()
         assert transfer.in_flight == 0
+
+
+def test_mappings_a_layered_get_still_needs_outlive_the_limit_and_go_once_it_is_issued(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    rec = Recorder()
+    transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister, maps=1)
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    nbytes = 2 << 20  # two slots a slab here: four blocks take two slabs
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        data = [_random(nbytes, 90 + i) for i in range(4)]
+        blocks.put(keys, data, durable=False)
+        pages = torch.zeros((4, nbytes), dtype=torch.uint8)
+        with transfer.layered([(0, nbytes // 2), (nbytes // 2, nbytes)]):
+            reply, fds = client._call(blocks._body("blocks_get", keys))
+            try:
+                assert len(fds) == 2
+                placements = [tuple(p) for p in reply["blocks"]]
+                assert transfer.blocks_to_device(placements, fds, reply["generations"], list(pages.unbind(0)))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            assert len(transfer.maps) == 2  # past the limit of 1: both are still needed
+        assert all(torch.equal(pages[i], data[i]) for i in range(4))
+        reply, fds = client._call(blocks._body("blocks_get", keys[:1]))
+        try:
+            outs = [torch.zeros(nbytes, dtype=torch.uint8)]
+            assert transfer.blocks_to_device([tuple(reply["blocks"][0])], fds, reply["generations"], outs)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert len(transfer.maps) == 1 and torch.equal(outs[0], data[0])
+        assert [c[0] for c in rec.calls].count("unregister") >= 1  # the dropped mapping's ranges
+    transfer.close()

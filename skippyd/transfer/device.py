@@ -26,8 +26,8 @@ import os
 import stat
 import threading
 import warnings
-from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,17 +173,19 @@ class FileMaps:
     """Shared mappings of the daemon's linked files (slabs, entry files), kept across calls by (device,
     inode): the ``limit`` most recently used. Made through ``/proc/self/fd`` (a fresh description: no
     lease is held by a kept mapping) and dropped once the file is unlinked. ``on_drop(key)`` runs before
-    a mapping goes (the registration book unregisters it)."""
+    a mapping goes (the device transfer waits for the copies in flight and unregisters it). Mappings in
+    ``pinned`` (collected copies not issued yet) are never dropped; the limit may be passed meanwhile."""
 
-    def __init__(self, on_drop: Callable[[Hashable], None], limit: int = 64) -> None:
+    def __init__(self, on_drop: Callable[[Hashable], None], limit: int = 256) -> None:
         self.limit = limit
         self._on_drop = on_drop
         self._maps: OrderedDict[Hashable, _Mapped] = OrderedDict()
+        self.pinned: Counter[Hashable] = Counter()
 
-    def get(self, fd: int, end: int) -> tuple[Hashable, _Mapped] | None:
+    def get(self, fd: int, end: int, needed: Collection[Hashable] = ()) -> tuple[Hashable, _Mapped] | None:
         """The mapping of the file open as ``fd`` covering ``[0, end)``; None for a descriptor that is not
         a linked regular file (a memfd: served once) or that this process cannot open again (the caller
-        copies another way)."""
+        copies another way). Mappings in ``needed`` (and pinned ones) are not dropped to make room."""
         info = os.fstat(fd)
         if info.st_nlink == 0 or not stat.S_ISREG(info.st_mode) or info.st_size < end:
             return None
@@ -205,19 +207,27 @@ class FileMaps:
             raise
         base, host = _address_of(mapping)
         self._maps[key] = _Mapped(keep, mapping, info.st_size, base, host, False)
-        while len(self._maps) > self.limit:
-            self.drop(next(iter(self._maps)))
+        if len(self._maps) > self.limit:
+            for old in [k for k in self._maps if k != key and not self.pinned[k] and k not in needed]:
+                self.drop(old)
+                if len(self._maps) <= self.limit:
+                    break
         return key, self._maps[key]
 
     def sweep(self) -> None:
-        """Drops mappings of files the daemon removed (their pages would stay alive through us)."""
+        """Drops mappings of files the daemon removed (their pages would stay alive through us), and the
+        least recently used past the limit."""
         for key, mapped in list(self._maps.items()):
+            if self.pinned[key]:
+                continue
             try:
                 gone = os.fstat(mapped.keep).st_nlink == 0
             except OSError:
                 gone = True
             if gone:
                 self.drop(key)
+        for key in [k for k in self._maps if not self.pinned[k]][: max(0, len(self._maps) - self.limit)]:
+            self.drop(key)  # past the limit (a layered get may pass it): the least recently used go
 
     def drop(self, key: Hashable) -> None:
         mapped = self._maps.pop(key, None)
@@ -246,7 +256,7 @@ class _Part:
     pieces: list[tuple[Hashable, int, int, int, int]]  # source, offset, destination storage, offset, size
     hosts: dict[Hashable, _Mapped]
     dests: dict[Any, torch.Tensor]
-    cuts: dict[Hashable, list[int]]
+    needs: list[tuple[Hashable, int, int, list[tuple[int, int]]]]  # source, generation, base, spans
     leases: list[int]  # duplicated descriptors: ours to close
 
 
@@ -258,20 +268,21 @@ class Layered:
         self.parts: list[_Part] = []
         self.events: list[Any] = []
         self.device: torch.device | None = None
+        self.pinned: list[Hashable] = []  # the mappings its parts use, kept until they are issued
 
     def add(  # noqa: PLR0917 - one reply's copies, as blocks_to_device prepared them
         self,
         pieces: list[tuple[Hashable, int, int, int, int]],
         hosts: dict[Hashable, _Mapped],
         dests: dict[Any, torch.Tensor],
-        cuts: dict[Hashable, list[int]],
+        needs: list[tuple[Hashable, int, int, list[tuple[int, int]]]],
         leases: list[int],
         device: torch.device,
     ) -> None:
         if self.device is not None and device != self.device:
             raise InvalidArgument("the CUDA destinations of one layered get must be on one device")
         self.device = device
-        self.parts.append(_Part(pieces, hosts, dests, cuts, [os.dup(fd) for fd in leases]))
+        self.parts.append(_Part(pieces, hosts, dests, needs, [os.dup(fd) for fd in leases]))
 
     def take_leases(self) -> list[int]:
         leases = [fd for part in self.parts for fd in part.leases]
@@ -355,13 +366,17 @@ class DeviceTransfer:
         register: Callable[[int, int, int], bool] | None = None,
         unregister: Callable[[int], None] | None = None,
         limit_bytes: int = 64 << 30,
-        maps: int = 64,
+        maps: int = 256,
         batch: bool = True,
     ) -> None:
-        self.book = RegistrationBook(
-            register or _cuda_register, unregister or _cuda_unregister, limit_bytes=limit_bytes
-        )
-        self.maps = FileMaps(self.book.drop, maps)
+        undo = unregister or _cuda_unregister
+
+        def unregister_idle(address: int) -> None:  # never under a copy still in flight
+            self._leases.drain()
+            undo(address)
+
+        self.book = RegistrationBook(register or _cuda_register, unregister_idle, limit_bytes=limit_bytes)
+        self.maps = FileMaps(self._forget_file, maps)
         self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
         self._leases = _Leases()
         self._lock = threading.RLock()
@@ -377,6 +392,12 @@ class DeviceTransfer:
         if stream is None:
             stream = self._streams[key] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         return stream
+
+    def _forget_file(self, key: Hashable) -> None:
+        """A mapping is about to go: the copies in flight end first (one may read it), then its ranges
+        are unregistered."""
+        self._leases.drain()
+        self.book.drop(key)
 
     def _hold(self, event: Any, fds: Sequence[int]) -> None:
         self._leases.hold(event, [os.dup(fd) for fd in fds])  # a duplicate keeps the description's locks
@@ -480,7 +501,7 @@ class DeviceTransfer:
                     raise BadFrame("a blocks_get reply names a descriptor it did not carry")
                 if generations[index] == 0:
                     return False
-                found = self.maps.get(fds[index], end)
+                found = self.maps.get(fds[index], end, needed=[key for key, _ in sources.values()])
                 if found is None:
                     return False
                 sources[index] = found
@@ -497,16 +518,20 @@ class DeviceTransfer:
                 if base not in dests:
                     dests[base] = _storage_bytes(out)
                 pieces.append((sources[index][0], offset, base, at, nbytes))
-            cuts: dict[Hashable, list[int]] = {}
-            for index, (key, mapped) in sources.items():
-                spans = [(o, o + n) for i, o, n in placements if i == index]
-                got = self.book.ensure(key, generations[index], mapped.base, spans, readonly=True)
-                if got is not None:
-                    cuts[key] = got
+            needs = [
+                (key, generations[index], mapped.base, [(o, o + n) for i, o, n in placements if i == index])
+                for index, (key, mapped) in sources.items()
+            ]
             collecting: Layered | None = getattr(self._local, "layered", None)
             if collecting is not None:  # issued layer by layer when the collection ends
-                collecting.add(pieces, dict(sources.values()), dests, cuts, [fds[i] for i in sources], device)
+                keys = [key for key, _ in sources.values()]
+                self.maps.pinned.update(keys)
+                collecting.pinned.extend(keys)
+                collecting.add(
+                    pieces, dict(sources.values()), dests, needs, [fds[i] for i in sources], device
+                )
                 return True
+            cuts = self._register(needs)
             runs = split_runs(plan_runs(pieces), cuts)
             self._to_device(runs, dict(sources.values()), dests, device, [fds[i] for i in sources])
             return True
@@ -522,13 +547,34 @@ class DeviceTransfer:
         self._local.layered = collected
         try:
             yield collected
-        except BaseException:
-            collected.release()
-            raise
+            with self._lock:
+                self._issue_layered(collected)
         finally:
             self._local.layered = None
-        with self._lock:
-            self._issue_layered(collected)
+            collected.release()  # (the leases of issued copies were handed over already)
+            with self._lock:
+                self.maps.pinned.subtract(collected.pinned)
+                self.maps.pinned = +self.maps.pinned  # (drops the zeros)
+
+    def _register(
+        self, needs: Sequence[tuple[Hashable, int, int, list[tuple[int, int]]]]
+    ) -> dict[Hashable, list[int]]:
+        """Registers what each source needs (one call per source, at its newest generation); returns the
+        registration boundaries to cut runs at."""
+        merged: dict[Hashable, tuple[int, int, list[tuple[int, int]]]] = {}
+        for key, generation, base, spans in needs:
+            seen = merged.get(key)
+            if seen is None:
+                merged[key] = (generation, base, list(spans))
+            else:
+                seen[2].extend(spans)
+                merged[key] = (max(seen[0], generation), base, seen[2])
+        cuts: dict[Hashable, list[int]] = {}
+        for key, (generation, base, spans) in merged.items():
+            got = self.book.ensure(key, generation, base, spans, readonly=True)
+            if got is not None:
+                cuts[key] = got
+        return cuts
 
     def _issue_layered(self, collected: Layered) -> None:
         if not collected.parts:
@@ -540,13 +586,10 @@ class DeviceTransfer:
         stream.wait_stream(current)
         hosts: dict[Hashable, _Mapped] = {}
         dests: dict[Any, torch.Tensor] = {}
-        cuts: dict[Hashable, set[int]] = {}
         for part in collected.parts:
             hosts.update(part.hosts)
             dests.update(part.dests)
-            for key, bounds in part.cuts.items():
-                cuts.setdefault(key, set()).update(bounds)
-        sorted_cuts = {key: sorted(bounds) for key, bounds in cuts.items()}
+        sorted_cuts = self._register([need for part in collected.parts for need in part.needs])
 
         def address(buffer: Any, offset: int) -> int:
             mapped = hosts.get(buffer)
