@@ -318,3 +318,18 @@ def test_cpu_gets_puts_captures_and_restores_never_make_a_device_transfer(daemon
         "assert not d._transfer, 'the CPU path made a device transfer'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="proves the error where there is no CUDA device")
+def test_skt_restore_to_cuda_without_cuda_raises_no_device(
+    daemon: DaemonProcess,
+) -> None:
+    pytest.importorskip("transformers")
+    from hfmodels import build, prompt
+
+    import skippyd.integrations.transformers as skt
+
+    model = build("llama")
+    tokens = prompt(3 * BLOCK)
+    with daemon.client() as client, pytest.raises(NoDevice, match="cuda"):
+        skt.restore(client, model, tokens=tokens, device="cuda")
