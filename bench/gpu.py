@@ -154,6 +154,15 @@ def seconds(fn: Callable[[], object], device: torch.device, reps: int = 3) -> fl
     return statistics.median(times)
 
 
+def settle(device: torch.device) -> None:
+    """The device's work done and skippyd's copies' leases given back (so the daemon may reuse memory)."""
+    sync(device)
+    if device.type == "cuda":
+        from skippyd.transfer.device import transfer
+
+        transfer().drain()
+
+
 def random_bytes(nbytes: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen, device=device)
@@ -215,6 +224,7 @@ def correctness(client: Any, device: torch.device) -> None:
     row("exact", "blocks: get_into device pages, put from device", f"{ok_into and ok_put}")
 
     # the memory is given to other bytes: a slab slot punched and filled again, an entry file recycled
+    settle(device)
     held = blocks.get(keys[:1])  # keeps its slab (and so the slab's other, punched slots) in place
     client.evict(all=True)
     other = blocks.keys(list(range(90_000, 90_000 + count * 16)))
@@ -228,7 +238,7 @@ def correctness(client: Any, device: torch.device) -> None:
     client.capture(model=MODEL, state=STATE, tokens=[7], tensors={"x": first}, durable=False)
     got = client.restore(model=MODEL, state=STATE, tokens=[7], device=device)
     ok_first = got is not None and same(got.tensors["x"], first)
-    sync(device)
+    settle(device)
     del got
     client.evict(model=MODEL, state=STATE, tokens=[7])
     client.capture(model=MODEL, state=STATE, tokens=[8], tensors={"x": second}, durable=False)

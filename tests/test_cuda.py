@@ -78,7 +78,7 @@ def test_a_restore_after_the_entry_file_was_given_to_other_bytes_reads_the_new_b
         client.capture(model=MODEL, state=STATE, tokens=[1], tensors=first, durable=False)
         got = client.restore(model=MODEL, state=STATE, tokens=[1], device="cuda")
         assert got is not None and _same_bytes(got.tensors["kv"], first["kv"])
-        torch.cuda.synchronize()
+        _transfer().drain()  # the copy's lease is given back, so the daemon may recycle the file
         client.evict(model=MODEL, state=STATE, tokens=[1])
         client.capture(model=MODEL, state=STATE, tokens=[2], tensors=second, durable=False)
         changes = _transfer().book.stats.generation_changes
@@ -103,6 +103,7 @@ def test_get_into_cuda_pages_is_bit_exact_merges_consecutive_blocks_and_survives
         assert all(_same_bytes(cache[i], data[i]) for i in range(8))
         assert _transfer().copies - copies <= 2  # consecutive slots into consecutive pages: one run per slab
         # the slots are punched and filled with other bytes: a stale registration would give the old ones
+        _transfer().drain()  # the copies' leases are given back, so the daemon may punch the slots
         held = blocks.get(keys[:1])
         client.evict(all=True)
         other = blocks.keys(list(range(10_000, 10_000 + 8 * BLOCK)))
