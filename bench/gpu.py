@@ -382,8 +382,16 @@ def ttft(
         prompt = tokens[: prefix + new]
         if prefix not in kv_bytes:
             _, cache = skt.prefill(model, prompt[:prefix], logits_to_keep=1)
-            result = skt.capture(client, model, cache, tokens=prompt[:prefix], durable=False)
-            kv_bytes[prefix] = result.nbytes + result.blocks_nbytes
+            skt.capture(client, model, cache, tokens=prompt[:prefix], durable=False)
+            shape_of = SHAPES[shape]
+            per_token = (
+                2
+                * shape_of["num_hidden_layers"]
+                * shape_of["num_key_value_heads"]
+                * (shape_of["hidden_size"] // shape_of["num_attention_heads"])
+                * torch.tensor([], dtype=dtype).element_size()
+            )
+            kv_bytes[prefix] = prefix * per_token  # what a restore moves (blocks held before included)
             del cache
 
         def full_prefill(prompt: torch.Tensor = prompt) -> None:
