@@ -649,43 +649,63 @@ class DeviceTransfer:
         if not jobs:
             return
         device = jobs[0][1].device
+        if not len(region):
+            return
         with self._lock:
             base, host = _address_of(region)
-            key = ("host", base)
-            current = torch.cuda.current_stream(device)
-            sources: dict[Any, torch.Tensor] = {}
-            pieces = []
-            for offset, given in jobs:
-                if given.device != device:
-                    raise InvalidArgument("the CUDA tensors of one capture or put must be on one device")
-                # (a strided source is made contiguous on the current stream: the side stream waits for it)
-                tensor = given if given.is_contiguous() else given.contiguous()
-                nbytes = _bytes_of(tensor)
-                if not nbytes:
-                    continue
-                if offset < 0 or offset + nbytes > len(region):
-                    raise InvalidArgument("a tensor does not fit the staging region")
-                storage, at = _storage_base(tensor)
-                sources.setdefault(storage, _storage_bytes(tensor))
-                pieces.append((storage, at, key, offset, nbytes))
-            runs = plan_runs(pieces)
-            cuts = self.book.ensure(key, 1, base, [(r.dst_offset, r.dst_offset + r.nbytes) for r in runs],
-                                    readonly=False)  # fmt: skip
-            if cuts is not None:
-                runs = split_runs(runs, {key: cuts}, side="dst")
-            stream = self._stream(device, "d2h")
-            stream.wait_stream(current)  # the sources' producers (and any .contiguous()) come first
+            buffers: dict[Any, torch.Tensor] = {}  # cleared on the way out: the region is released next
+            try:
+                self._to_host(region, jobs, device, base, host, buffers)
+            finally:
+                buffers.clear()
+                del host
 
-            def address(buffer: Any, offset: int) -> int:
-                return (base if buffer == key else int(sources[buffer].data_ptr())) + offset
+    def _to_host(  # noqa: PLR0917 - to_host's parts
+        self,
+        region: memoryview,
+        jobs: Sequence[tuple[int, torch.Tensor]],
+        device: torch.device,
+        base: int,
+        host: torch.Tensor,
+        buffers: dict[Any, torch.Tensor],
+    ) -> None:
+        key = ("host", base)
+        buffers[key] = host
+        current = torch.cuda.current_stream(device)
+        pieces = []
+        for offset, given in jobs:
+            if given.device != device:
+                raise InvalidArgument("the CUDA tensors of one capture or put must be on one device")
+            # a conjugate or negative view's bytes are made plain, a strided one contiguous, on the current
+            # stream (the side stream waits for it)
+            tensor = given.resolve_conj().resolve_neg()
+            tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
+            nbytes = _bytes_of(tensor)
+            if not nbytes:
+                continue
+            if offset < 0 or offset + nbytes > len(region):
+                raise InvalidArgument("a tensor does not fit the staging region")
+            storage, at = _storage_base(tensor)
+            buffers.setdefault(storage, _storage_bytes(tensor))
+            pieces.append((storage, at, key, offset, nbytes))
+        runs = plan_runs(pieces)
+        cuts = self.book.ensure(key, 1, base, [(r.dst_offset, r.dst_offset + r.nbytes) for r in runs],
+                                readonly=False)  # fmt: skip
+        if cuts is not None:
+            runs = split_runs(runs, {key: cuts}, side="dst")
+        stream = self._stream(device, "d2h")
+        stream.wait_stream(current)  # the sources' producers (and any .contiguous()) come first
 
-            def view(buffer: Any, offset: int, nbytes: int) -> torch.Tensor:
-                return (host if buffer == key else sources[buffer])[offset : offset + nbytes]
+        def address(buffer: Any, offset: int) -> int:
+            return (base if buffer == key else int(buffers[buffer].data_ptr())) + offset
 
-            self._issue(runs, address, view, stream)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-            event.synchronize()  # the daemon reads these bytes next
+        def view(buffer: Any, offset: int, nbytes: int) -> torch.Tensor:
+            return buffers[buffer][offset : offset + nbytes]
+
+        self._issue(runs, address, view, stream)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        event.synchronize()  # the daemon reads these bytes next
 
     def forget_host(self, address: int) -> None:
         with self._lock:
