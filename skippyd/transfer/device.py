@@ -590,6 +590,9 @@ class DeviceTransfer:
             hosts.update(part.hosts)
             dests.update(part.dests)
         sorted_cuts = self._register([need for part in collected.parts for need in part.needs])
+        for tensor in dests.values():  # freed before the copies land (a cache dropped unused): not reused
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
 
         def address(buffer: Any, offset: int) -> int:
             mapped = hosts.get(buffer)
@@ -636,6 +639,9 @@ class DeviceTransfer:
             whole = mapped.host if mapped is not None else dests[buffer]
             return whole[offset : offset + nbytes]
 
+        for tensor in dests.values():  # the allocator keeps the memory until skippyd's stream is past it
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
         self._issue(runs, address, view, stream)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
