@@ -466,13 +466,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench.gpu on {name}, torch {torch.__version__}, cuMemcpyBatchAsync: {batch_available()}")
     with daemon(args.socket, budget) as path, skippyd.Client(path, timeout=300) as client:
         client.evict(all=True)
-        correctness(client, device)
-        entry_bandwidth(client, device, entries)
-        block_bandwidth(client, device, block_total, block_sizes)
+        failed = 0
+        failed += section("exact", lambda: correctness(client, device))
+        failed += section("restore", lambda: entry_bandwidth(client, device, entries))
+        failed += section("get_into", lambda: block_bandwidth(client, device, block_total, block_sizes))
         if not args.skip_ttft:
             h2d, _ = pinned_rates(256 * MiB, device)
             for shape, points in ttft_points.items():
-                ttft(client, device, shape, points, 256 * MiB / h2d)
+                failed += section("ttft", lambda shape=shape, points=points: ttft(  # type: ignore[misc]
+                    client, device, shape, points, 256 * MiB / h2d))  # fmt: skip
         if device.type == "cuda":
             from skippyd.transfer.device import transfer
 
@@ -481,6 +483,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"{stats.generation_changes}", f"{stats.registered_bytes // MiB} MiB held")  # fmt: skip
     print_table()
     print(f"\n(one run, {time.perf_counter() - started:.0f} s)")
+    return 1 if failed else 0
+
+
+def section(name: str, run: Callable[[], None]) -> int:
+    """Runs one part of the bench; a failure becomes a row (with its traceback above the table), so the
+    rest still runs and the table still prints. Returns 1 if it failed."""
+    import traceback
+
+    try:
+        run()
+    except Exception as exc:
+        traceback.print_exc()
+        row(name, f"FAILED: {type(exc).__name__}", str(exc)[:60])
+        return 1
     return 0
 
 
