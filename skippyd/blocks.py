@@ -266,6 +266,7 @@ class BlockRules:
                 merged.append(placement)
             lease.placements = merged
             lease.fds += extra_fds
+            lease.generations += [0] * len(extra_fds)  # read for this reply alone: not worth registering
             extra_fds = []
             return self._served(lease, held, asked)
         finally:

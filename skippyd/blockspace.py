@@ -156,7 +156,10 @@ def _copy_part(region: memoryview, offset: int, part: Part) -> int:
 
 
 def _write_blocks(region: memoryview, jobs: list[tuple[int, list[Part]]]) -> None:
-    """Copies each block's pieces to its offset in the staging region (two threads for large puts)."""
+    """Copies each block's pieces to its offset in the staging region (two threads for large puts; CUDA
+    pieces by DMA straight into it, see :mod:`skippyd.transfer`)."""
+    if any(getattr(piece, "is_cuda", False) for _, pieces in jobs for piece in pieces):
+        jobs = _cuda_pieces_to_host(region, jobs)
 
     def run(part: list[tuple[int, list[Part]]]) -> None:
         for start, pieces in part:
@@ -165,6 +168,28 @@ def _write_blocks(region: memoryview, jobs: list[tuple[int, list[Part]]]) -> Non
                 at += _copy_part(region, at, piece)
 
     in_two(run, jobs, sum(_part_bytes(piece) for _, pieces in jobs for piece in pieces))
+
+
+def _cuda_pieces_to_host(
+    region: memoryview, jobs: list[tuple[int, list[Part]]]
+) -> list[tuple[int, list[Part]]]:
+    """Copies the contiguous CUDA pieces by DMA (one transfer, waited for); returns what is left to copy
+    on the host (the other pieces, at their offsets)."""
+    from .transfer.device import transfer
+
+    on_cuda: list[tuple[int, Any]] = []
+    rest: list[tuple[int, list[Part]]] = []
+    for start, pieces in jobs:
+        at = start
+        for piece in pieces:
+            size = _part_bytes(piece)
+            if getattr(piece, "is_cuda", False) and not piece.is_sparse:
+                on_cuda.append((at, piece))
+            elif size:
+                rest.append((at, [piece]))
+            at += size
+    transfer().to_host(region, on_cuda)
+    return rest
 
 
 _pools: list[ThreadPoolExecutor] = []
@@ -346,9 +371,29 @@ def _writable(target: Any, nbytes: int, index: int) -> tuple[memoryview, Any]:
     return view[:nbytes], None
 
 
+def _to_cuda(
+    reply: dict[str, Any], fds: list[int], placements: list[tuple[int, int, int]], outs: Sequence[Any]
+) -> bool:
+    """Queues every block's DMA into contiguous CUDA ``outs`` (one device) from the registered slabs;
+    False when they are not such tensors or a descriptor is served once (then the host path copies)."""
+    device = outs[0].device
+    if not all(getattr(o, "is_cuda", False) and o.device == device and o.is_contiguous() for o in outs):
+        return False
+    from .transfer.device import transfer
+
+    generations = reply.get("generations")
+    if not isinstance(generations, list) or len(generations) != len(fds):
+        return False
+    return transfer().blocks_to_device(placements, fds, [int(g) for g in generations], outs)
+
+
 def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], first: int) -> int:
     """Reads every served block into ``out[first + i]``; returns how many."""
     placements = _placements(reply, fds)
+    if placements and getattr(out[first], "is_cuda", False):
+        outs = out[first : first + len(placements)]
+        if _to_cuda(reply, fds, placements, outs):
+            return len(placements)
     views: list[tuple[int, int, memoryview]] = []
     devices: list[Any] = []
     for i, (fd, offset, nbytes) in enumerate(placements):

@@ -2,9 +2,11 @@
 
 A restore to the CPU copies nothing: the daemon sends a read-only descriptor of the entry, and the
 tensors are views of a private copy-on-write mapping of it (writing to them never changes the cache).
-A restore to ``cuda:N`` copies through reusable pinned buffers. A capture writes the tensors' bytes into
-shared memory the daemon lent this connection; the daemon copies them into memory only it can write and
-hashes them there.
+A restore to ``cuda:N`` is a DMA from the entry's shared memory, registered with CUDA once per file
+generation (:mod:`skippyd.transfer`), queued on skippyd's stream; the caller's current stream waits for
+it. (An entry served once from L3 goes through reusable pinned buffers instead.) A capture writes the
+tensors' bytes into shared memory the daemon lent this connection (CUDA tensors by DMA straight into
+it); the daemon copies them into memory only it can write and hashes them there.
 
 Errors are the daemon's own :class:`~skippyd.errors.SkippydError` subclasses, rebuilt from their codes.
 A broken connection is reopened once per call (every operation is safe to repeat).
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import itertools
 import mmap
 import os
@@ -40,6 +43,7 @@ from .protocol import (
     encode_frame,
     recv_fds_into,
 )
+from .transfer import forget_host
 
 if TYPE_CHECKING:  # torch loads on the first capture or restore, so pings and stats stay light
     import torch
@@ -266,9 +270,10 @@ def _tensor_table(tensors: Mapping[str, Any]) -> tuple[list[Any], list[TensorSpe
 
 
 def _device(device: str | torch.device | None) -> torch.device:
-    import torch
+    """The target of a restore: a CUDA device this process has none of is :class:`NoDevice`."""
+    from .transfer.device import resolve_device
 
-    return torch.device("cpu") if device is None else torch.device(device)
+    return resolve_device(device)
 
 
 def _staging_size(current: _Staging | None, needed: int, info: dict[str, Any]) -> int:
@@ -308,6 +313,8 @@ class _Staging:
         return memoryview(self.mapping)[:length]
 
     def close(self) -> None:
+        with contextlib.suppress(TypeError, ValueError):  # registered by a capture from CUDA: unregister
+            forget_host(ctypes.addressof(ctypes.c_char.from_buffer(self.mapping)))
         with contextlib.suppress(BufferError):
             self.mapping.close()
 
@@ -327,8 +334,7 @@ def _finish_restore(
         if device.type == "cpu":
             tensors = skt.map_entry(fd, offset, length, specs)
         elif device.type == "cuda":
-            assert stager is not None
-            tensors = stager.to_device(fd, offset, length, specs, device)
+            tensors = _to_cuda(reply, fd, offset, length, specs, device, stager)
         else:
             tensors = {k: v.to(device) for k, v in skt.copy_entry(fd, offset, length, specs).items()}
     finally:
@@ -344,6 +350,28 @@ def _finish_restore(
         digest=str(reply["digest"]),
         timings=timings,
     )
+
+
+def _to_cuda(  # noqa: PLR0917 - the restore's parts, passed through
+    reply: dict[str, Any],
+    fd: int,
+    offset: int,
+    length: int,
+    specs: list[TensorSpec],
+    device: torch.device,
+    stager: skt.DeviceStager | None,
+) -> dict[str, torch.Tensor]:
+    """The entry's tensors on ``device``: one DMA from its registered shared memory, queued (the current
+    stream waits for it); an entry served once (generation 0: an L3 read) goes through pinned buffers."""
+    from .transfer.device import transfer
+
+    if length:
+        data = transfer().entry_to_device(fd, int(reply.get("generation") or 0), offset, length, device)
+        if data is not None:
+            views: dict[str, torch.Tensor] = _skt().device_views(data, specs)
+            return views
+    assert stager is not None
+    return stager.to_device(fd, offset, length, specs, device)
 
 
 class _Conn:
@@ -919,6 +947,8 @@ class AsyncClient:
             self._stager = _skt().DeviceStager()
         if target.type == "cpu":
             restored = _finish_restore(reply, fds, target, None)
+        elif target.type == "cuda":  # queues the copy on this thread (the caller's current stream waits)
+            restored = _finish_restore(reply, fds, target, self._stager)
         else:
             restored = await asyncio.to_thread(_finish_restore, reply, fds, target, self._stager)
         restored.timings["total_ms"] = (time.perf_counter() - started) * 1e3

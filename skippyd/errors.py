@@ -21,6 +21,7 @@ __all__ = [
     "FrameTooLarge",
     "InvalidArgument",
     "Mismatch",
+    "NoDevice",
     "NoSpace",
     "NotConfigured",
     "NotFound",
@@ -178,6 +179,12 @@ class Mismatch(SkippydError, ValueError):
     """A restored state does not fit the model or cache it is restored into."""
 
     code = "mismatch"
+
+
+class NoDevice(InvalidArgument):
+    """A device was asked for that this process cannot use (no CUDA, or no such CUDA device)."""
+
+    code = "no_device"
 
 
 class ShuttingDown(SkippydError):

@@ -438,7 +438,7 @@ class Handlers:
 def _blocks_reply(served: Served) -> Reply:
     lease = served.lease
     return Reply(
-        {"held": served.held, "blocks": lease.placements},
+        {"held": served.held, "blocks": lease.placements, "generations": lease.generations},
         lease.fds,
     )
 
@@ -458,6 +458,7 @@ def _restore_reply(opened: Opened | None) -> Reply:
             "data_offset": opened.data_offset,
             "data_len": entry.data_len,
             "source": opened.source,
+            "generation": opened.generation,
             "timings": opened.timings,
         },
         [opened.fd],

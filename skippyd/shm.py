@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import secrets
@@ -36,6 +37,7 @@ __all__ = [
     "map_rw",
     "memfd",
     "new_name",
+    "next_generation",
     "open_reader",
     "populate_write",
     "reopen_readonly",
@@ -62,6 +64,17 @@ def size_class(nbytes: int) -> int:
     top = 1 << (body.bit_length() - 1)
     step = max(PAGE, top // _STEPS_PER_DOUBLING)
     return PAGE + (body + step - 1) // step * step
+
+
+#: Generations of slabs and entry files (docs/protocol.md, "Generations"): one counter for the whole
+#: process, started at the wall clock's nanoseconds, so a number is never given twice in one process and
+#: a restarted daemon starts past every number the last one gave (unless the clock went back).
+_generations = itertools.count(time.time_ns())
+
+
+def next_generation() -> int:
+    """A generation number no file or slab of this daemon had before (thread-safe under the GIL)."""
+    return next(_generations)
 
 
 def new_name(suffix: str) -> str:

@@ -25,6 +25,7 @@ __all__ = [
     "DeviceStager",
     "copy_entry",
     "declare",
+    "device_views",
     "dtype_name",
     "map_entry",
     "torch_dtype",
@@ -102,8 +103,16 @@ def _views(base: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.T
     return out
 
 
+def device_views(data: torch.Tensor, specs: Sequence[TensorSpec]) -> dict[str, torch.Tensor]:
+    """The entry's tensors as views of ``data`` (its whole data region, uint8, on any device)."""
+    if not data.numel():
+        return _empty_tensors(specs, data.device)
+    return _views(data, specs)
+
+
 def write_into(region: Any, specs: Sequence[TensorSpec], tensors: Mapping[str, Any]) -> None:
-    """Copies each tensor's bytes into ``region`` (a writable buffer) at its spec's offset.
+    """Copies each tensor's bytes into ``region`` (a writable buffer) at its spec's offset; CUDA tensors
+    go by DMA straight into it (:mod:`skippyd.transfer`), and this returns once they are there.
 
     Tensors with no elements take no bytes (an entry may hold only such tensors, or none at all)."""
     for spec in specs:
@@ -113,6 +122,14 @@ def write_into(region: Any, specs: Sequence[TensorSpec], tensors: Mapping[str, A
     sized = [spec for spec in specs if spec.nbytes]
     if not sized:
         return
+    on_cuda = [spec for spec in sized if getattr(tensors[spec.name], "is_cuda", False)]
+    if on_cuda:
+        from .transfer.device import transfer
+
+        transfer().to_host(region, [(s.offset, _dense(tensors[s.name], s.name)) for s in on_cuda])
+        sized = [spec for spec in sized if spec not in on_cuda]
+        if not sized:
+            return
     views = _views(torch.frombuffer(region, dtype=torch.uint8), sized)
     for spec in sized:
         views[spec.name].copy_(_dense(tensors[spec.name], spec.name))

@@ -86,6 +86,7 @@ class Opened:
     fd: int
     source: str
     timings: dict[str, float] = field(default_factory=dict)
+    generation: int = 0  # the file's generation (docs/protocol.md); 0: a file served once (an L3 fill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,7 +417,7 @@ class Tiers:
             self._count(l3_vouched=1)
         self._count(restores_l2=1)
         timings = {"lookup_ms": (time.perf_counter() - started) * 1e3}
-        return Opened(held.entry, held.data_offset, held.fd, "l2", timings), l3
+        return Opened(held.entry, held.data_offset, held.fd, "l2", timings, held.generation), l3
 
     def _open_l3(self, plan: RestorePlan, ref: L3Ref, seq: int) -> Opened | None:
         """The L3 entry ``ref`` loaded through the fill table; a corrupt, vanished or over-budget one is

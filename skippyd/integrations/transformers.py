@@ -52,7 +52,8 @@ import torch
 
 from skippyd.blockspace import in_two
 from skippyd.errors import InvalidArgument, Mismatch
-from skippyd.protocol import MAX_BLOCK_BYTES  # the largest block: a model's layers are split below it
+from skippyd.protocol import MAX_BLOCK_BYTES
+from skippyd.transfer.device import resolve_device  # the largest block: a model's layers are split below it
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -213,14 +214,20 @@ class _JoinedKV:
 
     _pieces: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None  # until a layer holds some
 
-    def _hold(self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int) -> None:
+    def _hold(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int, event: Any = None
+    ) -> None:
         self.__dict__["_keys"] = self.__dict__["_values"] = None
         self.__dict__["_pieces"] = (keys, values, length)
+        self.__dict__["_event"] = event  # on a CUDA device: passes once this layer's blocks have landed
 
     def _join(self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None) -> None:
         assert self._pieces is not None
         keys, values, _ = self._pieces
         self.__dict__["_pieces"] = None
+        event = self.__dict__.pop("_event", None)
+        if event is not None:  # this layer's attention waits for its own bytes only (layerwise restore)
+            torch.cuda.current_stream(keys[0].device).wait_event(event)
         self.__dict__["_keys"] = _cat_tokens([*keys, *([] if new_keys is None else [new_keys])])
         self.__dict__["_values"] = _cat_tokens([*values, *([] if new_values is None else [new_values])])
 
@@ -246,9 +253,12 @@ def _cat_tokens(pieces: list[torch.Tensor], device: torch.device | None = None) 
     """``torch.cat(pieces, dim=-2)``, the same bytes, in one tensor on ``device`` (default: the first
     piece's). On the CPU the pieces are copied by numpy, split over two threads: torch.cat gathering many
     block-sized pieces out of shared memory measured 2-3x slower than these copies on the test machines;
-    elsewhere each piece is copied into its place once (a block view goes to the device directly)."""
+    pieces already on ``device`` (blocks copied there by DMA) are gathered by one ``torch.cat``; elsewhere
+    each piece is copied into its place once (a block view goes to the device directly)."""
     first = pieces[0]
     device = first.device if device is None else device
+    if device.type != "cpu" and all(p.device == device for p in pieces):
+        return torch.cat(pieces, dim=-2)  # on the device: one kernel gathers the pieces
     shape = list(first.shape)
     shape[-2] = sum(int(p.shape[-2]) for p in pieces)
     out = torch.empty(shape, dtype=first.dtype, device=device)
@@ -609,15 +619,30 @@ class _Store:
         )
 
 
-def _leading_blocks(store: _Store, layout: _Layout, seq: Any, want: int) -> list[list[torch.Tensor]]:
-    """Zero-copy views of the leading held blocks of ``seq`` (at most ``want``), the same run in every
-    group: a group that holds fewer cuts the run for all."""
+def _leading_blocks(  # noqa: PLR0917 - the restore's parts, passed through
+    store: _Store,
+    layout: _Layout,
+    seq: Any,
+    want: int,
+    target: torch.device | None = None,
+    events: dict[int, Any] | None = None,
+    prof: ModelProfile | None = None,
+) -> list[list[torch.Tensor]]:
+    """The leading held blocks of ``seq`` (at most ``want``), the same run in every group: a group that
+    holds fewer cuts the run for all. On the CPU zero-copy views; on a CUDA ``target`` slices of one
+    device buffer per group that the blocks were copied into by DMA, layer by layer: ``events[i]`` passes
+    once layer ``i``'s keys and values of every block have landed (nothing waits for them yet)."""
     views: list[list[torch.Tensor]] = []
     limit = want
     for group, space in zip(layout.groups, store.spaces(layout), strict=True):
         if not limit:
             break
-        got = space.get(space.keys(seq[: limit * layout.block_tokens]))
+        keys = space.keys(seq[: limit * layout.block_tokens])
+        if target is not None and target.type == "cuda":
+            assert prof is not None and events is not None
+            got = _blocks_on_device(space, keys, group, layout, prof, target, events)
+        else:
+            got = space.get(keys)
         for index, block in enumerate(got):
             if block.numel() != group.block_bytes:
                 raise Mismatch(
@@ -627,6 +652,37 @@ def _leading_blocks(store: _Store, layout: _Layout, seq: Any, want: int) -> list
         limit = min(limit, len(got))
         views.append(got)
     return [group[:limit] for group in views] if limit else []
+
+
+def _blocks_on_device(  # noqa: PLR0917 - the restore's parts, passed through
+    space: Any,
+    keys: list[bytes],
+    group: _Group,
+    layout: _Layout,
+    prof: ModelProfile,
+    device: torch.device,
+    events: dict[int, Any],
+) -> list[Any]:
+    """The leading held blocks of ``keys`` copied into one buffer on ``device``, one slice per block, by
+    DMA issued layer by layer (a layer's keys and values lie side by side in every block: one run per
+    block and layer, or fewer where slots and slices are both consecutive); ``events[layer]`` is set for
+    each layer of ``group``."""
+    from skippyd.transfer.device import transfer
+
+    if not keys:
+        return []
+    spans, at = [], 0
+    for index in group.layers:
+        size = _kv_bytes(prof.layers[index], layout.block_tokens)
+        spans.append((at, at + size))
+        at += size
+    buffer = torch.empty((len(keys), group.block_bytes), dtype=torch.uint8, device=device)
+    outs = list(buffer.unbind(0))
+    with transfer().layered(spans) as copies:
+        count = space.get_into(keys, outs)
+    for index, event in zip(group.layers, copies.events, strict=False):
+        events[index] = event
+    return outs[:count]
 
 
 def _block_pieces(
@@ -862,14 +918,18 @@ class _Found:
     layout: _Layout | None
     blocks: int
     pieces: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]
+    events: dict[int, Any] = dataclasses.field(default_factory=dict)  # per layer, on a CUDA device
 
 
-def _blocks_alone(prof: ModelProfile, layout: _Layout, views: list[list[torch.Tensor]]) -> _Found | None:
+def _blocks_alone(
+    prof: ModelProfile, layout: _Layout, views: list[list[torch.Tensor]], events: dict[int, Any]
+) -> _Found | None:
     """A restore from a run of leading blocks and no entry (attention-only models), if there is a run."""
     if not views or not views[0]:
         return None
     count = len(views[0])
-    return _Found(count * layout.block_tokens, {}, layout, count, _block_pieces(prof, layout, views))
+    pieces = _block_pieces(prof, layout, views)
+    return _Found(count * layout.block_tokens, {}, layout, count, pieces, events)
 
 
 def _find(
@@ -896,18 +956,22 @@ def _find(
         if layout is None:
             raise Mismatch("the entry names blocks, but this model has no attention layer to hold them")
         want = max(count, n // span) if blocks_alone else count  # one get answers both questions
-        views = _leading_blocks(store, layout, seq, want)
-        run = _blocks_alone(prof, layout, views) if blocks_alone else None
+        events: dict[int, Any] = {}
+        views = _leading_blocks(store, layout, seq, want, target, events, prof)
+        run = _blocks_alone(prof, layout, views, events) if blocks_alone else None
         if run is not None and (alone is None or run.count > alone.count):
             alone = run
         if views and len(views[0]) >= count:
-            found = _Found(hit.token_count, hit.tensors, layout, count, _block_pieces(prof, layout, views))
+            pieces = _block_pieces(prof, layout, views)
+            found = _Found(hit.token_count, hit.tensors, layout, count, pieces, events)
             break
         if hit.token_count <= 1:  # its blocks have gone: a shorter entry may still be whole
             break
         hit = store.entry(prof, seq[: hit.token_count - 1], target)
     if blocks_alone and alone is None and default is not None and n >= default.block_tokens:
-        alone = _blocks_alone(prof, default, _leading_blocks(store, default, seq, n // default.block_tokens))
+        events = {}
+        views = _leading_blocks(store, default, seq, n // default.block_tokens, target, events, prof)
+        alone = _blocks_alone(prof, default, views, events)
     if alone is not None and (found is None or alone.count > found.count):
         return alone
     return found
@@ -942,7 +1006,7 @@ def restore(
     if n < 1:
         raise InvalidArgument("tokens must hold at least one token")
     default = _layout(prof, block_tokens) if block_tokens != 0 else None  # (checks the value too)
-    target = torch.device(device) if device is not None else _model_device(model)
+    target = resolve_device(device) if device is not None else _model_device(model)
     store = _Store(client, model_id or prof.model_id, namespace)
     found = _find(store, prof, seq, target=target, default=default)
     if found is None:
@@ -972,7 +1036,7 @@ def restore(
                 keys.append(found.tail[f"{index}.k"])
                 values.append(found.tail[f"{index}.v"])
             layer.lazy_initialization(keys[0], values[0])
-            if target.type != "cpu":
+            if target.type not in ("cpu", "cuda"):  # (pieces copied there one by one)
                 layer.keys, layer.values = _cat_tokens(keys, target), _cat_tokens(values, target)
         elif spec.kind in _ATTN_KINDS:
             k, v = found.tail[f"{index}.k"], found.tail[f"{index}.v"]
@@ -993,10 +1057,10 @@ def restore(
         seen = getattr(layer, "cumulative_length_linear", None)  # transformers >= 5.25 counts linear tokens
         if spec.states and isinstance(seen, torch.Tensor):
             seen.fill_(count)
-        if index in blocked and target.type == "cpu":  # last, once the layer is wholly set up
+        if index in blocked and target.type in ("cpu", "cuda"):  # last, once the layer is wholly set up
             held: Any = object.__new__(joined[type(layer)])  # the same layer, holding pieces
             held.__dict__.update(layer.__dict__)
-            held._hold(keys, values, count)
+            held._hold(keys, values, count, found.events.get(index))
             cache.layers[index] = held
     return cache, count
 

@@ -175,6 +175,7 @@ class Lease:
 
     fds: list[int] = field(default_factory=list)
     placements: list[BlockPlacement] = field(default_factory=list)
+    generations: list[int] = field(default_factory=list)  # each descriptor's slab generation (0: once)
 
     def close(self) -> None:
         for fd in self.fds:
@@ -247,7 +248,7 @@ class L2Blocks:
                 break
             chosen.append(block)
             slots.append((block.home, block.index))
-        fds, where = _lease_slots(slots, max_fds)
+        fds, where, generations = _lease_slots(slots, max_fds)
         if len(where) < len(chosen):
             del chosen[len(where) :]
         placements = [[at, offset, b.record.nbytes] for b, (at, offset) in zip(chosen, where, strict=True)]
@@ -255,7 +256,7 @@ class L2Blocks:
             self._stats.block_hits += len(chosen)
             chosen.reverse()
             self._touch_all(chosen)
-        return Lease(fds, placements)
+        return Lease(fds, placements, generations)
 
     def count_miss(self, blocks: int = 1) -> None:
         self._stats.block_misses += blocks
@@ -385,7 +386,8 @@ class L2Blocks:
 
     def lease_pending(self, pending: Sequence[Pending]) -> tuple[list[int], list[tuple[int, int]]]:
         """Read leases on slots still being filled (descriptors, and each slot's descriptor and offset)."""
-        return _lease_slots([(p.home, p.index) for p in pending], max_fds=len(pending))
+        fds, where, _ = _lease_slots([(p.home, p.index) for p in pending], max_fds=len(pending))
+        return fds, where
 
     def _take_free(self, group: _Group) -> tuple[_SlabState, int] | None:
         """A free, pre-faulted slot of ``group`` that nobody still reads."""
@@ -452,7 +454,7 @@ class L2Blocks:
         if not chosen:
             return None
         self.hashing_begun(b.record.key for b in chosen)
-        fds, _ = _lease_slots([(b.home, b.index) for b in chosen], max_fds=len(chosen))
+        fds, _, _ = _lease_slots([(b.home, b.index) for b in chosen], max_fds=len(chosen))
         items = [
             (b.record.key, b.home.slab, b.index, b.home.slab.data(b.index, b.record.nbytes)) for b in chosen
         ]
@@ -756,10 +758,10 @@ class L2Blocks:
 
 def _lease_slots(
     slots: Sequence[tuple[_SlabState, int]], max_fds: int
-) -> tuple[list[int], list[tuple[int, int]]]:
+) -> tuple[list[int], list[tuple[int, int]], list[int]]:
     """One read-locked descriptor per slab for the leading ``slots`` that fit in ``max_fds`` slabs, each
-    holding a lock on every run of consecutive slots it serves; and each leased slot's descriptor index and
-    offset, in order."""
+    holding a lock on every run of consecutive slots it serves; each leased slot's descriptor index and
+    offset, in order; and each descriptor's slab generation."""
     at: dict[int, int] = {}  # id(slab state) -> descriptor index
     homes: list[_SlabState] = []
     runs: list[list[tuple[int, int]]] = []
@@ -791,7 +793,7 @@ def _lease_slots(
         for fd in fds:
             os.close(fd)
         raise
-    return fds, where
+    return fds, where, [home.slab.generation for home in homes]
 
 
 def _slot_digest(slab: Slab, index: int, record: SlotRecord) -> bytes:

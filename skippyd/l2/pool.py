@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from skippyd.files import remove
-from skippyd.shm import allocate_file, has_readers, map_rw, new_name, populate_write
+from skippyd.shm import allocate_file, has_readers, map_rw, new_name, next_generation, populate_write
 
 __all__ = ["File", "FilePool", "PoolStats"]
 
@@ -38,6 +38,8 @@ class File:
     mapping: mmap.mmap | None = None
     fresh: bool = False  # its pages were never written: no stale bytes to zero
     freed_at: float = 0.0
+    #: Changes each time the file is given to a new entry (docs/protocol.md, "Generations").
+    generation: int = field(default_factory=next_generation)
 
     def ensure_mapped(self) -> mmap.mmap:
         if self.mapping is None:
@@ -114,6 +116,7 @@ class FilePool:
             return None
         file.path = target
         file.fresh = False
+        file.generation = next_generation()
         self._reused += 1
         return file
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from skippyd.errors import NoSpace
-from skippyd.shm import PAGE, new_name, populate_write
+from skippyd.shm import PAGE, new_name, next_generation, populate_write
 
 __all__ = [
     "MAX_SLOTS",
@@ -153,6 +153,9 @@ class Slab:
         self.size = data_start + slots * slot_size
         self._fd = fd  # O_RDWR: the daemon's own description (its probes conflict with every reader's)
         self.mapping = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        #: Changes whenever a slot's pages are punched (a slot filled again later is new memory): a client
+        #: that registered this slab's pages with CUDA registers them again (docs/protocol.md).
+        self.generation = next_generation()
 
     @property
     def header_bytes(self) -> int:
@@ -220,6 +223,7 @@ class Slab:
     def punch(self, index: int) -> None:
         """Gives slot ``index``'s pages back to the system (call only when :meth:`has_readers` is False)."""
         self.mapping.madvise(mmap.MADV_REMOVE, self.offset(index), self.slot_size)
+        self.generation = next_generation()
 
     # ------------------------------------------------------------------ leases
     def has_readers(self, index: int) -> bool:

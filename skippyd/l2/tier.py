@@ -90,6 +90,7 @@ class Held:
     fd: int
     entry: Entry
     data_offset: int
+    generation: int = 0  # the file's (docs/protocol.md, "Generations")
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,7 +530,7 @@ class L2Tier:
             if hit:
                 self._stats.hits += 1
                 self._touch(slot)
-            return Held(fd, slot.entry, slot.data_offset)
+            return Held(fd, slot.entry, slot.data_offset, slot.file.generation)
 
     def count_miss(self) -> None:
         """Counts a miss found by a lookup made elsewhere (the tier rules look at both tiers)."""

@@ -1,0 +1,749 @@
+"""CUDA copies between skippyd's shared memory and device tensors (client side; imports torch).
+
+* :func:`resolve_device` turns what a caller passed into a ``torch.device``; asking for CUDA where this
+  process has none (no CUDA build, no GPU, no such index) is :class:`~skippyd.errors.NoDevice`.
+* :class:`FileMaps` keeps shared mappings of the daemon's linked files (entry files, block slabs), made
+  through a fresh open file description (``/proc/self/fd``), so a kept mapping holds no lease: the
+  daemon may evict and reuse the memory, and the file's *generation* (docs/protocol.md) says when it did.
+* :class:`DeviceTransfer` registers the ranges a copy needs with ``cudaHostRegister`` once per file
+  generation (:class:`~skippyd.transfer.book.RegistrationBook`), merges the copies into runs
+  (:mod:`~skippyd.transfer.plan`), and issues them on skippyd's own stream per device and direction:
+  one ``cuMemcpyBatchAsync`` call (``cuda-bindings``, the ``gpu`` extra) or one ``copy_`` per run.
+
+  - host → device (restore, ``get_into``): returns once the copies are queued; the caller's current
+    stream waits on skippyd's event, and the reply's leases stay open until the event has passed.
+  - device → host (capture, put): the copies go straight into the registered staging buffer; returns
+    once they have landed (the daemon reads the buffer next; the source may then change).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import mmap
+import os
+import stat
+import threading
+import warnings
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from skippyd.errors import BadFrame, InvalidArgument, Mismatch, NoDevice
+
+from .book import RegistrationBook
+from .plan import Run, plan_runs, split_runs
+
+__all__ = [
+    "DeviceTransfer",
+    "FileMaps",
+    "Layered",
+    "batch_available",
+    "forget_host",
+    "resolve_device",
+    "transfer",
+]
+
+log = logging.getLogger("skippyd.transfer")
+
+_SRC_ACCESS_ORDER_STREAM = 1  # CUmemcpySrcAccessOrder: the source is read in stream order
+_MAX_PENDING = 256  # copies in flight (their leases held) before a new one waits for the oldest
+
+
+# ---------------------------------------------------------------- devices
+
+
+def resolve_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` (None: the CPU); a CUDA device this process cannot use is
+    :class:`~skippyd.errors.NoDevice`, one clear line."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        target = device if isinstance(device, torch.device) else torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"not a device: {device!r} ({exc})") from None
+    if target.type != "cuda":
+        return target
+    if not torch.cuda.is_available():
+        why = "this torch has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise NoDevice(f"{target} was asked for, but {why} (torch {torch.__version__})")
+    count = torch.cuda.device_count()
+    index = target.index if target.index is not None else torch.cuda.current_device()
+    if not 0 <= index < count:
+        raise NoDevice(f"{target} was asked for, but this process sees {count} CUDA device(s)")
+    return torch.device("cuda", index)
+
+
+# ---------------------------------------------------------------- CUDA calls
+
+
+def _cuda_register(address: int, nbytes: int, flags: int) -> bool:
+    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, flags)  # type: ignore[no-untyped-call]
+    ok = int(getattr(err, "value", err)) == 0
+    if not ok:
+        log.warning("cudaHostRegister of %d bytes failed (%s): copying that memory unpinned", nbytes, err)
+        _clear_last_error()
+    return ok
+
+
+def _cuda_unregister(address: int) -> None:
+    err = torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
+    if int(getattr(err, "value", err)) != 0:
+        _clear_last_error()
+
+
+def _clear_last_error() -> None:
+    # A failed runtime call leaves its error for the next cudaGetLastError, which torch would then raise
+    # at an unrelated kernel launch.
+    with contextlib.suppress(Exception):
+        from cuda.bindings import runtime
+
+        runtime.cudaGetLastError()
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_uint),
+        ("srcLocHint", ctypes.c_uint * 2),
+        ("dstLocHint", ctypes.c_uint * 2),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+_BATCH_TYPE = ctypes.CFUNCTYPE(
+    ctypes.c_uint,  # CUresult
+    ctypes.c_void_p,  # dsts
+    ctypes.c_void_p,  # srcs
+    ctypes.c_void_p,  # sizes
+    ctypes.c_size_t,  # count
+    ctypes.c_void_p,  # attrs
+    ctypes.c_void_p,  # attrsIdxs
+    ctypes.c_size_t,  # numAttrs
+    ctypes.c_void_p,  # failIdx (the 12.8 entry point)
+    ctypes.c_void_p,  # stream
+)
+_batch: list[Any] = []  # [] not looked up yet, [None] unavailable, [function]
+
+
+def _batch_function() -> Any:
+    if not _batch:
+        function = None
+        try:
+            from cuda.bindings import driver
+
+            err, address, _status = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", 12080, 0)
+            if err == driver.CUresult.CUDA_SUCCESS and int(address):
+                function = _BATCH_TYPE(int(address))
+        except Exception as exc:  # no cuda-bindings, or a driver older than 12.8
+            log.debug("cuMemcpyBatchAsync is not available (%s): one copy per run", exc)
+        _batch.append(function)
+    return _batch[0]
+
+
+def batch_available() -> bool:
+    """Whether copies go out as one ``cuMemcpyBatchAsync`` per transfer (else one copy per run)."""
+    return _batch_function() is not None
+
+
+# ---------------------------------------------------------------- kept mappings
+
+
+@dataclass(slots=True)
+class _Mapped:
+    keep: int  # our own description of the file (no lease): to notice it was removed
+    mapping: mmap.mmap
+    size: int
+    base: int  # the mapping's address
+    host: torch.Tensor  # uint8 over the whole mapping
+    writable: bool
+
+
+def _address_of(buffer: Any) -> tuple[int, torch.Tensor]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only mapping: torch warns that it is not writable
+        host = torch.frombuffer(buffer, dtype=torch.uint8)
+    return host.data_ptr(), host
+
+
+class FileMaps:
+    """Shared mappings of the daemon's linked files (slabs, entry files), kept across calls by (device,
+    inode): the ``limit`` most recently used. Made through ``/proc/self/fd`` (a fresh description: no
+    lease is held by a kept mapping) and dropped once the file is unlinked. ``on_drop(key)`` runs before
+    a mapping goes (the device transfer waits for the copies in flight and unregisters it). Mappings in
+    ``pinned`` (collected copies not issued yet) are never dropped; the limit may be passed meanwhile."""
+
+    def __init__(self, on_drop: Callable[[Hashable], None], limit: int = 256) -> None:
+        self.limit = limit
+        self._on_drop = on_drop
+        self._maps: OrderedDict[Hashable, _Mapped] = OrderedDict()
+        self.pinned: Counter[Hashable] = Counter()
+
+    def get(self, fd: int, end: int, needed: Collection[Hashable] = ()) -> tuple[Hashable, _Mapped] | None:
+        """The mapping of the file open as ``fd`` covering ``[0, end)``; None for a descriptor that is not
+        a linked regular file (a memfd: served once) or that this process cannot open again (the caller
+        copies another way). Mappings in ``needed`` (and pinned ones) are not dropped to make room."""
+        info = os.fstat(fd)
+        if info.st_nlink == 0 or not stat.S_ISREG(info.st_mode) or info.st_size < end:
+            return None
+        key = (info.st_dev, info.st_ino)
+        found = self._maps.get(key)
+        if found is not None and found.size == info.st_size:
+            self._maps.move_to_end(key)
+            return key, found
+        if found is not None:
+            self.drop(key)
+        try:
+            keep = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # (a daemon of another user: its files can only be used through the reply's fd)
+            return None
+        try:
+            mapping = mmap.mmap(keep, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except BaseException:
+            os.close(keep)
+            raise
+        base, host = _address_of(mapping)
+        self._maps[key] = _Mapped(keep, mapping, info.st_size, base, host, False)
+        if len(self._maps) > self.limit:
+            for old in [k for k in self._maps if k != key and not self.pinned[k] and k not in needed]:
+                self.drop(old)
+                if len(self._maps) <= self.limit:
+                    break
+        return key, self._maps[key]
+
+    def sweep(self) -> None:
+        """Drops mappings of files the daemon removed (their pages would stay alive through us), and the
+        least recently used past the limit."""
+        for key, mapped in list(self._maps.items()):
+            if self.pinned[key]:
+                continue
+            try:
+                gone = os.fstat(mapped.keep).st_nlink == 0
+            except OSError:
+                gone = True
+            if gone:
+                self.drop(key)
+        for key in [k for k in self._maps if not self.pinned[k]][: max(0, len(self._maps) - self.limit)]:
+            self.drop(key)  # past the limit (a layered get may pass it): the least recently used go
+
+    def drop(self, key: Hashable) -> None:
+        mapped = self._maps.pop(key, None)
+        if mapped is None:
+            return
+        self._on_drop(key)
+        del mapped.host
+        with contextlib.suppress(BufferError):
+            mapped.mapping.close()
+        with contextlib.suppress(OSError):
+            os.close(mapped.keep)
+
+    def close(self) -> None:
+        for key in list(self._maps):
+            self.drop(key)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+# ---------------------------------------------------------------- the transfer
+
+
+@dataclass(slots=True)
+class _Part:
+    pieces: list[tuple[Hashable, int, int, int, int]]  # source, offset, destination storage, offset, size
+    hosts: dict[Hashable, _Mapped]
+    dests: dict[Any, torch.Tensor]
+    needs: list[tuple[Hashable, int, int, list[tuple[int, int]]]]  # source, generation, base, spans
+    leases: list[int]  # duplicated descriptors: ours to close
+
+
+class Layered:
+    """Copies collected by :meth:`DeviceTransfer.layered` and, once issued, one event per span."""
+
+    def __init__(self, spans: list[tuple[int, int]]) -> None:
+        self.spans = spans
+        self.parts: list[_Part] = []
+        self.events: list[Any] = []
+        self.device: torch.device | None = None
+        self.pinned: list[Hashable] = []  # the mappings its parts use, kept until they are issued
+
+    def add(  # noqa: PLR0917 - one reply's copies, as blocks_to_device prepared them
+        self,
+        pieces: list[tuple[Hashable, int, int, int, int]],
+        hosts: dict[Hashable, _Mapped],
+        dests: dict[Any, torch.Tensor],
+        needs: list[tuple[Hashable, int, int, list[tuple[int, int]]]],
+        leases: list[int],
+        device: torch.device,
+    ) -> None:
+        if self.device is not None and device != self.device:
+            raise InvalidArgument("the CUDA destinations of one layered get must be on one device")
+        self.device = device
+        self.parts.append(_Part(pieces, hosts, dests, needs, [os.dup(fd) for fd in leases]))
+
+    def take_leases(self) -> list[int]:
+        leases = [fd for part in self.parts for fd in part.leases]
+        for part in self.parts:
+            part.leases = []
+        return leases
+
+    def release(self) -> None:
+        for fd in self.take_leases():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+class _Leases:
+    """The leases of copies in flight: a thread waits for each copy's event, then closes its descriptors,
+    so the daemon may reuse the memory as soon as the copy has landed (and never before). At most
+    ``_MAX_PENDING`` copies are held; past that, a new one waits for the oldest."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[Any, list[int]]] = deque()
+        self._held = 0
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def hold(self, event: Any, fds: list[int]) -> None:
+        with self._cond:
+            while self._held >= _MAX_PENDING:
+                self._cond.wait()
+            self._queue.append((event, fds))
+            self._held += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="skippyd-leases", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue:
+                    self._cond.wait()
+                event, fds = self._queue.popleft()
+            try:
+                event.synchronize()
+            except Exception as exc:  # a failed copy still gives its leases back
+                log.warning("a copy's event failed (%s); its leases are released", exc)
+            finally:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                with self._cond:
+                    self._held -= 1
+                    self._cond.notify_all()
+
+    def drain(self) -> None:
+        with self._cond:
+            while self._held:
+                self._cond.wait()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return self._held
+
+
+def _storage_base(tensor: torch.Tensor) -> tuple[int, int]:
+    """``(storage address, byte offset of the tensor in it)``."""
+    base = tensor.untyped_storage().data_ptr()
+    return base, tensor.data_ptr() - base
+
+
+def _bytes_of(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class DeviceTransfer:
+    """Host ↔ CUDA copies through registered shared memory (one per process: :func:`transfer`).
+    Thread-safe (one transfer at a time)."""
+
+    def __init__(
+        self,
+        *,
+        register: Callable[[int, int, int], bool] | None = None,
+        unregister: Callable[[int], None] | None = None,
+        limit_bytes: int = 64 << 30,
+        maps: int = 256,
+        batch: bool = True,
+    ) -> None:
+        undo = unregister or _cuda_unregister
+
+        def unregister_idle(address: int) -> None:  # never under a copy still in flight
+            self._leases.drain()
+            undo(address)
+
+        self.book = RegistrationBook(register or _cuda_register, unregister_idle, limit_bytes=limit_bytes)
+        self.maps = FileMaps(self._forget_file, maps)
+        self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
+        self._leases = _Leases()
+        self._lock = threading.RLock()
+        self._local = threading.local()  # a layered collection in progress on this thread
+        self._use_batch = batch
+        self.copies = 0  # runs issued (for tests and benchmarks)
+        self.calls = 0  # batch calls or copy_ calls issued
+
+    # ------------------------------------------------------------ plumbing
+    def _stream(self, device: torch.device, direction: str) -> torch.cuda.Stream:
+        key = (int(device.index or 0), direction)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        return stream
+
+    def _forget_file(self, key: Hashable) -> None:
+        """A mapping is about to go: the copies in flight end first (one may read it), then its ranges
+        are unregistered."""
+        self._leases.drain()
+        self.book.drop(key)
+
+    def _hold(self, event: Any, fds: Sequence[int]) -> None:
+        self._leases.hold(event, [os.dup(fd) for fd in fds])  # a duplicate keeps the description's locks
+
+    @property
+    def in_flight(self) -> int:
+        """Copies whose leases are still held (their event has not been seen to pass)."""
+        return len(self._leases)
+
+    def drain(self) -> None:
+        """Waits until every copy issued so far has landed and its leases are closed."""
+        self._leases.drain()
+
+    def _issue(
+        self,
+        runs: Sequence[Run],
+        address: Callable[[Any, int], int],
+        view: Callable[[Any, int, int], torch.Tensor],
+        stream: torch.cuda.Stream,
+    ) -> None:
+        """Issues ``runs`` on ``stream``: one batch call, or one ``copy_`` per run."""
+        if not runs:
+            return
+        self.copies += len(runs)
+        function = _batch_function() if self._use_batch else None
+        if function is not None:
+            count = len(runs)
+            dsts = (ctypes.c_uint64 * count)(*[address(r.dst, r.dst_offset) for r in runs])
+            srcs = (ctypes.c_uint64 * count)(*[address(r.src, r.src_offset) for r in runs])
+            sizes = (ctypes.c_size_t * count)(*[r.nbytes for r in runs])
+            attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+            index, failed = ctypes.c_size_t(0), ctypes.c_size_t(0)
+            err = function(
+                dsts, srcs, sizes, count, ctypes.addressof(attrs), ctypes.byref(index), 1,
+                ctypes.byref(failed), stream.cuda_stream,
+            )  # fmt: skip
+            self.calls += 1
+            if err == 0:
+                return
+            log.warning("cuMemcpyBatchAsync failed (CUresult %d at copy %d): one copy per run from now on",
+                        err, failed.value)  # fmt: skip
+            self._use_batch = False
+        with torch.cuda.stream(stream):
+            for run in runs:
+                view(run.dst, run.dst_offset, run.nbytes).copy_(
+                    view(run.src, run.src_offset, run.nbytes), non_blocking=True
+                )
+                self.calls += 1
+
+    # ------------------------------------------------------------ host → device
+    def entry_to_device(
+        self,
+        fd: int,
+        generation: int,
+        data_offset: int,
+        data_len: int,
+        device: torch.device,
+    ) -> torch.Tensor | None:
+        """The entry's data region as one uint8 tensor on ``device``, its copy queued (the current stream
+        waits for it); None when the file is not one to map and register (generation 0: served once)."""
+        if generation == 0:
+            return None
+        with self._lock:
+            self.maps.sweep()
+            found = self.maps.get(fd, data_offset + data_len)
+            if found is None:
+                return None
+            key, mapped = found
+            target = torch.empty(data_len, dtype=torch.uint8, device=device)
+            if data_len == 0:
+                return target
+            cuts = self.book.ensure(key, generation, mapped.base, [(data_offset, data_offset + data_len)],
+                                    readonly=True)  # fmt: skip
+            runs = [Run(key, data_offset, "target", 0, data_len)]
+            if cuts is not None:
+                runs = split_runs(runs, {key: cuts})
+            self._to_device(runs, {key: mapped}, {"target": target}, device, [fd])
+            return target
+
+    def blocks_to_device(
+        self,
+        placements: Sequence[tuple[int, int, int]],
+        fds: Sequence[int],
+        generations: Sequence[int],
+        outs: Sequence[torch.Tensor],
+    ) -> bool:
+        """Copies block ``i`` (``placements[i]``: descriptor index, offset, size) into ``outs[i]``
+        (contiguous CUDA tensors of one device), queued on skippyd's stream; False when a descriptor is not
+        one to map and register (the caller copies another way)."""
+        if not outs:
+            return True
+        device = outs[0].device
+        with self._lock:
+            self.maps.sweep()
+            sources: dict[int, tuple[Hashable, _Mapped]] = {}
+            ends: dict[int, int] = {}
+            for index, offset, nbytes in placements:
+                ends[index] = max(ends.get(index, 0), offset + nbytes)
+            for index, end in ends.items():
+                if not 0 <= index < len(fds) or index >= len(generations):
+                    raise BadFrame("a blocks_get reply names a descriptor it did not carry")
+                if generations[index] == 0:
+                    return False
+                found = self.maps.get(fds[index], end, needed=[key for key, _ in sources.values()])
+                if found is None:
+                    return False
+                sources[index] = found
+            pieces = []
+            dests: dict[Any, torch.Tensor] = {}
+            for (index, offset, nbytes), out in zip(placements, outs, strict=True):
+                if out.device != device or not out.is_contiguous():
+                    raise InvalidArgument(
+                        "CUDA destinations of one get_into must be contiguous, on one device"
+                    )
+                if _bytes_of(out) < nbytes:
+                    raise Mismatch(f"a destination holds {_bytes_of(out)} bytes; its block has {nbytes}")
+                base, at = _storage_base(out)
+                if base not in dests:
+                    dests[base] = _storage_bytes(out)
+                pieces.append((sources[index][0], offset, base, at, nbytes))
+            needs = [
+                (key, generations[index], mapped.base, [(o, o + n) for i, o, n in placements if i == index])
+                for index, (key, mapped) in sources.items()
+            ]
+            collecting: Layered | None = getattr(self._local, "layered", None)
+            if collecting is not None:  # issued layer by layer when the collection ends
+                keys = [key for key, _ in sources.values()]
+                self.maps.pinned.update(keys)
+                collecting.pinned.extend(keys)
+                collecting.add(
+                    pieces, dict(sources.values()), dests, needs, [fds[i] for i in sources], device
+                )
+                return True
+            cuts = self._register(needs)
+            runs = split_runs(plan_runs(pieces), cuts)
+            self._to_device(runs, dict(sources.values()), dests, device, [fds[i] for i in sources])
+            return True
+
+    @contextlib.contextmanager
+    def layered(self, spans: Sequence[tuple[int, int]]) -> Iterator[Layered]:
+        """Within this block, ``blocks_to_device`` (``get_into`` into CUDA tensors) only collects its
+        copies (their leases and registrations taken); at its end they are issued span by span: every
+        block's bytes ``[start, stop)`` of span 0 (one layer's keys and values, say), an event, then span
+        1's, and so on. ``Layered.events[j]`` passes once span ``j`` of every block has landed; the caller
+        waits on each where it needs that span (the current stream is not made to wait)."""
+        collected = Layered([(int(a), int(b)) for a, b in spans])
+        self._local.layered = collected
+        try:
+            yield collected
+            with self._lock:
+                self._issue_layered(collected)
+        finally:
+            self._local.layered = None
+            collected.release()  # (the leases of issued copies were handed over already)
+            with self._lock:
+                self.maps.pinned.subtract(collected.pinned)
+                self.maps.pinned = +self.maps.pinned  # (drops the zeros)
+
+    def _register(
+        self, needs: Sequence[tuple[Hashable, int, int, list[tuple[int, int]]]]
+    ) -> dict[Hashable, list[int]]:
+        """Registers what each source needs (one call per source, at its newest generation); returns the
+        registration boundaries to cut runs at."""
+        merged: dict[Hashable, tuple[int, int, list[tuple[int, int]]]] = {}
+        for key, generation, base, spans in needs:
+            seen = merged.get(key)
+            if seen is None:
+                merged[key] = (generation, base, list(spans))
+            else:
+                seen[2].extend(spans)
+                merged[key] = (max(seen[0], generation), base, seen[2])
+        cuts: dict[Hashable, list[int]] = {}
+        for key, (generation, base, spans) in merged.items():
+            got = self.book.ensure(key, generation, base, spans, readonly=True)
+            if got is not None:
+                cuts[key] = got
+        return cuts
+
+    def _issue_layered(self, collected: Layered) -> None:
+        if not collected.parts:
+            return
+        device = collected.device
+        assert device is not None
+        current = torch.cuda.current_stream(device)
+        stream = self._stream(device, "h2d")
+        stream.wait_stream(current)
+        hosts: dict[Hashable, _Mapped] = {}
+        dests: dict[Any, torch.Tensor] = {}
+        for part in collected.parts:
+            hosts.update(part.hosts)
+            dests.update(part.dests)
+        sorted_cuts = self._register([need for part in collected.parts for need in part.needs])
+        for tensor in dests.values():  # freed before the copies land (a cache dropped unused): not reused
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
+
+        def address(buffer: Any, offset: int) -> int:
+            mapped = hosts.get(buffer)
+            return (mapped.base if mapped is not None else int(dests[buffer].data_ptr())) + offset
+
+        def view(buffer: Any, offset: int, nbytes: int) -> torch.Tensor:
+            mapped = hosts.get(buffer)
+            return (mapped.host if mapped is not None else dests[buffer])[offset : offset + nbytes]
+
+        event: Any = None
+        for start, stop in collected.spans:
+            pieces = [
+                (key, offset + start, base, at + start, min(stop, nbytes) - start)
+                for part in collected.parts
+                for key, offset, base, at, nbytes in part.pieces
+                if start < nbytes
+            ]
+            self._issue(split_runs(plan_runs(pieces), sorted_cuts), address, view, stream)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            collected.events.append(event)
+        self._leases.hold(event, collected.take_leases())
+
+    def _to_device(
+        self,
+        runs: Sequence[Run],
+        hosts: dict[Hashable, _Mapped],
+        dests: dict[Any, torch.Tensor],
+        device: torch.device,
+        leases: Sequence[int],
+    ) -> None:
+        current = torch.cuda.current_stream(device)
+        stream = self._stream(device, "h2d")
+        stream.wait_stream(current)  # whatever the caller queued on the destinations comes first
+
+        def address(buffer: Any, offset: int) -> int:
+            mapped = hosts.get(buffer)
+            if mapped is not None:
+                return mapped.base + offset
+            return int(dests[buffer].data_ptr()) + offset
+
+        def view(buffer: Any, offset: int, nbytes: int) -> torch.Tensor:
+            mapped = hosts.get(buffer)
+            whole = mapped.host if mapped is not None else dests[buffer]
+            return whole[offset : offset + nbytes]
+
+        for tensor in dests.values():  # the allocator keeps the memory until skippyd's stream is past it
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
+        self._issue(runs, address, view, stream)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        current.wait_event(event)  # results are safe on the caller's stream, with no host sync
+        self._hold(event, leases)
+
+    # ------------------------------------------------------------ device → host
+    def to_host(self, region: memoryview, jobs: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Copies each CUDA tensor of ``jobs`` (``(offset in region, tensor)``) into ``region`` (a writable
+        mapping: the staging buffer) by DMA and waits until the bytes are there."""
+        if not jobs:
+            return
+        device = jobs[0][1].device
+        if not len(region):
+            return
+        with self._lock:
+            base, host = _address_of(region)
+            buffers: dict[Any, torch.Tensor] = {}  # cleared on the way out: the region is released next
+            try:
+                self._to_host(region, jobs, device, base, host, buffers)
+            finally:
+                buffers.clear()
+                del host
+
+    def _to_host(  # noqa: PLR0917 - to_host's parts
+        self,
+        region: memoryview,
+        jobs: Sequence[tuple[int, torch.Tensor]],
+        device: torch.device,
+        base: int,
+        host: torch.Tensor,
+        buffers: dict[Any, torch.Tensor],
+    ) -> None:
+        key = ("host", base)
+        buffers[key] = host
+        current = torch.cuda.current_stream(device)
+        pieces = []
+        for offset, given in jobs:
+            if given.device != device:
+                raise InvalidArgument("the CUDA tensors of one capture or put must be on one device")
+            # a conjugate or negative view's bytes are made plain, a strided one contiguous, on the current
+            # stream (the side stream waits for it)
+            tensor = given.resolve_conj().resolve_neg()
+            tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
+            nbytes = _bytes_of(tensor)
+            if not nbytes:
+                continue
+            if offset < 0 or offset + nbytes > len(region):
+                raise InvalidArgument("a tensor does not fit the staging region")
+            storage, at = _storage_base(tensor)
+            buffers.setdefault(storage, _storage_bytes(tensor))
+            pieces.append((storage, at, key, offset, nbytes))
+        runs = plan_runs(pieces)
+        cuts = self.book.ensure(key, 1, base, [(r.dst_offset, r.dst_offset + r.nbytes) for r in runs],
+                                readonly=False)  # fmt: skip
+        if cuts is not None:
+            runs = split_runs(runs, {key: cuts}, side="dst")
+        stream = self._stream(device, "d2h")
+        stream.wait_stream(current)  # the sources' producers (and any .contiguous()) come first
+
+        def address(buffer: Any, offset: int) -> int:
+            return (base if buffer == key else int(buffers[buffer].data_ptr())) + offset
+
+        def view(buffer: Any, offset: int, nbytes: int) -> torch.Tensor:
+            return buffers[buffer][offset : offset + nbytes]
+
+        self._issue(runs, address, view, stream)
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        event.synchronize()  # the daemon reads these bytes next
+
+    def forget_host(self, address: int) -> None:
+        with self._lock:
+            self.book.drop(("host", address))
+
+    def close(self) -> None:
+        self._leases.drain()
+        with self._lock:
+            self.maps.close()
+            self.book.close()
+
+
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A uint8 tensor over the whole storage of ``tensor`` (so runs that span tensors are one view)."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+_transfer: list[DeviceTransfer] = []
+_transfer_lock = threading.Lock()
+
+
+def transfer() -> DeviceTransfer:
+    """The process's device transfer (made on first use)."""
+    if not _transfer:
+        with _transfer_lock:
+            if not _transfer:
+                _transfer.append(DeviceTransfer())
+    return _transfer[0]
+
+
+def forget_host(address: int) -> None:
+    """Unregisters a staging mapping at ``address`` before it is unmapped (no-op if never registered)."""
+    if _transfer:
+        _transfer[0].forget_host(address)

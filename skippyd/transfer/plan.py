@@ -1,0 +1,99 @@
+"""Run planning: the copies of one transfer, merged into as few contiguous runs as their bytes allow.
+
+Pure logic (no torch, no CUDA). A *piece* is ``(src, src_offset, dst, dst_offset, nbytes)``: ``src`` and
+``dst`` name two buffers (a mapped file, a device allocation, the staging buffer: any hashable, ordered
+names the caller picks) and the offsets are bytes inside them. Pieces that continue each other on both
+sides become one run, so a put's blocks in consecutive slots copied into consecutive pages of one KV
+cache are one DMA. A block made of several pieces (a list of tensors: issue 25) is just more pieces.
+
+A run must not span two CUDA registrations of its host memory (a registration is one pinned range; a
+copy that crosses into another one is not known to be pinned as a whole): :func:`split_runs` cuts runs
+at the registration boundaries the book reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Run", "plan_runs", "split_runs", "total_bytes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One contiguous copy: ``nbytes`` from ``src`` at ``src_offset`` to ``dst`` at ``dst_offset``."""
+
+    src: Any
+    src_offset: int
+    dst: Any
+    dst_offset: int
+    nbytes: int
+
+
+def plan_runs(pieces: Iterable[tuple[Hashable, int, Hashable, int, int]], *, sort: bool = True) -> list[Run]:
+    """The pieces merged into runs (empty pieces dropped). With ``sort`` the pieces are ordered by their
+    buffers and source offset first, so pieces given out of order still merge; without it only pieces
+    that follow each other in the given order do."""
+    listed = [p for p in pieces if p[4] > 0]
+    for src, src_offset, dst, dst_offset, nbytes in listed:
+        if src_offset < 0 or dst_offset < 0 or nbytes < 0:
+            raise ValueError(f"a piece with a negative offset or size: {(src, src_offset, dst, dst_offset)}")
+    if sort:  # by buffer (in order of first appearance), then source offset
+        srcs: dict[Hashable, int] = {}
+        dsts: dict[Hashable, int] = {}
+        for p in listed:
+            srcs.setdefault(p[0], len(srcs))
+            dsts.setdefault(p[2], len(dsts))
+        listed.sort(key=lambda p: (srcs[p[0]], dsts[p[2]], p[1], p[3]))
+    runs: list[Run] = []
+    if not listed:
+        return runs
+    src, src_offset, dst, dst_offset, nbytes = listed[0]
+    for nsrc, nsrc_offset, ndst, ndst_offset, n in listed[1:]:
+        if (
+            nsrc == src
+            and ndst == dst
+            and nsrc_offset == src_offset + nbytes
+            and ndst_offset == dst_offset + nbytes
+        ):
+            nbytes += n
+            continue
+        runs.append(Run(src, src_offset, dst, dst_offset, nbytes))
+        src, src_offset, dst, dst_offset, nbytes = nsrc, nsrc_offset, ndst, ndst_offset, n
+    runs.append(Run(src, src_offset, dst, dst_offset, nbytes))
+    return runs
+
+
+def split_runs(runs: Sequence[Run], cuts: Mapping[Any, Sequence[int]], *, side: str = "src") -> list[Run]:
+    """``runs`` cut wherever one crosses a boundary in ``cuts[buffer]`` (sorted offsets) on ``side``
+    (``"src"`` or ``"dst"``: the host side of the copy)."""
+    out: list[Run] = []
+    for run in runs:
+        buffer = run.src if side == "src" else run.dst
+        start = run.src_offset if side == "src" else run.dst_offset
+        bounds = cuts.get(buffer)
+        if not bounds:
+            out.append(run)
+            continue
+        end = start + run.nbytes
+        at = start
+        for cut in bounds:
+            if cut <= at:
+                continue
+            if cut >= end:
+                break
+            out.append(_part(run, at - start, cut - at))
+            at = cut
+        out.append(_part(run, at - start, end - at))
+    return out
+
+
+def _part(run: Run, skip: int, nbytes: int) -> Run:
+    if skip == 0 and nbytes == run.nbytes:
+        return run
+    return Run(run.src, run.src_offset + skip, run.dst, run.dst_offset + skip, nbytes)
+
+
+def total_bytes(runs: Iterable[Run]) -> int:
+    return sum(run.nbytes for run in runs)

@@ -1,0 +1,184 @@
+"""The CUDA data path (skippyd.transfer.device), end to end against a real daemon: restores, get_into,
+puts and captures by DMA through registered shared memory, bit-exact, including after the daemon gave
+the memory to other bytes (a new generation). Every test here needs a CUDA device (marked ``cuda``);
+the daemon runs without Redis, as on the GPU machine."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import skippyd
+from skippyd.payload import DTYPES
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MODEL, STATE = "cuda-model@sha256:0", "paged-kv-v1"
+BLOCK = 16
+
+
+@pytest.fixture
+def proc(make_daemon: Any) -> Any:
+    return make_daemon("--redis-url", "none", "--l2-reserve", "0", budget="1GiB").start()
+
+
+def _transfer() -> Any:
+    from skippyd.transfer.device import transfer
+
+    return transfer()
+
+
+def _random(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (int(torch.tensor([], dtype=dtype).element_size()) * _numel(shape),),
+                        dtype=torch.uint8, generator=gen)  # fmt: skip
+    if dtype == torch.bool:
+        raw &= 1  # a bool's bytes are 0 or 1
+    return raw.view(dtype).reshape(shape)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8)))
+
+
+def _dtypes() -> list[torch.dtype]:
+    return [d for name in DTYPES if isinstance(d := getattr(torch, name, None), torch.dtype)]
+
+
+def test_a_restore_to_cuda_is_bit_exact_for_every_dtype_and_registers_the_file_once(proc: Any) -> None:
+    tensors = {str(d): _random(d, (33, 65), i) for i, d in enumerate(_dtypes())}
+    with proc.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[1, 2, 3], tensors=tensors, durable=False)
+        restored = client.restore(model=MODEL, state=STATE, tokens=[1, 2, 3], device="cuda:0")
+        assert restored is not None
+        for name, tensor in tensors.items():
+            assert restored.tensors[name].device.type == "cuda"
+            assert _same_bytes(restored.tensors[name], tensor), name  # read on the current stream, no sync
+        registrations = _transfer().book.stats.registrations
+        again = client.restore(model=MODEL, state=STATE, tokens=[1, 2, 3], device="cuda:0")
+        assert again is not None and _transfer().book.stats.registrations == registrations
+
+
+def test_a_restore_after_the_entry_file_was_given_to_other_bytes_reads_the_new_bytes(proc: Any) -> None:
+    first = {"kv": _random(torch.bfloat16, (1 << 21,), 1)}  # 4 MiB
+    second = {"kv": _random(torch.bfloat16, (1 << 21,), 2)}
+    with proc.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[1], tensors=first, durable=False)
+        got = client.restore(model=MODEL, state=STATE, tokens=[1], device="cuda")
+        assert got is not None and _same_bytes(got.tensors["kv"], first["kv"])
+        _transfer().drain()  # the copy's lease is given back, so the daemon may recycle the file
+        client.evict(model=MODEL, state=STATE, tokens=[1])
+        client.capture(model=MODEL, state=STATE, tokens=[2], tensors=second, durable=False)
+        changes = _transfer().book.stats.generation_changes
+        got = client.restore(model=MODEL, state=STATE, tokens=[2], device="cuda")
+        assert got is not None and _same_bytes(got.tensors["kv"], second["kv"])
+        if client.stats()["l2"]["reused_files"]:
+            assert _transfer().book.stats.generation_changes == changes + 1
+
+
+def test_get_into_cuda_pages_is_bit_exact_merges_consecutive_blocks_and_survives_slot_reuse(
+    proc: Any,
+) -> None:
+    nbytes = 256 * 1024
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        keys = blocks.keys(list(range(8 * BLOCK)))
+        data = [_random(torch.uint8, (nbytes,), 10 + i) for i in range(8)]
+        blocks.put(keys, data, durable=False)
+        cache = torch.empty((8, nbytes), dtype=torch.uint8, device="cuda")
+        copies = _transfer().copies
+        assert blocks.get_into(keys, list(cache.unbind(0))) == 8
+        assert all(_same_bytes(cache[i], data[i]) for i in range(8))
+        assert _transfer().copies - copies <= 2  # consecutive slots into consecutive pages: one run per slab
+        # the slots are punched and filled with other bytes: a stale registration would give the old ones
+        _transfer().drain()  # the copies' leases are given back, so the daemon may punch the slots
+        held = blocks.get(keys[:1])
+        client.evict(all=True)
+        other = blocks.keys(list(range(10_000, 10_000 + 8 * BLOCK)))
+        newer = [_random(torch.uint8, (nbytes,), 50 + i) for i in range(8)]
+        blocks.put(other, newer, durable=False)
+        out = torch.zeros((8, nbytes), dtype=torch.uint8, device="cuda")
+        assert blocks.get_into(other, list(out.unbind(0))) == 8
+        assert all(_same_bytes(out[i], newer[i]) for i in range(8))
+        del held
+
+
+def test_puts_and_captures_of_cuda_tensors_store_their_exact_bytes(proc: Any) -> None:
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        pages = _random(torch.float16, (4, 2, 8, BLOCK, 64), 3).cuda()
+        strided = [pages[i].transpose(1, 2) for i in range(4)]  # any strides: copied as they lie
+        assert blocks.put(keys, strided, durable=False).stored == 4
+        got = blocks.get(keys)
+        assert all(_same_bytes(got[i], strided[i].contiguous()) for i in range(4))
+        tensors = {str(d): _random(d, (17, 129), i).cuda() for i, d in enumerate(_dtypes())}
+        client.capture(model=MODEL, state=STATE, tokens=[9], tensors=tensors, durable=False)
+        restored = client.restore(model=MODEL, state=STATE, tokens=[9])
+        assert restored is not None
+        assert all(_same_bytes(restored.tensors[n], t) for n, t in tensors.items())
+
+
+def test_a_restore_on_a_side_stream_is_ordered_before_that_streams_work(proc: Any) -> None:
+    tensor = _random(torch.float32, (1 << 22,), 4)  # 16 MiB
+    with proc.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[5], tensors={"x": tensor}, durable=False)
+        stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(stream):
+            got = client.restore(model=MODEL, state=STATE, tokens=[5], device="cuda")
+            assert got is not None
+            total = got.tensors["x"].double().sum()  # queued on the side stream, after skippyd's event
+        stream.synchronize()
+        assert float(total) == float(tensor.double().sum())
+
+
+def test_the_leases_of_copies_in_flight_are_released_once_they_land(proc: Any) -> None:
+    with proc.client() as client:
+        client.capture(
+            model=MODEL, state=STATE, tokens=[6], tensors={"x": torch.ones(1 << 20)}, durable=False
+        )
+        for _ in range(4):
+            assert client.restore(model=MODEL, state=STATE, tokens=[6], device="cuda") is not None
+        transfer = _transfer()
+        transfer.drain()
+        assert transfer.in_flight == 0
+
+
+def test_skt_restore_to_cuda_gives_the_captured_keys_and_values_from_blocks_and_entry(proc: Any) -> None:
+    pytest.importorskip("transformers")
+    from hfmodels import build, prompt
+
+    import skippyd.integrations.transformers as skt
+
+    model = build("llama").cuda()
+    tokens = prompt(3 * BLOCK + 5)  # three whole blocks and a tail in the entry
+    with proc.client() as client:
+        _, cache = skt.prefill(model, tokens)
+        skt.capture(client, model, cache, tokens=tokens, durable=False, block_tokens=BLOCK)
+        hit = skt.restore(client, model, tokens=tokens, device="cuda", block_tokens=BLOCK)
+        assert hit is not None and hit[1] == len(tokens)
+        ours: Any
+        theirs: Any
+        for ours, theirs in zip(hit[0].layers, cache.layers, strict=True):
+            assert ours.keys.device.type == "cuda"
+            assert _same_bytes(ours.keys, theirs.keys) and _same_bytes(ours.values, theirs.values)
+
+
+def test_no_device_error_is_not_raised_where_cuda_exists() -> None:
+    from skippyd.transfer.device import resolve_device
+
+    assert resolve_device("cuda").type == "cuda"
+    with pytest.raises(skippyd.NoDevice):
+        resolve_device(f"cuda:{torch.cuda.device_count()}")

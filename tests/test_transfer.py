@@ -1,0 +1,335 @@
+"""The transfer layer's CPU side: run planning, the registration book with generations (through a hook
+that records the calls), the daemon's generations, and the typed error where CUDA is asked for and
+there is none. The CUDA copies themselves are in tests/test_cuda.py (marked ``cuda``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from daemonutil import DaemonProcess
+
+import skippyd
+from skippyd.errors import NoDevice
+from skippyd.transfer import RegistrationBook, Run, plan_runs, split_runs
+from skippyd.transfer.device import FileMaps, resolve_device
+
+MODEL, STATE = "transfer-model@sha256:0", "paged-kv-v1"
+BLOCK = 16
+BLOCK_BYTES = 64 * 1024
+NO_CUDA = not torch.cuda.is_available()
+
+
+class Recorder:
+    """A register/unregister hook pair that records every call (and can refuse)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.refuse = refuse
+
+    def register(self, address: int, nbytes: int, flags: int) -> bool:
+        self.calls.append(("register", address, nbytes, flags))
+        return not self.refuse
+
+    def unregister(self, address: int) -> None:
+        self.calls.append(("unregister", address))
+
+    def book(self, limit: int = 1 << 40) -> RegistrationBook:
+        return RegistrationBook(self.register, self.unregister, limit_bytes=limit)
+
+
+# ---------------------------------------------------------------- planning
+
+
+def test_pieces_that_continue_each_other_on_both_sides_become_one_run() -> None:
+    pieces = [("slab", 4096 * i, "kv", 8192 + 4096 * i, 4096) for i in range(8)]
+    assert plan_runs(pieces) == [Run("slab", 0, "kv", 8192, 8 * 4096)]
+
+
+def test_a_gap_on_either_side_or_another_buffer_starts_a_new_run() -> None:
+    pieces = [
+        ("slab", 0, "kv", 0, 100),
+        ("slab", 100, "kv", 200, 100),  # contiguous in the slab, not in the cache
+        ("slab", 300, "kv", 300, 100),  # contiguous in the cache, not in the slab
+        ("other", 400, "kv", 400, 100),
+        ("slab", 0, "kv", 0, 0),  # empty: dropped
+    ]
+    runs = plan_runs(pieces, sort=False)
+    assert [(r.src, r.src_offset, r.dst_offset, r.nbytes) for r in runs] == [
+        ("slab", 0, 0, 100), ("slab", 100, 200, 100), ("slab", 300, 300, 100), ("other", 400, 400, 100),
+    ]  # fmt: skip
+
+
+def test_pieces_given_out_of_order_still_merge_and_a_block_of_several_pieces_is_more_pieces() -> None:
+    # block 1's two pieces (issue 25: a block as a list of pieces) come first, then block 0's
+    pieces = [("s", 1000, "d", 1000, 600), ("s", 1600, "d", 1600, 400), ("s", 0, "d", 0, 1000)]
+    assert plan_runs(pieces) == [Run("s", 0, "d", 0, 2000)]
+    assert len(plan_runs(pieces, sort=False)) == 2
+
+
+def test_runs_are_cut_at_registration_boundaries_on_the_host_side() -> None:
+    runs = [Run("s", 0, "d", 100, 10_000), Run("x", 0, "d", 50_000, 10)]
+    cut = split_runs(runs, {"s": [0, 4096, 8192, 12288]})
+    assert [(r.src_offset, r.dst_offset, r.nbytes) for r in cut[:3]] == [
+        (0, 100, 4096), (4096, 4196, 4096), (8192, 8292, 10_000 - 8192),
+    ]  # fmt: skip
+    assert cut[3] == runs[1]
+    by_dst = split_runs([Run("dev", 0, "h", 4000, 200)], {"h": [4096]}, side="dst")
+    assert [(r.src_offset, r.dst_offset, r.nbytes) for r in by_dst] == [(0, 4000, 96), (96, 4096, 104)]
+
+
+def test_a_negative_offset_is_refused() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        plan_runs([("s", -1, "d", 0, 10)])
+
+
+# ---------------------------------------------------------------- the registration book
+
+
+def test_memory_is_registered_once_read_only_and_a_longer_need_registers_only_the_rest() -> None:
+    rec = Recorder()
+    book = rec.book()
+    cuts = book.ensure("slab", 5, 1 << 30, [(8192, 8192 + 100)], readonly=True)
+    assert rec.calls == [("register", (1 << 30) + 8192, 4096, 8)]  # page-aligned, flag 8
+    assert cuts == [8192, 12288]
+    rec.calls.clear()
+    assert book.ensure("slab", 5, 1 << 30, [(8192, 12288)], readonly=True) == [8192, 12288]
+    assert rec.calls == []  # already registered: nothing to do
+    cuts = book.ensure("slab", 5, 1 << 30, [(4096, 20480)], readonly=True)
+    assert rec.calls == [
+        ("register", (1 << 30) + 4096, 4096, 8), ("register", (1 << 30) + 12288, 8192, 8),
+    ]  # fmt: skip
+    assert cuts == [4096, 8192, 12288, 20480]
+    assert book.ranges("slab") == [(4096, 8192), (8192, 12288), (12288, 20480)]
+    assert book.stats.registered_bytes == 16384
+
+
+def test_a_new_generation_unregisters_every_range_of_the_file_before_registering_again() -> None:
+    rec = Recorder()
+    book = rec.book()
+    book.ensure("slab", 1, 0x10000, [(0, 4096), (8192, 12288)], readonly=True)
+    rec.calls.clear()
+    book.ensure("slab", 2, 0x10000, [(0, 4096)], readonly=True)
+    assert rec.calls == [
+        ("unregister", 0x10000), ("unregister", 0x10000 + 8192), ("register", 0x10000, 4096, 8),
+    ]  # fmt: skip
+    assert book.generation("slab") == 2 and book.stats.generation_changes == 1
+
+
+def test_writable_memory_is_registered_without_the_read_only_flag_and_dropped_before_unmapping() -> None:
+    rec = Recorder()
+    book = rec.book()
+    book.ensure(("host", 0x20000), 1, 0x20000, [(0, 100)], readonly=False)
+    assert rec.calls == [("register", 0x20000, 4096, 0)]
+    book.drop(("host", 0x20000))
+    assert rec.calls[-1] == ("unregister", 0x20000)
+    assert ("host", 0x20000) not in book and book.stats.registered_bytes == 0
+
+
+def test_the_book_stays_under_its_limit_by_dropping_the_least_recently_used_files() -> None:
+    rec = Recorder()
+    book = rec.book(limit=3 * 4096)
+    for name in ("a", "b", "c"):
+        book.ensure(name, 1, hash(name) & ~0xFFF, [(0, 4096)], readonly=True)
+    book.ensure("a", 1, hash("a") & ~0xFFF, [(0, 4096)], readonly=True)  # a is used again: b is oldest
+    book.ensure("d", 1, 0x40000, [(0, 4096)], readonly=True)
+    assert "b" not in book and all(name in book for name in ("a", "c", "d"))
+    assert book.stats.registered_bytes == 3 * 4096
+
+
+def test_memory_that_cannot_be_registered_is_copied_unpinned_and_never_retried() -> None:
+    rec = Recorder(refuse=True)
+    book = rec.book()
+    assert book.ensure("memfd", 1, 0x50000, [(0, 4096)], readonly=True) is None
+    assert book.ensure("memfd", 1, 0x50000, [(0, 8192)], readonly=True) is None
+    assert [c[0] for c in rec.calls] == ["register"] and book.stats.failures == 1
+
+
+# ---------------------------------------------------------------- generations from the daemon
+
+
+def _space(client: skippyd.Client) -> skippyd.BlockSpace:
+    return client.blocks(model=MODEL, state=STATE, namespace="", block_tokens=BLOCK)
+
+
+def _raw_get(client: skippyd.Client, blocks: skippyd.BlockSpace, keys: list[bytes]) -> tuple[Any, list[int]]:
+    return client._call(blocks._body("blocks_get", keys))
+
+
+def _data(seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8, generator=gen)]
+
+
+def test_a_slab_whose_slot_was_punched_and_filled_again_shows_a_new_generation_and_the_book_reregisters(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--l2-reserve", "0", budget="16MiB").start()
+    rec = Recorder()
+    book = rec.book()
+    maps = FileMaps(book.drop)
+    with proc.client() as client:
+        blocks = _space(client)
+        first, second, third = (blocks.keys(list(range(i * 1000, i * 1000 + BLOCK))) for i in (1, 2, 3))
+        blocks.put(first, _data(1), durable=False)
+        reply, fds = _raw_get(client, blocks, first)
+        try:
+            assert len(reply["generations"]) == len(fds) == 1 and reply["generations"][0] > 0
+            key, mapped = maps.get(fds[0], reply["blocks"][0][1] + BLOCK_BYTES)  # type: ignore[misc]
+            _, offset, nbytes = reply["blocks"][0]
+            book.ensure(key, reply["generations"][0], mapped.base, [(offset, offset + nbytes)], readonly=True)
+            before = (os.fstat(fds[0]).st_ino, reply["generations"][0])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert [c[0] for c in rec.calls] == ["register"]
+        # a second block in the same slab stays leased (so the slab stays), the first one's slot is punched
+        blocks.put(second, _data(2), durable=False)
+        held = blocks.get(second)
+        client.evict(all=True)
+        blocks.put(third, _data(3), durable=False)
+        reply, fds = _raw_get(client, blocks, third)
+        try:
+            after = (os.fstat(fds[0]).st_ino, reply["generations"][0])
+            assert after[0] == before[0]  # the same slab file...
+            assert after[1] != before[1]  # ...whose memory changed under any old registration
+            found = maps.get(fds[0], reply["blocks"][0][1] + BLOCK_BYTES)
+            assert found is not None and found[0] == key  # the kept mapping is the same file's
+            _, offset, nbytes = reply["blocks"][0]
+            rec.calls.clear()
+            book.ensure(key, after[1], mapped.base, [(offset, offset + nbytes)], readonly=True)
+            assert [c[0] for c in rec.calls] == ["unregister", "register"]
+            got = bytes(mapped.mapping[offset : offset + nbytes])
+            assert got == _data(3)[0].numpy().tobytes()  # the kept mapping shows the new bytes
+        finally:
+            for fd in fds:
+                os.close(fd)
+        del held
+    maps.close()
+    assert rec.calls[-1][0] == "unregister" and book.stats.registered_bytes == 0
+
+
+def test_an_entry_file_given_to_a_new_entry_carries_a_new_generation(make_daemon: Any) -> None:
+    proc = make_daemon(budget="64MiB").start()
+    tensor = torch.ones(1 << 20, dtype=torch.float32)  # 4 MiB
+    with proc.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[1], tensors={"kv": tensor}, durable=False)
+        reply, fds = client._call({"op": "restore", **_ident([1])})
+        first = (os.fstat(fds[0]).st_ino, reply["generation"])
+        for fd in fds:
+            os.close(fd)
+        assert first[1] > 0
+        client.evict(model=MODEL, state=STATE, tokens=[1])
+        client.capture(model=MODEL, state=STATE, tokens=[2], tensors={"kv": tensor * 2}, durable=False)
+        assert client.stats()["l2"]["reused_files"] >= 1
+        reply, fds = client._call({"op": "restore", **_ident([2])})
+        second = (os.fstat(fds[0]).st_ino, reply["generation"])
+        for fd in fds:
+            os.close(fd)
+        assert second[0] == first[0] and second[1] != first[1]
+
+
+def _ident(tokens: list[int]) -> dict[str, Any]:
+    from skippyd.keys import encode_tokens
+
+    return {"model": MODEL, "state": STATE, "namespace": "", "tokens": encode_tokens(tokens)}
+
+
+def test_kept_mappings_hold_no_lease_and_are_dropped_once_the_file_is_removed(shm_dir: Path) -> None:
+    import fcntl
+    import struct
+
+    path = shm_dir / "f.slab"
+    path.write_bytes(b"x" * 8192)
+    rec = Recorder()
+    book = rec.book()
+    maps = FileMaps(book.drop)
+    fd = os.open(path, os.O_RDONLY)
+    lock = struct.pack("hh4xqqi4x", fcntl.F_RDLCK, os.SEEK_SET, 0, 8192, 0)
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, lock)
+    found = maps.get(fd, 8192)
+    assert found is not None
+    book.ensure(found[0], 1, found[1].base, [(0, 8192)], readonly=True)
+    os.close(fd)  # the reply's lease ends here: the kept mapping must not hold it
+    probe = os.open(path, os.O_RDWR)
+    try:
+        fcntl.fcntl(
+            probe, fcntl.F_OFD_SETLK, struct.pack("hh4xqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 8192, 0)
+        )
+    finally:
+        os.close(probe)
+    os.unlink(path)
+    maps.sweep()
+    assert len(maps) == 0 and rec.calls[-1][0] == "unregister"
+
+
+# ---------------------------------------------------------------- no CUDA here
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="proves the error where there is no CUDA device")
+def test_asking_for_cuda_where_there_is_none_is_a_typed_error_with_one_line() -> None:
+    for device in ("cuda", "cuda:0", torch.device("cuda", 3)):
+        with pytest.raises(NoDevice) as caught:
+            resolve_device(device)
+        assert caught.value.code == "no_device" and "\n" not in str(caught.value)
+        assert "cuda" in str(caught.value)
+    assert resolve_device(None) == torch.device("cpu") and resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(skippyd.InvalidArgument):
+        resolve_device("not-a-device")
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="proves the error where there is no CUDA device")
+def test_restore_to_cuda_without_cuda_raises_no_device_and_the_entry_stays(daemon: DaemonProcess) -> None:
+    tensors = {"k": torch.arange(64, dtype=torch.float32)}
+    with daemon.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[1, 2], tensors=tensors, durable=False)
+        with pytest.raises(NoDevice, match="cuda:0"):
+            client.restore(model=MODEL, state=STATE, tokens=[1, 2], device="cuda:0")
+        restored = client.restore(model=MODEL, state=STATE, tokens=[1, 2])
+        assert restored is not None and torch.equal(restored.tensors["k"], tensors["k"])
+
+    async def run() -> None:
+        async with skippyd.AsyncClient(daemon.socket) as client:
+            with pytest.raises(NoDevice):
+                await client.restore(model=MODEL, state=STATE, tokens=[1, 2], device="cuda")
+
+    asyncio.run(run())
+
+
+def test_cpu_gets_puts_captures_and_restores_never_make_a_device_transfer(daemon: DaemonProcess) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, skippyd\n"
+        f"c = skippyd.Client({str(daemon.socket)!r})\n"
+        "b = c.blocks(model='m', state='s', block_tokens=16)\n"
+        "keys = b.keys(list(range(32)))\n"
+        "b.put(keys, [torch.ones(4096, dtype=torch.uint8)] * 2, durable=False)\n"
+        "out = [torch.empty(4096, dtype=torch.uint8) for _ in keys]\n"
+        "assert b.get_into(keys, out) == 2 and all(o.sum() == 4096 for o in out)\n"
+        "c.capture(model='m', state='s', tokens=[1], tensors={'k': torch.ones(3)}, durable=False)\n"
+        "assert c.restore(model='m', state='s', tokens=[1]) is not None\n"
+        "import skippyd.transfer.device as d\n"
+        "assert not d._transfer, 'the CPU path made a device transfer'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="proves the error where there is no CUDA device")
+def test_skt_restore_to_cuda_without_cuda_raises_no_device(
+    daemon: DaemonProcess,
+) -> None:
+    pytest.importorskip("transformers")
+    from hfmodels import build, prompt
+
+    import skippyd.integrations.transformers as skt
+
+    model = build("llama")
+    tokens = prompt(3 * BLOCK)
+    with daemon.client() as client, pytest.raises(NoDevice, match="cuda"):
+        skt.restore(client, model, tokens=tokens, device="cuda")

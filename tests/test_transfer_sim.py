@@ -1,0 +1,287 @@
+"""The device transfer's own logic on the CPU, against a real daemon: CUDA's streams and events are
+replaced by stand-ins that record what was asked, the "device" tensors are CPU tensors, and the batched
+copy is a stand-in that moves bytes by address with ``memmove`` (so the addresses the batch call would
+get are checked byte for byte). What this cannot check is CUDA itself: tests/test_cuda.py does that on a
+GPU. Both copy paths (one batch call, one ``copy_`` per run) run here."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from skippyd.keys import encode_tokens
+from skippyd.payload import TensorSpec
+from skippyd.tensors import device_views
+from skippyd.transfer import device as dev
+
+MODEL, STATE = "sim-model@sha256:0", "paged-kv-v1"
+BLOCK = 16
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.recorded_on: Any = None
+
+    def record(self, stream: Any) -> None:
+        self.recorded_on = stream
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class FakeStream:
+    def __init__(self, device: Any = None) -> None:
+        self.waited: list[Any] = []
+        self.cuda_stream = 0x5EED
+
+    def wait_stream(self, other: Any) -> None:
+        self.waited.append(("stream", other))
+
+    def wait_event(self, event: Any) -> None:
+        self.waited.append(("event", event))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def register(self, address: int, nbytes: int, flags: int) -> bool:
+        self.calls.append(("register", address, nbytes, flags))
+        return True
+
+    def unregister(self, address: int) -> None:
+        self.calls.append(("unregister", address))
+
+
+def _memmove_batch(dsts: Any, srcs: Any, sizes: Any, count: int, *rest: Any) -> int:
+    for i in range(count):
+        ctypes.memmove(dsts[i], srcs[i], sizes[i])
+    _memmove_batch.calls += 1  # type: ignore[attr-defined]
+    return 0
+
+
+@pytest.fixture(params=["batch", "per-run"])
+def sim(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    current = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda _device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda _stream: contextlib.nullcontext())
+    _memmove_batch.calls = 0  # type: ignore[attr-defined]
+    monkeypatch.setattr(dev, "_batch", [_memmove_batch if request.param == "batch" else None])
+    rec = Recorder()
+    transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister)
+    yield {"transfer": transfer, "rec": rec, "current": current, "mode": request.param}
+    transfer.close()
+
+
+def _random(nbytes: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _ident(tokens: list[int]) -> dict[str, Any]:
+    return {"model": MODEL, "state": STATE, "namespace": "", "tokens": encode_tokens(tokens)}
+
+
+def test_an_entry_goes_to_the_device_in_one_run_registered_once_and_the_caller_waits_on_its_event(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    transfer, rec, current = sim["transfer"], sim["rec"], sim["current"]
+    proc = make_daemon(budget="64MiB").start()
+    tensors = {"k": _random(3 << 20, 1).view(torch.float16), "v": _random(1 << 20, 2).view(torch.int32)}
+    with proc.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[1], tensors=tensors, durable=False)
+        for attempt in range(2):
+            reply, fds = client._call({"op": "restore", **_ident([1])})
+            try:
+                data = transfer.entry_to_device(
+                    fds[0], reply["generation"], reply["data_offset"], reply["data_len"], torch.device("cpu")
+                )
+            finally:
+                os.close(fds[0])
+            assert data is not None
+            specs = [TensorSpec.from_wire(t) for t in reply["tensors"]]
+            views = device_views(data, specs)
+            assert all(
+                torch.equal(views[n].view(torch.uint8), t.view(torch.uint8)) for n, t in tensors.items()
+            )
+            # the caller's stream waits on skippyd's event; skippyd's stream first waited for the caller's
+            assert current.waited and current.waited[-1][0] == "event"
+            assert [c[0] for c in rec.calls] == ["register"], f"attempt {attempt}: registered again"
+            assert rec.calls[0][3] == 8  # read-only
+        assert transfer.copies == 2  # one run per restore
+        transfer.drain()
+        assert transfer.in_flight == 0  # the duplicated leases were closed once the events passed
+
+
+def test_blocks_into_pages_of_one_tensor_merge_into_runs_and_a_new_generation_reregisters(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    transfer, rec = sim["transfer"], sim["rec"]
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    nbytes = 64 * 1024
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        keys = blocks.keys(list(range(8 * BLOCK)))
+        data = [_random(nbytes, 10 + i) for i in range(8)]
+        blocks.put(keys, data, durable=False)
+        pages = torch.zeros((8, nbytes), dtype=torch.uint8)
+        reply, fds = client._call(blocks._body("blocks_get", keys))
+        try:
+            placements = [tuple(p) for p in reply["blocks"]]
+            order = [3, 1, 0, 2, 7, 6, 5, 4]  # scattered pages: no two blocks merge
+            scattered = [pages[i] for i in order]
+            assert transfer.blocks_to_device(placements, fds, reply["generations"], scattered)
+            assert all(torch.equal(pages[order[i]], data[i]) for i in range(8))
+            runs_scattered = transfer.copies
+            pages.zero_()
+            assert transfer.blocks_to_device(placements, fds, reply["generations"], list(pages.unbind(0)))
+            assert all(torch.equal(pages[i], data[i]) for i in range(8))
+            runs_in_order = transfer.copies - runs_scattered
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert runs_scattered == 8 and runs_in_order == 1  # 64 KiB blocks fill 64 KiB slots: one run
+        registered = [c for c in rec.calls if c[0] == "register"]
+        assert len(registered) == 1 and registered[0][2] == 8 * nbytes  # the slots read, not the slab
+        # punch and refill: the same slab, another generation, so registered again
+        transfer.drain()  # (the copies' leases are closed once their events pass: here at once)
+        held = blocks.get(keys[:1])
+        client.evict(all=True)
+        other = blocks.keys(list(range(5000, 5000 + 4 * BLOCK)))
+        newer = [_random(nbytes, 50 + i) for i in range(4)]
+        blocks.put(other, newer, durable=False)
+        reply, fds = client._call(blocks._body("blocks_get", other))
+        try:
+            outs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in other]
+            assert transfer.blocks_to_device(
+                [tuple(p) for p in reply["blocks"]], fds, reply["generations"], outs
+            )
+            assert all(torch.equal(o, n) for o, n in zip(outs, newer, strict=True))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert transfer.book.stats.generation_changes == 1
+        assert [c[0] for c in rec.calls[len(registered) :]][:1] == ["unregister"]
+        del held
+    if sim["mode"] == "batch":
+        assert _memmove_batch.calls >= 3  # type: ignore[attr-defined]
+
+
+def test_device_to_host_copies_land_in_the_staging_region_at_their_offsets(sim: dict[str, Any]) -> None:
+    import mmap
+
+    transfer, rec = sim["transfer"], sim["rec"]
+    mapping = mmap.mmap(-1, 1 << 20)
+    region = memoryview(mapping)[: 1 << 20]
+    both = _random(104_096, 1)
+    first, second = both[:100_000], both[100_000:]  # one storage: adjacent on both sides
+    strided = _random(64 * 32, 3).view(64, 32).t()  # made contiguous first
+    transfer.to_host(region, [(0, first), (100_000, second), (200_000, strided)])
+    got = torch.frombuffer(region, dtype=torch.uint8)
+    assert torch.equal(got[:100_000], first) and torch.equal(got[100_000:104_096], second)
+    assert torch.equal(got[200_000 : 200_000 + 2048], strided.contiguous().reshape(-1))
+    assert transfer.copies == 2  # the first two merge into one run
+    assert all(c[3] == 0 for c in rec.calls if c[0] == "register")  # writable: no read-only flag
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    del got
+    transfer.forget_host(base)
+    assert rec.calls[-1][0] == "unregister" and transfer.book.stats.registered_bytes == 0
+    region.release()
+    mapping.close()
+
+
+def test_a_descriptor_served_once_is_left_to_the_host_path(sim: dict[str, Any]) -> None:
+    import tempfile
+
+    with tempfile.TemporaryFile() as handle:
+        handle.write(b"x" * 8192)
+        handle.flush()
+        outs = [torch.zeros(4096, dtype=torch.uint8)]
+        assert not sim["transfer"].blocks_to_device([(0, 0, 4096)], [handle.fileno()], [0], outs)
+        assert sim["transfer"].entry_to_device(handle.fileno(), 0, 0, 4096, torch.device("cpu")) is None
+    assert sim["rec"].calls == []
+
+
+def test_a_layered_get_issues_every_blocks_first_layer_before_any_second_and_gives_an_event_each(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    transfer, current = sim["transfer"], sim["current"]
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    nbytes, half = 64 * 1024, 40 * 1024
+    issued: list[int] = []
+    issue = transfer._issue
+
+    def recording(runs: Any, *args: Any) -> None:
+        issued.extend(r.dst_offset % nbytes for r in runs)
+        issue(runs, *args)
+
+    transfer._issue = recording
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        keys = blocks.keys(list(range(6 * BLOCK)))
+        data = [_random(nbytes, 70 + i) for i in range(6)]
+        blocks.put(keys, data, durable=False)
+        pages = torch.zeros((6, nbytes), dtype=torch.uint8)
+        with transfer.layered([(0, half), (half, nbytes)]) as copies:
+            for first in (0, 3):  # two replies, as a long get gets
+                reply, fds = client._call(blocks._body("blocks_get", keys[first : first + 3]))
+                try:
+                    outs = list(pages[first : first + 3].unbind(0))
+                    placements = [tuple(p) for p in reply["blocks"]]
+                    assert transfer.blocks_to_device(placements, fds, reply["generations"], outs)
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            assert transfer.copies == 0 and not pages.any()  # only collected so far
+        assert len(copies.events) == 2
+        assert all(torch.equal(pages[i], data[i]) for i in range(6))
+        assert issued == [0] * 6 + [half] * 6  # every block's first span, then every block's second
+        assert not [w for w in current.waited if w[0] == "event"]  # the caller waits per layer, not here
+        transfer.drain()
+        assert transfer.in_flight == 0
+
+
+def test_mappings_a_layered_get_still_needs_outlive_the_limit_and_go_once_it_is_issued(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    rec = Recorder()
+    transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister, maps=1)
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    nbytes = 2 << 20  # two slots a slab here: four blocks take two slabs
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        data = [_random(nbytes, 90 + i) for i in range(4)]
+        blocks.put(keys, data, durable=False)
+        pages = torch.zeros((4, nbytes), dtype=torch.uint8)
+        with transfer.layered([(0, nbytes // 2), (nbytes // 2, nbytes)]):
+            reply, fds = client._call(blocks._body("blocks_get", keys))
+            try:
+                assert len(fds) == 2
+                placements = [tuple(p) for p in reply["blocks"]]
+                assert transfer.blocks_to_device(placements, fds, reply["generations"], list(pages.unbind(0)))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            assert len(transfer.maps) == 2  # past the limit of 1: both are still needed
+        assert all(torch.equal(pages[i], data[i]) for i in range(4))
+        reply, fds = client._call(blocks._body("blocks_get", keys[:1]))
+        try:
+            outs = [torch.zeros(nbytes, dtype=torch.uint8)]
+            assert transfer.blocks_to_device([tuple(reply["blocks"][0])], fds, reply["generations"], outs)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert len(transfer.maps) == 1 and torch.equal(outs[0], data[0])
+        assert [c[0] for c in rec.calls].count("unregister") >= 1  # the dropped mapping's ranges
+    transfer.close()
