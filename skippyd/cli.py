@@ -635,12 +635,18 @@ def config_group() -> None:
     """The effective configuration."""
 
 
-_SIZES = ("l2_budget", "l3_budget", "l3_min_free", "max_entry", "staging_budget", "fill_budget", "max_frame")
+_SIZES = (
+    "l2_budget", "l2_reserve", "l2_digest_backlog", "l3_budget", "l3_min_free", "max_entry", "staging_budget",
+    "fill_budget", "max_frame",
+)  # fmt: skip
+_RATES = ("l2_reserve_rate",)
 
 
 def _shown(name: str, value: Any) -> str:
     if name in _SIZES and value:
         return f"{value} ({human_size(value)})"
+    if name in _RATES and value:
+        return f"{value} ({human_size(value)}/s)"
     if isinstance(value, tuple):
         return ",".join(str(v) for v in value) or "(none)"
     if value == "":

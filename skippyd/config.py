@@ -102,6 +102,14 @@ def parse_duration(value: Any) -> float:
     return float(match.group(1)) * _DURATIONS[match.group(2)]
 
 
+def _parse_rate(value: Any) -> int:
+    """Bytes per second from a size, optionally written with ``/s`` (``256MiB/s``)."""
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.lower().endswith("/s"):
+        text = text[:-2]
+    return parse_size(text)
+
+
 def _parse_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -212,7 +220,19 @@ class Config:
     l2_reserve: int = _option(
         parse_size,
         "256MiB",
-        "pre-faulted free L2 memory kept ahead of demand (at most a quarter of the budget)",
+        "cap on the free pre-faulted L2 memory kept ready for puts and captures (at most a quarter of the "
+        "budget; 0: no reserve thread)",
+    )
+    l2_reserve_window: float = _option(
+        parse_duration,
+        "10s",
+        "the reserve keeps ready what puts and captures took in this window (within l2_reserve) and gives "
+        "the rest back: it decays to nothing this long after demand stops",
+    )
+    l2_reserve_rate: int = _option(
+        _parse_rate,
+        "256MiB/s",
+        "bytes per second the reserve faults in at most (its CPU: ≈ 1 s of a core per GB; 0: unpaced)",
     )
     l2_digest_backlog: int = _option(
         parse_size,

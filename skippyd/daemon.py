@@ -128,6 +128,8 @@ def run(
             l3_queue=config.l3_queue,
             fill_budget=config.fill_budget,
             reserve_bytes=config.l2_reserve,
+            reserve_window=config.l2_reserve_window,
+            reserve_rate=config.l2_reserve_rate,
             digest_backlog=config.l2_digest_backlog,
             sync_timeout=config.sync_timeout,
             health=health,

@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .errors import SkippydError
 
-__all__ = ["Health", "ThreadHealth", "Wakeable"]
+__all__ = ["Health", "Pacer", "ThreadHealth", "Wakeable"]
 
 log = logging.getLogger("skippyd.workers")
 
@@ -124,7 +125,12 @@ class Health:
 class Wakeable:
     """A background thread that runs one job each time it is woken, or every ``interval`` seconds, each
     job guarded by :meth:`Health.guard` (the L2 reserve, the digester). Subclasses name the thread and
-    the job."""
+    the job.
+
+    A job returns when it wants to run again at the latest: a number of seconds (``0.0``: at once; what
+    a job that stopped for a put's quiet window returns is the window's remaining time, never a fixed
+    poll), or None to wait for the next :meth:`wake` or ``interval``. A wake-up that comes while a job
+    runs is kept: the next wait returns at once."""
 
     thread_name = ""
     failure = ""  # what the log says when a job fails
@@ -136,7 +142,7 @@ class Wakeable:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def job(self) -> object:
+    def job(self) -> float | None:
         raise NotImplementedError
 
     def start_thread(self) -> None:
@@ -150,16 +156,37 @@ class Wakeable:
         return self._stop.is_set()
 
     def _run(self) -> None:
+        again: float | None = None
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
-            self._wake.clear()
+            self._wake.wait(self.interval if again is None else again)
+            self._wake.clear()  # (before the job: a wake-up during it makes the next wait return at once)
             if self._stop.is_set():
                 break
+            again = None
             with self.health.guard(self.thread_name, self.failure):
-                self.job()
+                again = self.job()
 
     def stop_thread(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+class Pacer:
+    """Paces background work to ``rate`` bytes per second on average (0: unpaced): a unit of work of
+    ``n`` bytes that began at ``t`` lets the next one begin at ``t + n / rate`` at the earliest (or at
+    once if the work itself took longer). Not thread-safe: one thread's work."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = max(0, int(rate))
+        self._next = 0.0
+
+    def delay(self) -> float:
+        """Seconds until the next unit of work may begin (0.0: now)."""
+        return max(0.0, self._next - time.monotonic()) if self.rate else 0.0
+
+    def spent(self, nbytes: int, began: float) -> None:
+        """``nbytes`` of work began at ``began`` (``time.monotonic()``)."""
+        if self.rate:
+            self._next = max(self._next, began) + nbytes / self.rate

@@ -1,0 +1,158 @@
+"""The reserve is a quiet neighbour: it keeps ready what the last seconds of puts and captures took, never
+more than its cap, gives the rest back once demand stops, and faults pages in no faster than its rate.
+
+In-process, over a real tmpfs tier and real puts (:class:`BlockRules`); the reserve's jobs are run here
+one by one (what its thread does on each wake-up), so every step can be checked."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+from l2util import admit_bytes, size_of
+
+from skippyd.blocks import BlockRules
+from skippyd.keys import block_space
+from skippyd.l2 import L2Tier
+from skippyd.l2.blocks import Prefault
+from skippyd.l2.reserve import Reserve
+from skippyd.workers import Health
+
+MODEL, STATE = "reserve-model@sha256:1", "paged-kv-v1"
+SLOT = 64 << 10  # the blocks here are 64 KiB: one slot each
+KB = 1024
+
+
+def put(rules: BlockRules, keys: list[bytes], *, model: str = MODEL) -> None:
+    space = block_space(model, STATE, "", 16)
+    raw = bytes(len(keys) * SLOT)
+    offsets = [i * SLOT for i in range(len(keys))]
+    assert rules.put(space, keys, [SLOT] * len(keys), offsets, memoryview(raw), durable=False).stored == len(
+        keys
+    )
+
+
+def ready(tier: L2Tier) -> int:
+    """Free pre-faulted memory the tier keeps: free block slots and free entry files."""
+    stats = tier.stats()
+    return stats.block_free_slots * SLOT + stats.free_bytes
+
+
+def settle(reserve: Reserve, *, limit: int | None = None, jobs: int = 500) -> None:
+    """Runs the reserve's jobs as its thread would (waiting out what each asks) until one has nothing
+    left to do; with ``limit``, checks after every job that the memory kept ready stays within it."""
+    for _ in range(jobs):
+        again = reserve.job()
+        if limit is not None:
+            assert ready(reserve.tier) <= limit
+        if again is None:
+            return
+        time.sleep(again)
+    raise AssertionError("the reserve never settled")
+
+
+def test_the_reserve_keeps_ready_what_the_last_puts_took_and_never_more_than_its_cap(shm_dir: Path) -> None:
+    cap = 16 * SLOT
+    with L2Tier.open(shm_dir, 256 * SLOT) as tier:
+        rules = BlockRules(tier)
+        reserve = Reserve(tier, cap, Health())
+        put(rules, [b"a%d" % i for i in range(4)])
+        settle(reserve, limit=cap)
+        assert tier.stats().block_free_slots == 4, "four slots taken lately: four kept ready"
+        put(rules, [b"b%d" % i for i in range(4)])  # (took the four ready ones: demand is 8 now)
+        assert tier.stats().block_fresh_slots == 4
+        settle(reserve, limit=cap)
+        assert tier.stats().block_free_slots == 8
+        put(rules, [b"c%d" % i for i in range(40)])  # demand far beyond the cap: the cap holds
+        settle(reserve, limit=cap)
+        assert ready(tier) == cap
+        put(rules, [b"d%d" % i for i in range(8)], model="another-model")  # a second group shares the cap
+        settle(reserve, limit=cap)
+        assert ready(tier) <= cap and tier.stats().block_free_slots >= 14
+        # removals free 56 more slots: what is beyond the cap is given back
+        removed = sum(
+            rules.evict_identity(block_space(m, STATE, "", 16).identity.digest)
+            for m in (MODEL, "another-model")
+        )
+        assert removed == 56 and ready(tier) > cap
+        settle(reserve, limit=None)
+        assert ready(tier) <= cap
+        assert tier.stats().reserve_given_back >= 56 * SLOT - cap
+
+
+def test_the_reserve_decays_to_nothing_a_window_after_demand_stops(shm_dir: Path) -> None:
+    cap = 64 * SLOT
+    with L2Tier.open(shm_dir, 256 * SLOT) as tier:
+        rules = BlockRules(tier)
+        reserve = Reserve(tier, cap, Health(), window=0.5)
+        admit_bytes(tier, "entry", 60 * KB)  # an entry size class in demand too
+        put(rules, [b"a%d" % i for i in range(8)])
+        settle(reserve, limit=cap)
+        kept = ready(tier)
+        assert tier.stats().block_free_slots == 8 and tier.stats().free_files == 1
+        assert kept == 8 * SLOT + size_of(60 * KB)
+        time.sleep(0.8)  # no put, no capture for longer than the window
+        settle(reserve)
+        stats = tier.stats()
+        assert (stats.block_free_slots, stats.free_files, ready(tier)) == (0, 0, 0)
+        assert stats.reserve_given_back == kept
+        assert stats.block_count == 8 and stats.entries == 1, "only free memory is given back"
+
+
+def test_the_reserve_faults_no_faster_than_its_rate(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fill of 32 slots (2 MiB) at 8 MiB/s takes at least 31 slots' worth of time (≈ 242 ms), the
+    faults themselves spread evenly; unpaced, the same fill takes a few milliseconds."""
+    began: list[float] = []
+    real_fault = Prefault.fault
+
+    def timed_fault(self: Prefault) -> None:
+        began.append(time.monotonic())
+        real_fault(self)
+
+    monkeypatch.setattr(Prefault, "fault", timed_fault)
+    rate = 8 << 20
+    with L2Tier.open(shm_dir, 256 * SLOT) as tier:
+        rules = BlockRules(tier)
+        put(rules, [b"a%d" % i for i in range(32)])
+        time.sleep(0.01)
+        settle(Reserve(tier, 64 * SLOT, Health(), rate=rate))
+        assert len(began) == 32
+        spent = began[-1] - began[0]
+        assert spent >= 31 * SLOT / rate * 0.98, (
+            f"32 slots faulted in {spent * 1e3:.1f} ms: faster than the rate"
+        )
+        gaps = [b - a for a, b in itertools.pairwise(began)]
+        assert min(gaps) >= SLOT / rate * 0.9, "one burst then a pause is not a rate"
+        # the same fill unpaced, for scale
+        began.clear()
+        put(rules, [b"b%d" % i for i in range(32)])
+        time.sleep(0.01)
+        settle(Reserve(tier, 64 * SLOT, Health(), rate=0))
+        assert began and began[-1] - began[0] < spent / 2
+
+
+def test_the_reserve_waits_out_a_puts_quiet_window_exactly_not_a_poll(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right after a put ends the reserve finds the quiet window still open: its job asks to run again
+    exactly when the window closes, not after its interval (the window is 2 ms; 200 ms here, so that
+    a busy machine cannot close it before the job looks)."""
+    monkeypatch.setattr("skippyd.l2.blocks._QUIET_S", 0.2)
+    with L2Tier.open(shm_dir, 256 * SLOT) as tier:
+        rules = BlockRules(tier)
+        reserve = Reserve(tier, 64 * SLOT, Health())
+        put(rules, [b"a"])
+        again = reserve.job()
+        assert again is not None and 0 < again <= 0.2
+        assert tier.stats().block_free_slots == 0, "nothing faulted inside the window"
+        time.sleep(again)
+        assert reserve.job() is None and tier.stats().block_free_slots == 1
+        with tier.lock:
+            tier.blocks.fill_begun()  # a put fills slots: wait for its end, which wakes the thread
+        assert reserve.job() is None
+        with tier.lock:
+            tier.blocks.fill_ended()
+        again = reserve.job()
+        assert again is not None and 0.15 < again <= 0.2  # (the window after this put's end)
