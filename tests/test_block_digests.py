@@ -227,18 +227,17 @@ def test_the_digester_never_hashes_while_a_put_fills_slots_beyond_the_block_in_h
     """Puts that begin while the digester works on a backlog find it gone after the block it was hashing
     (it looks before each block): at most one of its blocks per put begins while a put fills slots (a
     16 MiB step hashed whole would put dozens of blocks under each)."""
-    import skippyd.l2.blocks as l2_blocks
     from skippyd.l2.digests import THREAD
+    from skippyd.l2.slabs import block_digest as real
 
     during: list[bool] = []  # one per block the digester hashes: whether a put was filling as it began
-    real = l2_blocks.block_digest
 
     def watched(data: memoryview | bytes) -> bytes:
         if threading.current_thread().name == THREAD:
             during.append(l2.blocks.filling)
         return real(data)
 
-    monkeypatch.setattr(l2_blocks, "block_digest", watched)
+    monkeypatch.setattr("skippyd.l2.blocks.block_digest", watched)  # (what DigestJob.hash calls)
     puts = 20
     with L2Tier.open(shm_dir, 512 << 20) as l2:
         digester = Digester(l2, 256 << 20, Health())
