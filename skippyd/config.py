@@ -110,6 +110,18 @@ def _parse_rate(value: Any) -> int:
     return parse_size(text)
 
 
+def _parse_share(value: Any) -> float:
+    """A fraction from 0 to 1 (``0.25``, or ``25%``)."""
+    text = str(value).strip()
+    try:
+        share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a share (try 0.25 or 25%)") from None
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"{value!r} is not a share from 0 to 1")
+    return share
+
+
 def _parse_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -232,7 +244,13 @@ class Config:
     l2_reserve_rate: int = _option(
         _parse_rate,
         "256MiB/s",
-        "bytes per second the reserve faults in at most (its CPU: ≈ 1 s of a core per GB; 0: unpaced)",
+        "bytes per second the reserve faults in at most (faulting costs ≈ 1 s of a core per GB; 0: no cap)",
+    )
+    l2_reserve_share: float = _option(
+        _parse_share,
+        "0.25",
+        "share of the time the reserve may spend faulting (it rests 3× what each fault took at 0.25, so it "
+        "backs off when a loaded machine makes faults slow; 0: no cap)",
     )
     l2_digest_backlog: int = _option(
         parse_size,

@@ -130,6 +130,7 @@ def run(
             reserve_bytes=config.l2_reserve,
             reserve_window=config.l2_reserve_window,
             reserve_rate=config.l2_reserve_rate,
+            reserve_share=config.l2_reserve_share,
             digest_backlog=config.l2_digest_backlog,
             sync_timeout=config.sync_timeout,
             health=health,

@@ -174,19 +174,27 @@ class Wakeable:
 
 
 class Pacer:
-    """Paces background work to ``rate`` bytes per second on average (0: unpaced): a unit of work of
-    ``n`` bytes that began at ``t`` lets the next one begin at ``t + n / rate`` at the earliest (or at
-    once if the work itself took longer). Not thread-safe: one thread's work."""
+    """Paces background work two ways (0 turns either off): ``rate`` bytes per second, and a ``share`` of
+    the wall clock (a unit of work that took ``d`` seconds is followed by ``d * (1 - share) / share``
+    seconds of rest, so on a loaded machine, where the same work takes longer, the work backs off). A
+    token bucket that holds ``burst`` seconds of work: over any span of ``t`` seconds, work that began in
+    it adds up to at most ``rate * (t + burst)`` bytes (plus the unit that began last). The burst only
+    makes up for a thread the scheduler woke late; it never lets work run ahead for longer. Not
+    thread-safe: one thread's work."""
 
-    def __init__(self, rate: int) -> None:
+    def __init__(self, rate: int, *, share: float = 0.0, burst: float = 0.02) -> None:
         self.rate = max(0, int(rate))
-        self._next = 0.0
+        self.share = min(1.0, max(0.0, share))
+        self.burst = burst
+        self._next = 0.0  # when the bucket is empty enough for the next unit
 
     def delay(self) -> float:
         """Seconds until the next unit of work may begin (0.0: now)."""
-        return max(0.0, self._next - time.monotonic()) if self.rate else 0.0
+        return max(0.0, self._next - self.burst - time.monotonic())
 
     def spent(self, nbytes: int, began: float) -> None:
-        """``nbytes`` of work began at ``began`` (``time.monotonic()``)."""
-        if self.rate:
-            self._next = max(self._next, began) + nbytes / self.rate
+        """``nbytes`` of work began at ``began`` (``time.monotonic()``) and ended now."""
+        cost = nbytes / self.rate if self.rate else 0.0
+        if 0.0 < self.share < 1.0:
+            cost = max(cost, (time.monotonic() - began) / self.share)
+        self._next = max(self._next, began) + cost

@@ -8,11 +8,12 @@ within the last ``window`` seconds (a group a restart expects reads into, see ``
 cap allows, for a minute), all of them together at most ``limit`` bytes (the cap: targets are scaled
 down to fit it). It faults only while the L2 budget has room without evicting anything and no put or L3
 read is filling slots (it wakes as the last one ends, waits out the quiet window after it, and yields as
-the next one begins: it faults one slot or file at a time), and at most ``rate`` bytes a second (its CPU:
-faulting is kernel time, ≈ 1 s of a core per GB here). Free memory beyond the targets, whatever freed it
-(a removal, an eviction's leftovers, demand that stopped), is given back a slot or a file at a time, so
-the reserve decays to nothing within ``window`` seconds of the last put. That memory is also the first
-given back when anything else needs room.
+the next one begins: it faults one slot or file at a time), at most ``rate`` bytes a second and for at
+most a ``share`` of the time (its CPU: faulting is kernel time, ≈ 1 s of a core per GB on an idle
+machine, several times that on a loaded one, where the share makes it back off). Free memory beyond the
+targets, whatever freed it (a removal, an eviction's leftovers, demand that stopped), is given back a
+slot or a file at a time, so the reserve decays to nothing within ``window`` seconds of the last put.
+That memory is also the first given back when anything else needs room.
 """
 
 from __future__ import annotations
@@ -41,13 +42,14 @@ class Reserve(Wakeable):
         *,
         window: float = 10.0,
         rate: int = 0,
+        share: float = 0.0,
         interval: float = 0.05,
     ) -> None:
         super().__init__(health, interval=interval)
         self.tier = tier
         self.limit = limit  # the cap on free pre-faulted memory kept ready
         self.window = window  # seconds of recent demand kept ready
-        self.pacer = Pacer(rate)  # bytes per second faulted in at most (0: unpaced)
+        self.pacer = Pacer(rate, share=share)  # bytes a second, and share of the time, it faults at most
 
     def start(self) -> None:
         if self.limit > 0:
