@@ -368,9 +368,9 @@ for line in sys.stdin:
     end = time.perf_counter() + float(line)
     took = []
     while time.perf_counter() < end:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         np.copyto(dst, src)
-        took.append(time.perf_counter() - start)
+        took.append((time.perf_counter() - start, time.thread_time() - cpu))
     print(json.dumps(took), flush=True)
 """
 
@@ -381,8 +381,10 @@ NEIGHBOUR_TITLE = (
     "took), against the second before the put; one daemon per setting, taken in turn, 7 rounds (target: "
     "throughput ≥ 0.9× undisturbed; vs idle is the median of the pairs' ratios, the machine being shared "
     "and its load drifting; vs nothing divides that by the same ratio with no background work at all, "
-    "the control); refilled is what the reserve faulted in within the second after a put, daemon CPU its "
-    "user and system time in that second:\n\n"
+    "the control; per CPU second is the same ratio of bytes per second of the neighbour's own CPU time, "
+    "which leaves out the time the scheduler gave others; p90 copy is the slowest tenth of the copies after "
+    "a put ÷ before one); refilled is what the reserve faulted in within the second after a put, daemon "
+    "CPU its user and system time in that second:\n\n"
 )
 NEIGHBOUR_CASES = (  # what a daemon does in the background after a put
     ("nothing (no reserve; puts hash their blocks)", ("--l2-reserve", "0", "--l2-digest-backlog", "0")),
@@ -396,8 +398,8 @@ NEIGHBOUR_CASES = (  # what a daemon does in the background after a put
     ("the digester and the reserve (defaults)", ()),
 )
 NEIGHBOUR_HEADERS = [
-    "neighbour's memcpy", "throughput", "vs idle", "vs nothing", "p90 copy", "vs idle", "refilled / put",
-    "daemon CPU",
+    "neighbour's memcpy", "throughput", "vs idle", "vs nothing", "per CPU second", "p90 copy",
+    "refilled / put", "daemon CPU",
 ]  # fmt: skip
 
 
@@ -416,14 +418,15 @@ def neighbour_rows(workdir: Path, *, trials: int = 7, window: float = 1.0) -> li
         [sys.executable, "-c", _NEIGHBOUR], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
 
-    def copies() -> list[float]:
+    def copies() -> list[tuple[float, float]]:
+        """Each copy's wall and CPU seconds, for ``window`` seconds."""
         assert neighbour.stdin is not None and neighbour.stdout is not None
         neighbour.stdin.write(f"{window}\n")
         neighbour.stdin.flush()
-        return [float(t) for t in json.loads(neighbour.stdout.readline())]
+        return [(float(w), float(c)) for w, c in json.loads(neighbour.stdout.readline())]
 
-    def gbps(took: list[float]) -> float:
-        return len(took) * 16 * MiB / sum(took) / 1e9
+    def gbps(took: list[tuple[float, float]], *, cpu: bool = False) -> float:
+        return len(took) * 16 * MiB / sum(t[cpu] for t in took) / 1e9
 
     def cpu_s(daemon: BenchDaemon) -> float:
         """The daemon's CPU time so far, user and system (its faults are system time)."""
@@ -433,9 +436,10 @@ def neighbour_rows(workdir: Path, *, trials: int = 7, window: float = 1.0) -> li
 
     daemons: list[BenchDaemon] = []
     cpu = [0.0] * len(NEIGHBOUR_CASES)
-    idle: list[float] = []
-    busy: list[list[float]] = [[] for _ in NEIGHBOUR_CASES]
+    idle: list[tuple[float, float]] = []
+    busy: list[list[tuple[float, float]]] = [[] for _ in NEIGHBOUR_CASES]
     ratios: list[list[float]] = [[] for _ in NEIGHBOUR_CASES]
+    cpu_ratios: list[list[float]] = [[] for _ in NEIGHBOUR_CASES]
     refilled = [0] * len(NEIGHBOUR_CASES)
     try:
         for n, (_, args) in enumerate(NEIGHBOUR_CASES):
@@ -453,6 +457,7 @@ def neighbour_rows(workdir: Path, *, trials: int = 7, window: float = 1.0) -> li
                 cpu[n] += cpu_s(daemons[n]) - used
                 refilled[n] += client.stats()["l2"]["block_prefaulted"] - before
                 ratios[n].append(gbps(after_put) / gbps(before_put))
+                cpu_ratios[n].append(gbps(after_put, cpu=True) / gbps(before_put, cpu=True))
                 idle += before_put
                 busy[n] += after_put
         for client in clients:
@@ -462,17 +467,17 @@ def neighbour_rows(workdir: Path, *, trials: int = 7, window: float = 1.0) -> li
         neighbour.wait()
         for daemon in daemons:
             daemon.cleanup()
-    slow_idle = percentile(idle, 90)
-    rows = [["the daemons idle (every second before a put)", f"{gbps(idle):.2f} GB/s", "1.00×",
-             "-", fmt_time(slow_idle), "1.00×", "-", "-"]]  # fmt: skip
+    slow_idle = percentile([wall for wall, _ in idle], 90)
+    rows = [["the daemons idle (every second before a put)", f"{gbps(idle):.2f} GB/s", "1.00×", "-", "1.00×",
+             "1.00×", "-", "-"]]  # fmt: skip
     control = median(ratios[0])  # the put alone, nothing in the background: what the order of a pair does
     for n, (label, _) in enumerate(NEIGHBOUR_CASES):
-        slow = percentile(busy[n], 90)
+        slow = percentile([wall for wall, _ in busy[n]], 90)
         rows.append([
             f"after a put: {label}", f"{gbps(busy[n]):.2f} GB/s", f"{median(ratios[n]):.2f}×",
-            f"{median(ratios[n]) / control:.2f}×", fmt_time(slow),
-            f"{slow / slow_idle:.2f}×", f"{refilled[n] * nbytes / trials / MiB:.0f} MiB",
-            f"{cpu[n] / trials / window:.2f} core",
+            f"{median(ratios[n]) / control:.2f}×", f"{median(cpu_ratios[n]):.2f}×",
+            f"{slow / slow_idle:.2f}×",
+            f"{refilled[n] * nbytes / trials / MiB:.0f} MiB", f"{cpu[n] / trials / window:.2f} core",
         ])  # fmt: skip
     return rows
 
