@@ -492,11 +492,17 @@ def main() -> None:
     parser.add_argument("--token-bytes", type=int, default=8192, help="KV bytes per token (all layers)")
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--neighbour-only", action="store_true", help="run only the neighbour's part")
+    parser.add_argument("--neighbour-rounds", type=int, default=7, help="put/measure rounds per setting")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="skbb-", dir="/tmp"))
+    neighbour_title = NEIGHBOUR_TITLE.replace("7 rounds", f"{args.neighbour_rounds} rounds")
     if args.neighbour_only:
         try:
-            print(NEIGHBOUR_TITLE + table(NEIGHBOUR_HEADERS, neighbour_rows(workdir)))
+            rows = neighbour_rows(workdir, trials=args.neighbour_rounds)
+            print(
+                NEIGHBOUR_TITLE.replace("7 rounds", f"{args.neighbour_rounds} rounds")
+                + table(NEIGHBOUR_HEADERS, rows)
+            )
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         return
@@ -507,7 +513,7 @@ def main() -> None:
         chat = Chat(args.conversations, args.turns, args.new_tokens, args.token_bytes)
         chat_table, _ = chat_rows(workdir, chat)
         l3 = l3_rows(workdir)
-        neighbour = neighbour_rows(workdir)
+        neighbour = neighbour_rows(workdir, trials=args.neighbour_rounds)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     text = "\n\n".join([
@@ -530,7 +536,7 @@ def main() -> None:
         + table(["operation", "median", "vs memcpy"], reserve),
         "L3 (target ≥ 0.6× a plain read; vs plain read is the median over 7 adjacent pairs, in alternating "
         "order):\n\n" + table(["operation", "median", "vs plain read"], l3),
-        NEIGHBOUR_TITLE + table(NEIGHBOUR_HEADERS, neighbour),
+        neighbour_title + table(NEIGHBOUR_HEADERS, neighbour),
     ])  # fmt: skip
     print(text)
     if args.write_docs:
