@@ -5,8 +5,11 @@ byte (≈ 2× the cost of the copy here) would otherwise sit on the put's reques
 adoption after a restart and the L3 copy check, never what a get serves, so the put leaves it to this
 thread while the blocks it has still to hash stay under ``backlog`` bytes (past that a put hashes its
 own blocks, as before: the backlog is bounded, and a put never waits behind it). The thread hashes the
-oldest first, a step at a time, each step's slots leased so that no put can reuse them meanwhile; it
-waits while a put or an L3 read fills slots (as the reserve does) and wakes as the last one ends. The
+oldest first, a step at a time, each step's slots leased so that no put can reuse them meanwhile. It
+never starts while a put or an L3 read fills slots (as the reserve does): it is woken as the last one
+ends, and runs as the quiet window after it closes (2 ms; it waits for exactly that, never a poll), so a
+put's blocks are hashed within a few milliseconds of its answer; a put that begins meanwhile finds it
+gone after the block in hand (it looks before each block). The
 durable writer hashes any block it writes before the digester got to it (and takes it from the digester
 while it does, so no block is hashed twice); :meth:`Digester.close` hashes
 what is left, so a clean stop leaves every record with its digest.
