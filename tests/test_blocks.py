@@ -380,7 +380,7 @@ def test_the_reserve_faults_slots_in_ahead_of_demand_and_gives_them_back_first(m
 def test_the_reserve_gives_its_memory_back_a_window_after_puts_stop(make_daemon: Any) -> None:
     from daemonutil import eventually
 
-    proc = make_daemon("--l2-reserve", "2MiB", "--l2-reserve-window", "1s", budget="16MiB").start()
+    proc = make_daemon("--l2-reserve", "2MiB", "--l2-reserve-window", "2s", budget="16MiB").start()
     with proc.client() as client:
         space(client).put([f"k{i}".encode() for i in range(8)], block_data(8, seed=17), durable=False)
         assert eventually(lambda: client.stats()["l2"]["block_free_slots"] >= 8, timeout=10)

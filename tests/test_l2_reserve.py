@@ -57,7 +57,7 @@ def test_the_reserve_keeps_ready_what_the_last_puts_took_and_never_more_than_its
     cap = 16 * SLOT
     with L2Tier.open(shm_dir, 256 * SLOT) as tier:
         rules = BlockRules(tier)
-        reserve = Reserve(tier, cap, Health())
+        reserve = Reserve(tier, cap, Health(), window=60.0)  # (no demand ages out during the test)
         put(rules, [b"a%d" % i for i in range(4)])
         settle(reserve, limit=cap)
         assert tier.stats().block_free_slots == 4, "four slots taken lately: four kept ready"
@@ -86,14 +86,14 @@ def test_the_reserve_decays_to_nothing_a_window_after_demand_stops(shm_dir: Path
     cap = 64 * SLOT
     with L2Tier.open(shm_dir, 256 * SLOT) as tier:
         rules = BlockRules(tier)
-        reserve = Reserve(tier, cap, Health(), window=0.5)
+        reserve = Reserve(tier, cap, Health(), window=1.0)
         admit_bytes(tier, "entry", 60 * KB)  # an entry size class in demand too
         put(rules, [b"a%d" % i for i in range(8)])
         settle(reserve, limit=cap)
         kept = ready(tier)
         assert tier.stats().block_free_slots == 8 and tier.stats().free_files == 1
         assert kept == 8 * SLOT + size_of(60 * KB)
-        time.sleep(0.8)  # no put, no capture for longer than the window
+        time.sleep(1.3)  # no put, no capture for longer than the window
         settle(reserve)
         stats = tier.stats()
         assert (stats.block_free_slots, stats.free_files, ready(tier)) == (0, 0, 0)
