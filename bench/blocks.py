@@ -10,15 +10,22 @@
    turn beside a memcpy of the turn's new bytes, a restore of the whole prefix into the engine's paged
    buffer beside a memcpy of those bytes, and hit rates under a budget of one fifth of the working set;
 4. L3: ``get_into`` after a restart with the tmpfs wiped and the page cache dropped, beside a plain
-   read of the same bytes from a file on the same disk (cache dropped too).
+   read of the same bytes from a file on the same disk (cache dropped too);
+5. a quiet neighbour: another process copying memory (16 MiB at a time) while the daemon does its
+   background work after a put of 128 MiB (the digester hashing it, the reserve refilling what it took),
+   beside the same neighbour while the daemon is idle, with the reserve unpaced and paced
+   (``--neighbour-only`` runs just this part).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -350,6 +357,131 @@ def l3_rows(workdir: Path) -> list[list[str]]:
     ]  # fmt: skip
 
 
+_NEIGHBOUR = r"""
+import json, sys, time
+import numpy as np
+src = np.random.default_rng(5).integers(0, 255, 16 << 20, dtype=np.uint8)
+dst = np.ones_like(src)
+for _ in range(4):
+    np.copyto(dst, src)
+for line in sys.stdin:
+    end = time.perf_counter() + float(line)
+    took = []
+    while time.perf_counter() < end:
+        start, cpu = time.perf_counter(), time.thread_time()
+        np.copyto(dst, src)
+        took.append((time.perf_counter() - start, time.thread_time() - cpu))
+    print(json.dumps(took), flush=True)
+"""
+
+
+NEIGHBOUR_TITLE = (
+    "A quiet neighbour: another process copying 16 MiB at a time for 1 s right after a put of 64 MiB to a "
+    "daemon returns (its background work: the digester hashing the put, the reserve refilling what it "
+    "took), against the second before the put; one daemon per setting, taken in turn, 7 rounds (target: "
+    "throughput ≥ 0.9× undisturbed; vs idle is the median of the pairs' ratios, the machine being shared "
+    "and its load drifting; vs nothing divides that by the same ratio with no background work at all, "
+    "the control; per CPU second is the same ratio of bytes per second of the neighbour's own CPU time, "
+    "which leaves out the time the scheduler gave others; p90 copy is the slowest tenth of the copies after "
+    "a put ÷ before one); refilled is what the reserve faulted in within the second after a put, daemon "
+    "CPU its user and system time in that second:\n\n"
+)
+NEIGHBOUR_CASES = (  # what a daemon does in the background after a put
+    ("nothing (no reserve; puts hash their blocks)", ("--l2-reserve", "0", "--l2-digest-backlog", "0")),
+    ("the digester only", ("--l2-reserve", "0")),
+    (
+        "the reserve only, unpaced",
+        ("--l2-reserve-rate", "0", "--l2-reserve-share", "0", "--l2-digest-backlog", "0"),
+    ),
+    ("the reserve only, paced (defaults)", ("--l2-digest-backlog", "0")),
+    ("the reserve only, share 0.1", ("--l2-reserve-share", "0.1", "--l2-digest-backlog", "0")),
+    ("the digester and the reserve (defaults)", ()),
+)
+NEIGHBOUR_HEADERS = [
+    "neighbour's memcpy", "throughput", "vs idle", "vs nothing", "per CPU second", "p90 copy",
+    "refilled / put", "daemon CPU",
+]  # fmt: skip
+
+
+def neighbour_rows(workdir: Path, *, trials: int = 7, window: float = 1.0) -> list[list[str]]:
+    """A neighbour process copying 16 MiB at a time, for ``window`` seconds at once: while a daemon is
+    idle (its background work settled), and right after a put of 64 MiB to it returns (its background
+    work: the digester hashes the put, the reserve refills the slots it took). One daemon per setting,
+    all started at once and taken in turn in every trial, so the machine's drifting load falls on every
+    setting alike. Throughput (vs idle: the median of the ratio of each pair, the second after the put to
+    the second before it), and the slowest tenth of the copies (what a neighbour's request sees)."""
+    import skippyd
+
+    count, nbytes = 256, 256 * 1024
+    data = _blocks(count, nbytes, seed=9)
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", _NEIGHBOUR], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+    def copies() -> list[tuple[float, float]]:
+        """Each copy's wall and CPU seconds, for ``window`` seconds."""
+        assert neighbour.stdin is not None and neighbour.stdout is not None
+        neighbour.stdin.write(f"{window}\n")
+        neighbour.stdin.flush()
+        return [(float(w), float(c)) for w, c in json.loads(neighbour.stdout.readline())]
+
+    def gbps(took: list[tuple[float, float]], *, cpu: bool = False) -> float:
+        return len(took) * 16 * MiB / sum(t[cpu] for t in took) / 1e9
+
+    def cpu_s(daemon: BenchDaemon) -> float:
+        """The daemon's CPU time so far, user and system (its faults are system time)."""
+        assert daemon.proc is not None
+        fields = Path(f"/proc/{daemon.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    daemons: list[BenchDaemon] = []
+    cpu = [0.0] * len(NEIGHBOUR_CASES)
+    idle: list[tuple[float, float]] = []
+    busy: list[list[tuple[float, float]]] = [[] for _ in NEIGHBOUR_CASES]
+    ratios: list[list[float]] = [[] for _ in NEIGHBOUR_CASES]
+    cpu_ratios: list[list[float]] = [[] for _ in NEIGHBOUR_CASES]
+    refilled = [0] * len(NEIGHBOUR_CASES)
+    try:
+        for n, (_, args) in enumerate(NEIGHBOUR_CASES):
+            daemons.append(BenchDaemon(workdir / f"neighbour-{n}", *args, budget="1GiB").start())
+        clients = [skippyd.Client(daemon.socket, timeout=120) for daemon in daemons]
+        spaces = [client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK_TOKENS) for client in clients]
+        for trial in range(trials):
+            for n, (client, space) in enumerate(zip(clients, spaces, strict=True)):
+                time.sleep(1.0)  # the last put's background work done
+                before_put = copies()
+                before = client.stats()["l2"]["block_prefaulted"]
+                space.put([b"n%d-%d" % (trial, i) for i in range(count)], data, durable=False)
+                used = cpu_s(daemons[n])
+                after_put = copies()
+                cpu[n] += cpu_s(daemons[n]) - used
+                refilled[n] += client.stats()["l2"]["block_prefaulted"] - before
+                ratios[n].append(gbps(after_put) / gbps(before_put))
+                cpu_ratios[n].append(gbps(after_put, cpu=True) / gbps(before_put, cpu=True))
+                idle += before_put
+                busy[n] += after_put
+        for client in clients:
+            client.close()
+    finally:
+        neighbour.kill()
+        neighbour.wait()
+        for daemon in daemons:
+            daemon.cleanup()
+    slow_idle = percentile([wall for wall, _ in idle], 90)
+    rows = [["the daemons idle (every second before a put)", f"{gbps(idle):.2f} GB/s", "1.00×", "-", "1.00×",
+             "1.00×", "-", "-"]]  # fmt: skip
+    control = median(ratios[0])  # the put alone, nothing in the background: what the order of a pair does
+    for n, (label, _) in enumerate(NEIGHBOUR_CASES):
+        slow = percentile([wall for wall, _ in busy[n]], 90)
+        rows.append([
+            f"after a put: {label}", f"{gbps(busy[n]):.2f} GB/s", f"{median(ratios[n]):.2f}×",
+            f"{median(ratios[n]) / control:.2f}×", f"{median(cpu_ratios[n]):.2f}×",
+            f"{slow / slow_idle:.2f}×",
+            f"{refilled[n] * nbytes / trials / MiB:.0f} MiB", f"{cpu[n] / trials / window:.2f} core",
+        ])  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -359,8 +491,21 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--token-bytes", type=int, default=8192, help="KV bytes per token (all layers)")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--neighbour-only", action="store_true", help="run only the neighbour's part")
+    parser.add_argument("--neighbour-rounds", type=int, default=7, help="put/measure rounds per setting")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="skbb-", dir="/tmp"))
+    neighbour_title = NEIGHBOUR_TITLE.replace("7 rounds", f"{args.neighbour_rounds} rounds")
+    if args.neighbour_only:
+        try:
+            rows = neighbour_rows(workdir, trials=args.neighbour_rounds)
+            print(
+                NEIGHBOUR_TITLE.replace("7 rounds", f"{args.neighbour_rounds} rounds")
+                + table(NEIGHBOUR_HEADERS, rows)
+            )
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     try:
         bulk = bulk_rows(workdir)
         small = small_rows(workdir)
@@ -368,6 +513,7 @@ def main() -> None:
         chat = Chat(args.conversations, args.turns, args.new_tokens, args.token_bytes)
         chat_table, _ = chat_rows(workdir, chat)
         l3 = l3_rows(workdir)
+        neighbour = neighbour_rows(workdir, trials=args.neighbour_rounds)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     text = "\n\n".join([
@@ -390,6 +536,7 @@ def main() -> None:
         + table(["operation", "median", "vs memcpy"], reserve),
         "L3 (target ≥ 0.6× a plain read; vs plain read is the median over 7 adjacent pairs, in alternating "
         "order):\n\n" + table(["operation", "median", "vs plain read"], l3),
+        neighbour_title + table(NEIGHBOUR_HEADERS, neighbour),
     ])  # fmt: skip
     print(text)
     if args.write_docs:

@@ -746,11 +746,14 @@ def config_group() -> None:
 
 
 _SIZES = frozenset(name for name, spec in FIELDS.items() if spec.parse is parse_size)
+_RATES = ("l2_reserve_rate",)
 
 
 def _shown(name: str, value: Any) -> str:
     if name in _SIZES and value:  # every size the same way: bytes, then in units
         return f"{value} ({human_size(value)})"
+    if name in _RATES and value:
+        return f"{value} ({human_size(value)}/s)"
     if isinstance(value, tuple):
         return ",".join(str(v) for v in value) or "(none)"
     if value == "":

@@ -102,6 +102,26 @@ def parse_duration(value: Any) -> float:
     return float(match.group(1)) * _DURATIONS[match.group(2)]
 
 
+def _parse_rate(value: Any) -> int:
+    """Bytes per second from a size, optionally written with ``/s`` (``256MiB/s``)."""
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.lower().endswith("/s"):
+        text = text[:-2]
+    return parse_size(text)
+
+
+def _parse_share(value: Any) -> float:
+    """A fraction from 0 to 1 (``0.25``, or ``25%``)."""
+    text = str(value).strip()
+    try:
+        share = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a share (try 0.25 or 25%)") from None
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"{value!r} is not a share from 0 to 1")
+    return share
+
+
 def _parse_bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -212,7 +232,25 @@ class Config:
     l2_reserve: int = _option(
         parse_size,
         "256MiB",
-        "pre-faulted free L2 memory kept ahead of demand (at most a quarter of the budget)",
+        "cap on the free pre-faulted L2 memory kept ready for puts and captures (at most a quarter of the "
+        "budget; 0: no reserve thread)",
+    )
+    l2_reserve_window: float = _option(
+        parse_duration,
+        "10s",
+        "the reserve keeps ready what puts and captures took in this window (within l2_reserve) and gives "
+        "the rest back: it decays to nothing this long after demand stops",
+    )
+    l2_reserve_rate: int = _option(
+        _parse_rate,
+        "256MiB/s",
+        "bytes per second the reserve faults in at most (faulting costs ≈ 1 s of a core per GB; 0: no cap)",
+    )
+    l2_reserve_share: float = _option(
+        _parse_share,
+        "0.25",
+        "share of the time the reserve may spend faulting (it rests 3× what each fault took at 0.25, so it "
+        "backs off when a loaded machine makes faults slow; 0: no cap)",
     )
     l2_digest_backlog: int = _option(
         parse_size,

@@ -76,6 +76,8 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("reader_held_drops", "reader_held_drops", "L2: evicted entries still read by a client", True),
         ("prefaulted_files", "reserve_prefaulted_files", "L2: entry files the reserve faulted in",
          True),
+        ("reserve_given_back", "reserve_given_back_bytes",
+         "L2: bytes of free files and slots the reserve gave back once demand fell", True),
         ("fresh_files", "fresh_files", "L2: entry files a capture had to fault in on its request path", True),
         ("block_count", "blocks", "L2: blocks held", False),
         ("block_bytes", "block_bytes", "L2: tmpfs bytes held by blocks (their slots)", False),

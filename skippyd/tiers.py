@@ -184,6 +184,9 @@ class Tiers:
         sync_timeout: float = 20.0,
         health: Health | None = None,
         reserve_bytes: int = 0,
+        reserve_window: float = 10.0,
+        reserve_rate: int = 0,
+        reserve_share: float = 0.0,
         digest_backlog: int = 0,
     ) -> None:
         self.l2 = l2
@@ -211,7 +214,10 @@ class Tiers:
             self.block_writer = BlockWriter(l2, l3, self.health, queue_size=l3_queue * 64)
             self.block_writer.recover()
             self.block_writer.start()
-        self.reserve = Reserve(l2, min(reserve_bytes, l2.budget_bytes // 4), self.health)
+        cap = min(reserve_bytes, l2.budget_bytes // 4)
+        self.reserve = Reserve(
+            l2, cap, self.health, window=reserve_window, rate=reserve_rate, share=reserve_share
+        )
         if l3 is not None and self.reserve.limit > 0:
             # After a restart the reserve has no demand to go by; the block groups L3 holds most of are
             # what reads will bring back into L2 first: stock those, so the first reads land on

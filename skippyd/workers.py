@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .errors import SkippydError
 
-__all__ = ["Health", "ThreadHealth", "Wakeable"]
+__all__ = ["Health", "Pacer", "ThreadHealth", "Wakeable"]
 
 log = logging.getLogger("skippyd.workers")
 
@@ -124,7 +125,12 @@ class Health:
 class Wakeable:
     """A background thread that runs one job each time it is woken, or every ``interval`` seconds, each
     job guarded by :meth:`Health.guard` (the L2 reserve, the digester). Subclasses name the thread and
-    the job."""
+    the job.
+
+    A job returns when it wants to run again at the latest: a number of seconds (``0.0``: at once; what
+    a job that stopped for a put's quiet window returns is the window's remaining time, never a fixed
+    poll), or None to wait for the next :meth:`wake` or ``interval``. A wake-up that comes while a job
+    runs is kept: the next wait returns at once."""
 
     thread_name = ""
     failure = ""  # what the log says when a job fails
@@ -136,7 +142,7 @@ class Wakeable:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def job(self) -> object:
+    def job(self) -> float | None:
         raise NotImplementedError
 
     def start_thread(self) -> None:
@@ -150,16 +156,45 @@ class Wakeable:
         return self._stop.is_set()
 
     def _run(self) -> None:
+        again: float | None = None
         while not self._stop.is_set():
-            self._wake.wait(self.interval)
-            self._wake.clear()
+            self._wake.wait(self.interval if again is None else again)
+            self._wake.clear()  # (before the job: a wake-up during it makes the next wait return at once)
             if self._stop.is_set():
                 break
+            again = None
             with self.health.guard(self.thread_name, self.failure):
-                self.job()
+                again = self.job()
 
     def stop_thread(self, timeout: float = 5.0) -> None:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+class Pacer:
+    """Paces background work two ways (0 turns either off): ``rate`` bytes per second, and a ``share`` of
+    the wall clock (a unit of work that took ``d`` seconds is followed by ``d * (1 - share) / share``
+    seconds of rest, so on a loaded machine, where the same work takes longer, the work backs off). A
+    token bucket that holds ``burst`` seconds of work: over any span of ``t`` seconds, work that began in
+    it adds up to at most ``rate * (t + burst)`` bytes (plus the unit that began last). The burst only
+    makes up for a thread the scheduler woke late; it never lets work run ahead for longer. Not
+    thread-safe: one thread's work."""
+
+    def __init__(self, rate: int, *, share: float = 0.0, burst: float = 0.02) -> None:
+        self.rate = max(0, int(rate))
+        self.share = min(1.0, max(0.0, share))
+        self.burst = burst
+        self._next = 0.0  # when the bucket is empty enough for the next unit
+
+    def delay(self) -> float:
+        """Seconds until the next unit of work may begin (0.0: now)."""
+        return max(0.0, self._next - self.burst - time.monotonic())
+
+    def spent(self, nbytes: int, began: float) -> None:
+        """``nbytes`` of work began at ``began`` (``time.monotonic()``) and ended now."""
+        cost = nbytes / self.rate if self.rate else 0.0
+        if 0.0 < self.share < 1.0:
+            cost = max(cost, (time.monotonic() - began) / self.share)
+        self._next = max(self._next, began) + cost

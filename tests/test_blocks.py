@@ -365,8 +365,9 @@ def test_the_reserve_faults_slots_in_ahead_of_demand_and_gives_them_back_first(m
     proc = make_daemon("--l2-reserve", "2MiB", budget="16MiB").start()
     with proc.client() as client:
         blocks = space(client)
-        blocks.put([b"first"], block_data(1, seed=15), durable=False)
-        eventually(lambda: client.stats()["l2"]["block_free_slots"] >= 8, timeout=10)
+        blocks.put([f"first{i}".encode() for i in range(8)], block_data(8, seed=15), durable=False)
+        # what the last seconds of puts took is kept ready for the next ones
+        assert eventually(lambda: client.stats()["l2"]["block_free_slots"] >= 8, timeout=10)
         fresh = client.stats()["l2"]["block_fresh_slots"]
         blocks.put([f"k{i}".encode() for i in range(8)], block_data(8, seed=16), durable=False)
         assert client.stats()["l2"]["block_fresh_slots"] == fresh  # every slot came from the reserve
@@ -374,6 +375,18 @@ def test_the_reserve_faults_slots_in_ahead_of_demand_and_gives_them_back_first(m
         tensor = torch.zeros(15 << 20 >> 2, dtype=torch.float32)
         client.capture(model=MODEL, state=STATE, tokens=[1, 2, 3], tensors={"kv": tensor}, durable=False)
         assert client.lookup(model=MODEL, state=STATE, tokens=[1, 2, 3]) is not None
+
+
+def test_the_reserve_gives_its_memory_back_a_window_after_puts_stop(make_daemon: Any) -> None:
+    from daemonutil import eventually
+
+    proc = make_daemon("--l2-reserve", "2MiB", "--l2-reserve-window", "2s", budget="16MiB").start()
+    with proc.client() as client:
+        space(client).put([f"k{i}".encode() for i in range(8)], block_data(8, seed=17), durable=False)
+        assert eventually(lambda: client.stats()["l2"]["block_free_slots"] >= 8, timeout=10)
+        assert eventually(lambda: client.stats()["l2"]["block_free_slots"] == 0, timeout=10)
+        stats = client.stats()["l2"]
+        assert stats["reserve_given_back"] >= 8 * BLOCK_BYTES and stats["block_count"] == 8
 
 
 def test_the_reserve_keeps_a_pre_faulted_file_for_the_next_capture_of_a_size_it_saw(make_daemon: Any) -> None:

@@ -63,6 +63,9 @@ def test_the_config_file_can_come_from_the_environment(tmp_path: Path) -> None:
         ({"log_format": "xml"}, {}, "", "log_format"),
         ({"socket": "/tmp/" + "x" * 120}, {}, "", "socket"),
         ({"heartbeat": "10s", "node_ttl": "5s"}, {}, "", "node_ttl"),
+        ({}, {"SKIPPYD_L2_RESERVE_SHARE": "1.5"}, "", "l2_reserve_share (from env SKIPPYD_L2_RESERVE_SHARE)"),
+        ({"l2_reserve_share": "lots"}, {}, "", "l2_reserve_share (from flag)"),
+        ({"l2_reserve_rate": "fast/s"}, {}, "", "l2_reserve_rate (from flag)"),
     ],
 )
 def test_bad_values_fail_naming_the_key_and_where_it_came_from(
@@ -75,6 +78,20 @@ def test_bad_values_fail_naming_the_key_and_where_it_came_from(
     with pytest.raises(ConfigError) as info:
         load_config(flags, env=env, config_file=path)
     assert needle in str(info.value)
+
+
+def test_the_reserves_pacing_takes_a_rate_per_second_and_a_share_as_a_fraction_or_percent() -> None:
+    defaults = load_config({}, env={}).config
+    assert (defaults.l2_reserve_rate, defaults.l2_reserve_share, defaults.l2_reserve_window) == (
+        256 << 20,
+        0.25,
+        10.0,
+    )
+    flags = {"l2_reserve_rate": "64MiB/s", "l2_reserve_share": "10%", "l2_reserve_window": "2s"}
+    config = load_config(flags, env={}).config
+    assert (config.l2_reserve_rate, config.l2_reserve_share, config.l2_reserve_window) == (64 << 20, 0.1, 2.0)
+    config = load_config({}, env={"SKIPPYD_L2_RESERVE_RATE": "0", "SKIPPYD_L2_RESERVE_SHARE": "0"}).config
+    assert (config.l2_reserve_rate, config.l2_reserve_share) == (0, 0.0)
 
 
 def test_derived_paths_follow_the_node_and_state_dir() -> None:

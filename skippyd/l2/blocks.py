@@ -41,9 +41,13 @@ from skippyd.errors import NoSpace, TooLarge
 from skippyd.files import private_dirs, remove
 from skippyd.protocol import MAX_BLOCK_BYTES
 
+from .demand import Demand
 from .slabs import SLAB_SUFFIX, BadSlab, Slab, SlotRecord, block_digest, slot_class, slots_for
 
-__all__ = ["BlockPlacement", "DigestJob", "L2BlockStats", "L2Blocks", "Lease", "Pending", "SpaceSummary"]
+__all__ = [
+    "BlockPlacement", "DigestJob", "GroupDemand", "L2BlockStats", "L2Blocks", "Lease", "Pending",
+    "SpaceSummary",
+]  # fmt: skip
 
 log = logging.getLogger("skippyd.l2")
 
@@ -108,7 +112,19 @@ class _Group:
     homes: list[_SlabState] = field(default_factory=list)
     free: deque[tuple[_SlabState, int]] = field(default_factory=deque)
     holes: list[tuple[_SlabState, int]] = field(default_factory=list)
-    used_at: float = 0.0  # when a put last took a slot of it (the reserve keeps active groups stocked)
+    demand: Demand = field(default_factory=Demand)  # slot bytes puts and L3 reads took lately (the reserve)
+    expected_at: float = -1e9  # when a restart expected reads into it (:meth:`L2Blocks.expect`)
+
+
+@dataclass(slots=True)
+class GroupDemand:
+    """One block group as the reserve weighs it (:meth:`L2Blocks.demands`)."""
+
+    key: tuple[bytes, int]  # (space, slot size)
+    unit: int  # slot size
+    recent: int  # slot bytes taken within the reserve's window
+    expected: bool  # a restart expects reads into it
+    free: int  # bytes of its free, pre-faulted slots
 
 
 @dataclass(slots=True)
@@ -150,9 +166,15 @@ class DigestJob:
     items: list[tuple[bytes, Slab, int, memoryview]] = field(default_factory=list)
     fds: list[int] = field(default_factory=list)
 
-    def hash(self) -> list[bytes]:
-        """Every item's digest (no lock needed: the leases keep the bytes as they are)."""
-        return [block_digest(view) for _, _, _, view in self.items]
+    def hash(self, stop: Callable[[], bool] | None = None) -> list[bytes]:
+        """The leading items' digests (no lock needed: the leases keep the bytes as they are): every
+        item's, or those hashed before ``stop`` said so (asked before each block)."""
+        digests: list[bytes] = []
+        for _, _, _, view in self.items:
+            if stop is not None and stop():
+                break
+            digests.append(block_digest(view))
+        return digests
 
     def close(self) -> None:
         for _, _, _, view in self.items:
@@ -285,7 +307,21 @@ class L2Blocks:
     def busy(self) -> bool:
         """A put or an L3 read is filling slots, or one ended less than a moment ago: background work
         (the reserve, the digester) waits rather than slow it down."""
-        return bool(self._filling) or time.monotonic() - self._demand_at < _QUIET_S
+        return self.quiet_in() != 0.0
+
+    def quiet_in(self) -> float | None:
+        """When background work may run: None while a put or an L3 read fills slots (the last one's end
+        wakes the :attr:`idle_hooks`), else the seconds left of the quiet window after the last one ended
+        (0.0: now)."""
+        if self._filling:
+            return None
+        return max(0.0, self._demand_at + _QUIET_S - time.monotonic())
+
+    @property
+    def filling(self) -> bool:
+        """Whether a put or an L3 read fills slots now (read without the lock by a hasher between blocks:
+        a hint, never a decision about the blocks themselves)."""
+        return self._filling > 0
 
     def reserve(self, record: SlotRecord) -> Pending:
         """A slot for a new block (may evict the least recently used entries and blocks first)."""
@@ -293,7 +329,8 @@ class L2Blocks:
             raise TooLarge(f"a block of {record.nbytes} bytes is larger than L2 takes ({self.max_block})")
         size = slot_class(max(record.nbytes, 1))
         group = self._group(record.space, size)
-        group.used_at = self._demand_at = time.monotonic()
+        self._demand_at = now = time.monotonic()
+        group.demand.add(size, now)
         taken = self._take_free(group)
         # A full tier: evict (the older of the oldest entry and the oldest block) until a free slot of this
         # group turns up or there is room, giving back other groups' free slots first; this group's own
@@ -328,34 +365,51 @@ class L2Blocks:
     def expect(self, space: bytes, nbytes: int) -> None:
         """Marks the group of blocks of ``nbytes`` in ``space`` as in demand, so the reserve stocks free
         slots for it (a restart expects the blocks L3 holds to be read back into L2)."""
-        self._group(space, slot_class(max(nbytes, 1))).used_at = time.monotonic()
+        self._group(space, slot_class(max(nbytes, 1))).expected_at = time.monotonic()
 
-    def prefault_take(self, limit: int, *, active_s: float = 60.0) -> Prefault | None:
-        """The next slot the reserve should fault in: one of the active group that has the fewest free
-        slots, while the reserve (free slots of active groups) is under ``limit`` and the budget has room
-        without evicting anything; None when there is nothing to do. The slot is charged and set aside
-        (neither free nor a hole) until :meth:`prefault_done`; the caller faults it in without the lock."""
-        if self.busy():  # faulting pages now would slow them down
-            return None
-        now = time.monotonic()
-        active = [g for g in self._groups.values() if now - g.used_at < active_s]
-        if not active:
-            return None
-        share = limit // len(active)
-        for group in sorted(active, key=lambda g: len(g.free) * g.slot_size):
-            size = group.slot_size
-            if len(group.free) * size + size > share:
-                continue
-            header = (
-                0 if group.holes else -(-(4096 + slots_for(size, self._slab_target) * 256) // 4096) * 4096
+    def demands(self, now: float, window: float, *, active_s: float) -> list[GroupDemand]:
+        """Every block group's recent demand (slot bytes puts and L3 reads took within ``window``), whether
+        a restart expected it within ``active_s``, and the bytes of its free slots (what the reserve
+        weighs)."""
+        return [
+            GroupDemand(
+                key, group.slot_size, group.demand.recent(now, window), now - group.expected_at < active_s,
+                len(group.free) * group.slot_size,
             )
-            if self._room() < size + header:
-                return None
-            home, index = self._hole(group, group.space, size)
-            home.state[index] = _FAULTING
-            self.charged += size
-            return Prefault(home, index)
-        return None
+            for key, group in self._groups.items()
+        ]  # fmt: skip
+
+    def prefault_take(self, key: tuple[bytes, int]) -> Prefault | None:
+        """A slot of the group ``key`` (space, slot size) for the reserve to fault in, while no put or L3
+        read is filling slots and the budget has room for it without evicting anything; None otherwise.
+        The slot is charged and set aside (neither free nor a hole) until :meth:`prefault_done`; the
+        caller faults it in without the lock."""
+        group = self._groups.get(key)
+        if group is None or self.busy():  # faulting pages now would slow them down
+            return None
+        size = group.slot_size
+        header = 0 if group.holes else -(-(4096 + slots_for(size, self._slab_target) * 256) // 4096) * 4096
+        if self._room() < size + header:
+            return None
+        home, index = self._hole(group, group.space, size)
+        home.state[index] = _FAULTING
+        self.charged += size
+        return Prefault(home, index)
+
+    def punch_free_slot(self, key: tuple[bytes, int]) -> int:
+        """Gives back one free slot of the group ``key`` that nobody reads (and its slab, once it holds
+        nothing); the bytes given back (0: none could go)."""
+        group = self._groups.get(key)
+        if group is None:
+            return 0
+        for _ in range(len(group.free)):
+            home, index = group.free.popleft()
+            if home.slab.has_readers(index):
+                group.free.append((home, index))
+                continue
+            self._punch(group, home, index)
+            return group.slot_size
+        return 0
 
     def prefault_done(self, taken: Prefault, *, faulted: bool) -> int:
         """A slot from :meth:`prefault_take` joins the free slots (``faulted``), or goes back to being a
@@ -377,7 +431,10 @@ class L2Blocks:
         not earned a place in L2 yet borrows it)."""
         size = slot_class(max(record.nbytes, 1))
         group = self._groups.get((record.space, size))
-        taken = self._take_free(group) if group is not None else None
+        if group is None:
+            return None
+        group.demand.add(size, time.monotonic())
+        taken = self._take_free(group)
         if taken is None:
             return None
         home, index = taken

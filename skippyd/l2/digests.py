@@ -5,8 +5,11 @@ byte (≈ 2× the cost of the copy here) would otherwise sit on the put's reques
 adoption after a restart and the L3 copy check, never what a get serves, so the put leaves it to this
 thread while the blocks it has still to hash stay under ``backlog`` bytes (past that a put hashes its
 own blocks, as before: the backlog is bounded, and a put never waits behind it). The thread hashes the
-oldest first, a step at a time, each step's slots leased so that no put can reuse them meanwhile; it
-waits while a put or an L3 read fills slots (as the reserve does) and wakes as the last one ends. The
+oldest first, a step at a time, each step's slots leased so that no put can reuse them meanwhile. It
+never starts while a put or an L3 read fills slots (as the reserve does): it is woken as the last one
+ends, and runs as the quiet window after it closes (2 ms; it waits for exactly that, never a poll), so a
+put's blocks are hashed within a few milliseconds of its answer; a put that begins meanwhile finds it
+gone after the block in hand (it looks before each block). The
 durable writer hashes any block it writes before the digester got to it (and takes it from the digester
 while it does, so no block is hashed twice); :meth:`Digester.close` hashes
 what is left, so a clean stop leaves every record with its digest.
@@ -32,6 +35,7 @@ class Digester(Wakeable):
         super().__init__(health, interval=interval)
         self.tier = tier
         self.backlog = backlog  # unhashed bytes a put may leave behind it; 0: every put hashes its blocks
+        self._again: float | None = None  # when the last drain wants to run again (None: when woken)
 
     def may_defer(self, nbytes: int) -> bool:
         """Whether a put of ``nbytes`` new bytes may commit them unhashed (call under the tier's lock)."""
@@ -44,35 +48,46 @@ class Digester(Wakeable):
 
     def drain(self, *, wait_idle: bool = True) -> int:
         """Hashes unhashed blocks, oldest first, until none is left (or, with ``wait_idle``, until a put
-        or an L3 read begins); returns how many."""
+        or an L3 read begins: checked before each block, so one that begins meanwhile finds the thread
+        gone within one block's hashing); returns how many."""
         done = 0
         blocks = self.tier.blocks
+        stop = (lambda: blocks.filling) if wait_idle else None
+        self._again = None
         while not (wait_idle and self.stopping):
             with self.tier.lock:
-                if wait_idle and blocks.busy():
-                    break
+                if wait_idle:
+                    quiet = blocks.quiet_in()
+                    if quiet != 0.0:  # a put fills slots (its end wakes us) or ended a moment ago
+                        self._again = quiet
+                        break
                 job = blocks.digest_take(_STEP_BYTES)
             if job is None:
                 break
-            recorded = False
+            hashed: list[bytes] = []
             try:
-                digests = job.hash()
+                hashed = job.hash(stop)
                 with self.tier.lock:
                     blocks.record_digests(
                         (key, slab, index, digest)
-                        for (key, slab, index, _), digest in zip(job.items, digests, strict=True)
+                        for (key, slab, index, _), digest in zip(job.items, hashed, strict=False)
                     )
-                recorded = True
-                done += len(digests)
+                    # (what a put's start left unhashed goes back to the next step)
+                    blocks.hashing_ended(key for key, _, _, _ in job.items[len(hashed) :])
+                done += len(hashed)
+            except BaseException:  # a failed step leaves its blocks to the next one
+                with self.tier.lock:
+                    blocks.hashing_ended(key for key, _, _, _ in job.items)
+                raise
             finally:
-                if not recorded:  # (a failed step leaves its blocks to the next one)
-                    with self.tier.lock:
-                        blocks.hashing_ended(key for key, _, _, _ in job.items)
                 job.close()
         return done
 
-    def job(self) -> object:
-        return self.drain()
+    def job(self) -> float | None:
+        """One wake-up: hash until nothing is left or a put begins; then wait for the put's end (its
+        wake-up), or, if one ended a moment ago, for exactly the rest of its quiet window."""
+        self.drain()
+        return self._again
 
     def close(self) -> None:
         """Stops the thread and hashes what is left (a clean stop leaves no record without its digest)."""

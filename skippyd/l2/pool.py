@@ -149,6 +149,27 @@ class FilePool:
         self.unlink(file)
         return True
 
+    def free_of(self, size: int) -> int:
+        """Bytes of the free files of size class ``size``."""
+        return len(self._free.get(size, ())) * size
+
+    def free_sizes(self) -> list[int]:
+        """The size classes that have free files."""
+        return list(self._free)
+
+    def drop_free(self, size: int) -> int:
+        """Gives back the memory of one free file of size class ``size`` (the reserve's decay); the bytes
+        given back (0: there was none)."""
+        files = self._free.get(size)
+        if not files:
+            return 0
+        file = files.pop(0)  # (the longest free)
+        if not files:
+            del self._free[size]
+        self.free_bytes -= size
+        self.unlink(file)
+        return size
+
     def drop_all(self) -> None:
         while self.drop_one():
             pass

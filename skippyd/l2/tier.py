@@ -43,7 +43,8 @@ from skippyd.payload import (
 from skippyd.shm import copy_bytes, has_readers, open_reader, size_class, zero
 
 from . import adopt as adoption
-from .blocks import L2Blocks, L2BlockStats
+from .blocks import L2Blocks, L2BlockStats, Prefault
+from .demand import Demand
 from .pool import File, FilePool
 
 __all__ = ["Held", "L2Stats", "L2Tier", "Listed", "Reservation", "copy_into"]
@@ -80,6 +81,17 @@ class L2Stats(L2BlockStats):
     # The one reading of L2 usage that status, top, stats, metrics and doctor all print:
     used_bytes: int = 0  # what cached data takes: the entries' files and the held blocks' slots
     reserve_bytes: int = 0  # pre-faulted memory holding no data: free entry files and free block slots
+    reserve_given_back: int = 0  # bytes of free files and slots the reserve gave back (its decay)
+
+
+@dataclass(slots=True)
+class Ready:
+    """One kind of free memory the reserve keeps ready (:meth:`L2Tier._ready_plan`)."""
+
+    group: tuple[bytes, int] | None  # a block group (space, slot size); None: entry files of ``unit`` bytes
+    unit: int  # one slot's or one file's bytes
+    target: int  # bytes to keep ready
+    free: int  # bytes ready now
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +234,7 @@ class L2Tier:
         self._stats = L2Stats(budget_bytes=self.budget_bytes)
         self._tick = 0
         self._dirty: set[str] = set()
-        self._entry_demand: dict[int, float] = {}  # size class -> when a capture last had to fault one in
+        self._entry_demand: dict[int, Demand] = {}  # size class -> file bytes new entries took lately
         self._closed = False
         self._entries_dir = self.directory / "entries"
         # Files at least this large keep their mapping between uses (re-mapping costs a page-table
@@ -395,6 +407,8 @@ class L2Tier:
             if old is not None:
                 self._detach(old)
                 self._pool.recycle(old.file, room=self._room())
+            if old is None or old.file.size != size:  # (a same-size replacement reuses its own file)
+                self._entry_demand.setdefault(size, Demand()).add(size, time.monotonic())
             reuse = self._pool.take(size)
             if reuse is None:
                 if not evict and self._room() + self._pool.free_bytes < size:  # free files alone won't do
@@ -411,8 +425,6 @@ class L2Tier:
             raise
 
     def _fresh(self, size: int) -> File:
-        with self._lock:
-            self._entry_demand[size] = time.monotonic()  # the reserve keeps a file of this class ready
         try:
             file = self._pool.fresh(size)
         except NoSpace:
@@ -654,14 +666,53 @@ class L2Tier:
         self._dirty.discard(slot.entry.key)
         self._bytes -= slot.file.size
 
-    def prefault_step(self, limit: int, *, active_s: float = 60.0) -> int:
-        """One step of the reserve: a free block slot, or a free entry file of a size class a capture had
-        to fault in within ``active_s``, faulted in ahead of demand, within ``limit`` bytes of reserve and
-        the budget's free room (never by evicting); returns the bytes it added."""
+    def _ready_plan(self, limit: int, window: float, active_s: float) -> list[Ready]:
+        """What the reserve keeps ready (lock held): for each block group and entry size class, its free
+        pre-faulted bytes and its target, the bytes puts (and L3 reads) or new entries took of it within
+        ``window`` seconds (all of ``limit`` for a block group a restart expected within ``active_s``),
+        scaled down together so that the targets add up to ``limit`` at most. Free memory of a class
+        nothing took lately has a target of 0."""
+        now = time.monotonic()
+        plan: list[Ready] = []
+        for group in self.blocks.demands(now, window, active_s=active_s):
+            if group.recent or group.expected or group.free:
+                want = limit if group.expected else group.recent
+                plan.append(Ready(group.key, group.unit, want, group.free))
+        for size in set(self._entry_demand) | set(self._pool.free_sizes()):
+            demand = self._entry_demand.get(size)
+            recent = demand.recent(now, window) if demand is not None else 0
+            if not recent and demand is not None:
+                del self._entry_demand[size]
+            plan.append(Ready(None, size, recent, self._pool.free_of(size)))
+        wanted = sum(item.target for item in plan)
+        for item in plan:
+            target = item.target if wanted <= limit else item.target * limit // wanted
+            item.target = target // item.unit * item.unit
+        return plan
+
+    def prefault_step(self, limit: int, *, window: float = 10.0, active_s: float = 60.0) -> int:
+        """One step of the reserve: a free block slot or a free entry file, of the kind whose free memory
+        is furthest below its target (:meth:`_ready_plan`), faulted in ahead of demand within the budget's
+        free room (never by evicting) and while no put or L3 read fills slots; returns the bytes it added
+        (0: nothing to do now)."""
         with self._lock:
-            if self._closed:
+            if self._closed or self.blocks.busy():
                 return 0
-            slot = self.blocks.prefault_take(limit // 2 if self._entry_demand else limit)
+            plan = self._ready_plan(limit, window, active_s)
+            short = [item for item in plan if item.free + item.unit <= item.target]
+            if not short:
+                return 0
+            item = max(short, key=lambda i: i.target - i.free)
+            size = item.unit
+            slot: Prefault | None = None
+            if item.group is not None:
+                slot = self.blocks.prefault_take(item.group)
+                if slot is None:
+                    return 0
+            elif self._room() >= size:
+                self._reserved += size  # held while the file is faulted in outside the lock
+            else:
+                return 0
         if slot is not None:  # faulted in without the lock: lookups, gets and puts go on meanwhile
             faulted = False
             try:
@@ -673,19 +724,6 @@ class L2Tier:
                 with self._lock:
                     added = self.blocks.prefault_done(slot, faulted=faulted)
             return added
-        with self._lock:
-            now = time.monotonic()
-            for size, when in list(self._entry_demand.items()):
-                if now - when >= active_s:
-                    del self._entry_demand[size]
-            wanted = [
-                size for size in sorted(self._entry_demand)
-                if not self._pool.has_free(size) and size <= limit // 2 and self._room() >= size
-            ]  # fmt: skip
-            if not wanted:
-                return 0
-            size = wanted[0]
-            self._reserved += size  # held while the file is faulted in outside the lock
         try:
             file = self._pool.fresh(size)
             file.prefault()
@@ -698,6 +736,24 @@ class L2Tier:
             self._pool.recycle(file, room=self._room())
             self._stats.prefaulted_files += 1  # (not fresh_files: no capture waited for this one)
             return size
+
+    def give_back_step(self, limit: int, *, window: float = 10.0, active_s: float = 60.0) -> int:
+        """The reserve's decay: one free block slot or free entry file of the kind whose free memory is
+        furthest above its target (:meth:`_ready_plan`) given back to the system; returns the bytes (0:
+        nothing is above its target)."""
+        with self._lock:
+            if self._closed:
+                return 0
+            over = [item for item in self._ready_plan(limit, window, active_s) if item.free > item.target]
+            for item in sorted(over, key=lambda i: i.target - i.free):
+                if item.group is None:
+                    given = self._pool.drop_free(item.unit)
+                else:
+                    given = self.blocks.punch_free_slot(item.group)
+                if given:
+                    self._stats.reserve_given_back += given
+                    return given
+            return 0
 
     def _oldest_is_block(self) -> bool:
         """Whether the least recently used thing the tier holds is a block (else an entry, or nothing)."""

@@ -1,0 +1,186 @@
+"""The reserve is a quiet neighbour: it keeps ready what the last seconds of puts and captures took, never
+more than its cap, gives the rest back once demand stops, and faults pages in no faster than its rate.
+
+In-process, over a real tmpfs tier and real puts (:class:`BlockRules`); the reserve's jobs are run here
+one by one (what its thread does on each wake-up), so every step can be checked."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+import pytest
+from l2util import admit_bytes, size_of
+
+from skippyd.blocks import BlockRules
+from skippyd.keys import block_space
+from skippyd.l2 import L2Tier
+from skippyd.l2.blocks import Prefault
+from skippyd.l2.reserve import Reserve
+from skippyd.workers import Health
+
+MODEL, STATE = "reserve-model@sha256:1", "paged-kv-v1"
+SLOT = 64 << 10  # the blocks here are 64 KiB: one slot each
+KB = 1024
+
+
+def put(rules: BlockRules, keys: list[bytes], *, model: str = MODEL) -> None:
+    space = block_space(model, STATE, "", 16)
+    raw = bytes(len(keys) * SLOT)
+    offsets = [i * SLOT for i in range(len(keys))]
+    assert rules.put(space, keys, [SLOT] * len(keys), offsets, memoryview(raw), durable=False).stored == len(
+        keys
+    )
+
+
+def ready(tier: L2Tier) -> int:
+    """Free pre-faulted memory the tier keeps: free block slots and free entry files."""
+    stats = tier.stats()
+    return stats.block_free_slots * SLOT + stats.free_bytes
+
+
+def settle(reserve: Reserve, *, limit: int | None = None, jobs: int = 500) -> None:
+    """Runs the reserve's jobs as its thread would (waiting out what each asks) until one has nothing
+    left to do; with ``limit``, checks after every job that the memory kept ready stays within it."""
+    for _ in range(jobs):
+        again = reserve.job()
+        if limit is not None:
+            assert ready(reserve.tier) <= limit
+        if again is None:
+            return
+        time.sleep(again)
+    raise AssertionError("the reserve never settled")
+
+
+def test_the_reserve_keeps_ready_what_the_last_puts_took_and_never_more_than_its_cap(shm_dir: Path) -> None:
+    cap = 16 * SLOT
+    with L2Tier.open(shm_dir, 256 * SLOT) as tier:
+        rules = BlockRules(tier)
+        reserve = Reserve(tier, cap, Health(), window=60.0)  # (no demand ages out during the test)
+        put(rules, [b"a%d" % i for i in range(4)])
+        settle(reserve, limit=cap)
+        assert tier.stats().block_free_slots == 4, "four slots taken lately: four kept ready"
+        put(rules, [b"b%d" % i for i in range(4)])  # (took the four ready ones: demand is 8 now)
+        assert tier.stats().block_fresh_slots == 4
+        settle(reserve, limit=cap)
+        assert tier.stats().block_free_slots == 8
+        put(rules, [b"c%d" % i for i in range(40)])  # demand far beyond the cap: the cap holds
+        settle(reserve, limit=cap)
+        assert ready(tier) == cap
+        put(rules, [b"d%d" % i for i in range(8)], model="another-model")  # a second group shares the cap
+        settle(reserve, limit=cap)
+        assert ready(tier) <= cap and tier.stats().block_free_slots >= 14
+        # removals free 56 more slots: what is beyond the cap is given back
+        removed = sum(
+            rules.evict_identity(block_space(m, STATE, "", 16).identity.digest)
+            for m in (MODEL, "another-model")
+        )
+        assert removed == 56 and ready(tier) > cap
+        settle(reserve, limit=None)
+        assert ready(tier) <= cap
+        assert tier.stats().reserve_given_back >= 56 * SLOT - cap
+
+
+def test_the_reserve_decays_to_nothing_a_window_after_demand_stops(shm_dir: Path) -> None:
+    cap = 64 * SLOT
+    with L2Tier.open(shm_dir, 256 * SLOT) as tier:
+        rules = BlockRules(tier)
+        reserve = Reserve(tier, cap, Health(), window=1.0)
+        admit_bytes(tier, "entry", 60 * KB)  # an entry size class in demand too
+        put(rules, [b"a%d" % i for i in range(8)])
+        settle(reserve, limit=cap)
+        kept = ready(tier)
+        assert tier.stats().block_free_slots == 8 and tier.stats().free_files == 1
+        assert kept == 8 * SLOT + size_of(60 * KB)
+        time.sleep(1.3)  # no put, no capture for longer than the window
+        settle(reserve)
+        stats = tier.stats()
+        assert (stats.block_free_slots, stats.free_files, ready(tier)) == (0, 0, 0)
+        assert stats.reserve_given_back == kept
+        assert stats.block_count == 8 and stats.entries == 1, "only free memory is given back"
+
+
+def test_the_reserve_faults_no_faster_than_its_rate(shm_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fill of 32 slots (2 MiB) at 8 MiB/s takes 31 slots' worth of time less the pacer's 20 ms burst
+    (≈ 222 ms), and no span of it ran ahead of the rate by more than the burst; unpaced, the same fill
+    takes a few milliseconds."""
+    began: list[float] = []
+    real_fault = Prefault.fault
+
+    def timed_fault(self: Prefault) -> None:
+        began.append(time.monotonic())
+        real_fault(self)
+
+    monkeypatch.setattr(Prefault, "fault", timed_fault)
+    rate, burst = 8 << 20, 0.02
+    with L2Tier.open(shm_dir, 256 * SLOT) as tier:
+        rules = BlockRules(tier)
+        put(rules, [b"a%d" % i for i in range(32)])
+        time.sleep(0.01)
+        reserve = Reserve(tier, 64 * SLOT, Health(), rate=rate)
+        assert reserve.pacer.burst == burst
+        settle(reserve)
+        assert len(began) == 32
+        spent = began[-1] - began[0]
+        assert spent >= 31 * SLOT / rate - burst - 0.002, (
+            f"32 slots faulted in {spent * 1e3:.1f} ms: faster than the rate"
+        )
+        for i, j in itertools.combinations(range(32), 2):  # every span: within the rate and one burst
+            assert (j - i) * SLOT <= rate * (began[j] - began[i] + burst) + SLOT, (i, j)
+        # the same fill unpaced, for scale
+        began.clear()
+        put(rules, [b"b%d" % i for i in range(32)])
+        time.sleep(0.01)
+        settle(Reserve(tier, 64 * SLOT, Health(), rate=0))
+        assert began and began[-1] - began[0] < spent / 2
+
+
+def test_the_reserve_takes_no_more_than_its_share_of_the_time_and_backs_off_when_faults_slow(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a share of 0.25 the reserve rests three times what each fault took: with faults slowed to 10 ms
+    (a loaded machine), 8 slots take at least 7 × 40 ms less the 20 ms burst, where they would take 80 ms;
+    no rate cap is involved."""
+    began: list[float] = []
+    real_fault = Prefault.fault
+
+    def slow_fault(self: Prefault) -> None:
+        began.append(time.monotonic())
+        time.sleep(0.01)
+        real_fault(self)
+
+    monkeypatch.setattr(Prefault, "fault", slow_fault)
+    with L2Tier.open(shm_dir, 256 * SLOT) as tier:
+        put(BlockRules(tier), [b"a%d" % i for i in range(8)])
+        time.sleep(0.01)
+        settle(Reserve(tier, 64 * SLOT, Health(), share=0.25))
+        assert len(began) == 8
+        assert began[-1] - began[0] >= 7 * 0.04 - 0.02
+        busy = 8 * 0.01
+        assert busy / (began[-1] - began[0] + 0.01) <= 0.25 * 1.2  # (the share, over the whole fill)
+
+
+def test_the_reserve_waits_out_a_puts_quiet_window_exactly_not_a_poll(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Right after a put ends the reserve finds the quiet window still open: its job asks to run again
+    exactly when the window closes, not after its interval (the window is 2 ms; 200 ms here, so that
+    a busy machine cannot close it before the job looks)."""
+    monkeypatch.setattr("skippyd.l2.blocks._QUIET_S", 0.2)
+    with L2Tier.open(shm_dir, 256 * SLOT) as tier:
+        rules = BlockRules(tier)
+        reserve = Reserve(tier, 64 * SLOT, Health())
+        put(rules, [b"a"])
+        again = reserve.job()
+        assert again is not None and 0 < again <= 0.2
+        assert tier.stats().block_free_slots == 0, "nothing faulted inside the window"
+        time.sleep(again)
+        assert reserve.job() is None and tier.stats().block_free_slots == 1
+        with tier.lock:
+            tier.blocks.fill_begun()  # a put fills slots: wait for its end, which wakes the thread
+        assert reserve.job() is None
+        with tier.lock:
+            tier.blocks.fill_ended()
+        again = reserve.job()
+        assert again is not None and 0.15 < again <= 0.2  # (the window after this put's end)
