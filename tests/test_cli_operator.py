@@ -179,10 +179,13 @@ def test_l2_used_and_reserve_read_the_same_in_status_top_stats_metrics_and_docto
 
 
 def test_a_clean_stop_gives_the_reserve_back_and_keeps_the_cached_data(make_daemon: Any) -> None:
-    proc = make_daemon("--l2-reserve", "8MiB", "--l3-dir", "off", "--redis-url", "none", budget="64MiB")
+    # the reserve keeps ready what puts took within its window (64 blocks: 4 MiB), up to l2_reserve; a
+    # long window, so that it does not decay while the test reads it
+    args = ("--l2-reserve", "8MiB", "--l2-reserve-window", "120s", "--l3-dir", "off", "--redis-url", "none")
+    proc = make_daemon(*args, budget="64MiB")
     proc.start()
     with proc.client() as client:
-        fill(client)
+        fill(client, blocks=64)
         l2 = settled(client, reserve_at_least=4 << 20)
     held = shm_bytes(proc.shm_dir)
     assert held >= l2["used_bytes"] + (4 << 20), "the reserve's pages are faulted in while it runs"
@@ -193,13 +196,13 @@ def test_a_clean_stop_gives_the_reserve_back_and_keeps_the_cached_data(make_daem
     proc.start()
     with proc.client() as client:
         again = client.stats()["l2"]
-        assert (again["entries"], again["block_count"]) == (1, 8), "the data survived the restart"
+        assert (again["entries"], again["block_count"]) == (1, 64), "the data survived the restart"
         assert again["used_bytes"] == l2["used_bytes"]
         hit = client.restore(model="m", state="s", tokens=[1, 2, 3])
         assert hit is not None and torch.equal(hit.tensors["x"], torch.ones(1 << 18))
     proc.stop()
     log = proc.log_text()
-    assert "1 entry adopted (0 dropped), 8 blocks adopted (0 dropped)" in log, log
+    assert "1 entry adopted (0 dropped), 64 blocks adopted (0 dropped)" in log, log
     assert "1 entries" not in log
 
 
