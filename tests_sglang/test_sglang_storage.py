@@ -31,6 +31,7 @@ LAYOUTS = [
     pytest.param("page_first", False, id="mha-page_first"),
     pytest.param("layer_first", False, id="mha-layer_first"),
     pytest.param("page_first_direct", False, id="mha-page_first_direct"),
+    pytest.param("page_head", False, id="mha-page_head"),
     pytest.param("page_first", True, id="mla-page_first"),
     pytest.param("layer_first", True, id="mla-layer_first"),
 ]
