@@ -72,8 +72,10 @@ _OPTIONS = ("socket", "namespace", "model", "state", "durable", "redis_url", "sc
 #: Keys SGLang itself reads from the same extra config (the dynamic loader's and the zero-copy switch).
 _SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
 _HEX = re.compile(r"[0-9a-fA-F]+")
-#: The slowest rate a load or a store is allowed beyond ``timeout`` before it is given up (bytes/s).
-_SLOWEST = 256 << 20
+#: The slowest rate a load or a store that started is allowed beyond ``timeout`` before it is given up
+#: (bytes/s): generous, a first store into fresh tmpfs pages on a busy host is slow; a stall is found by
+#: the lookup asked first, within ``timeout``.
+_SLOWEST = 32 << 20
 
 T = TypeVar("T")
 
