@@ -8,12 +8,14 @@ One page is 64 tokens of a 7.2B-shape model: 8 KV heads × 128 × bf16 × 32 lay
 
 * ``batch_set_v1`` of 64 pages (512 MiB) from SGLang's host pool into skippyd (fresh page hashes each
   time, so every page is copied; L2 has room for all of them), with ``durable`` off and on (on: the
-  pages are queued for L3 and
-  written to disk beside the next calls);
+  pages are queued for L3 and written to disk beside the next calls; the rows after wait until the L3
+  writer is done);
 * ``batch_get_v1`` of those 64 pages from skippyd's L2 straight into another host pool's pages;
 * both beside a numpy memcpy of the same 512 MiB, in the same run;
 * for the page-first layout (two pieces a page: K and V) and the layer-first one (64 pieces a page);
-* ``batch_exists`` of 128 page hashes, all held and none held.
+* ``batch_exists`` of 128 page hashes, all held and none held;
+* the same pages through skippyd's own ``BlockSpace.put``/``get_into`` (a contiguous buffer a page):
+  what the backend adds to them.
 """
 
 from __future__ import annotations
@@ -55,6 +57,23 @@ def _memcpy(nbytes: int, reps: int) -> float:
     return median(_times(lambda _: np.copyto(dst, src), reps))
 
 
+def _settle(socket: Path) -> None:
+    """Waits (2 min at most) until skippyd's digester has hashed and its L3 writer has written what the
+    stores before left them, so the rows after do not share the machine with that work."""
+    import skippyd
+
+    with skippyd.Client(socket) as client:
+        last, deadline = -1, time.monotonic() + 120
+        while time.monotonic() < deadline:
+            stats = client.stats()
+            written = int(stats["l3"]["block_count"])
+            idle = not int(stats["l2"]["block_unhashed"]) and not int(stats["durable"]["block_queue_depth"])
+            if idle and written == last:
+                return
+            last = written
+            time.sleep(0.5)
+
+
 def _rows(socket: Path, layout: str, reps: int, memcpy: float) -> tuple[list[list[str]], int]:
     import torch
 
@@ -66,6 +85,7 @@ def _rows(socket: Path, layout: str, reps: int, memcpy: float) -> tuple[list[lis
     page_bytes = 0
     keys: dict[str, list[str]] = {}
     for durable in (False, True):
+        _settle(socket)
         backend = make_backend(source, {"socket": str(socket), "durable": durable, "timeout": 2.0})
         page_bytes = backend.page_bytes
 
@@ -79,6 +99,7 @@ def _rows(socket: Path, layout: str, reps: int, memcpy: float) -> tuple[list[lis
         label = f"batch_set_v1 64 × 8 MiB, {layout}, durable {'on' if durable else 'off'}"
         rows.append([label, fmt_time(took), f"{memcpy / took:.2f}×"])
         backend.close()
+    _settle(socket)
     reader = make_backend(target, {"socket": str(socket), "timeout": 2.0})
 
     def load(_: int) -> None:
@@ -94,8 +115,30 @@ def _rows(socket: Path, layout: str, reps: int, memcpy: float) -> tuple[list[lis
     if layout == "page_first":
         rows.append(["batch_exists 128 keys, all held", fmt_time(hit), ""])
         rows.append(["batch_exists 128 keys, none held", fmt_time(miss), ""])
+        rows += _plain_rows(socket, source, reps, memcpy)
     reader.close()
     return rows, page_bytes
+
+
+def _plain_rows(socket: Path, pool: Any, reps: int, memcpy: float) -> list[list[str]]:
+    """The same bytes through skippyd's own ``BlockSpace`` (one contiguous buffer a page, durable off):
+    what the backend adds to skippyd's put and get_into."""
+    import torch
+
+    import skippyd
+
+    pages = [pool.get_data_page(p * int(pool.page_size)).view(torch.uint8).clone() for p in range(PAGES)]
+    out = [torch.empty_like(p) for p in pages]
+    _settle(socket)
+    with skippyd.Client(socket, timeout=60) as client:
+        space = client.blocks(model="bench", state="plain", block_tokens=int(pool.page_size))
+        fresh = [[b"plain %d %d" % (rep, i) for i in range(PAGES)] for rep in range(reps + 1)]
+        put = median(_times(lambda rep: space.put(fresh[rep], pages, durable=False), reps))
+        get = median(_times(lambda _: space.get_into(fresh[-1], out), reps))
+    return [
+        ["BlockSpace.put of the same pages (a buffer each)", fmt_time(put), f"{memcpy / put:.2f}×"],
+        ["BlockSpace.get_into of the same pages", fmt_time(get), f"{memcpy / get:.2f}×"],
+    ]
 
 
 def main() -> None:
@@ -111,7 +154,7 @@ def main() -> None:
     rows = [["numpy memcpy of the same 512 MiB", fmt_time(memcpy), "1.00×"]]
     for layout in ("page_first", "layer_first"):  # a fresh daemon each, with room for every page stored
         workdir = Path(tempfile.mkdtemp(prefix="sk-bench-sglang-"))
-        daemon = BenchDaemon(workdir / "d", budget=f"{(2 * args.reps + 3) * 512}MiB").start()
+        daemon = BenchDaemon(workdir / "d", budget=f"{(3 * args.reps + 4) * 512}MiB").start()
         try:
             more, page_bytes = _rows(daemon.socket, layout, args.reps, memcpy)
             assert page_bytes == 8 << 20
