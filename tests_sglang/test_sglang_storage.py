@@ -45,7 +45,8 @@ def held_blocks(daemon: DaemonProcess) -> int:
 def test_the_factory_builds_the_backend_from_its_module_path_and_binds_the_worker_identity(
     daemon: DaemonProcess, backends: Backends, pool: Any
 ) -> None:
-    backend = backends(pool, daemon)
+    sglangs_own = {"hicache_storage_pass_prefix_keys": True, "prefetch_threshold": 256}  # not refused
+    backend = backends(pool, daemon, **sglangs_own)
     assert isinstance(backend, SkippydStorage)
     assert backend.model == "org/tiny-model"
     assert backend.state.startswith("sglang-kv-v1:")
@@ -323,3 +324,24 @@ def test_get_stats_reports_each_transfers_pages_and_bandwidth_once(
     assert stats.backup_bandwidth[0] > 0 and stats.prefetch_bandwidth[0] > 0
     again = backend.get_stats()
     assert (again.backup_pgs, again.prefetch_pgs) == ([], [])
+
+
+def test_a_batch_after_its_prefix_is_stored_as_the_chains_continuation(
+    daemon: DaemonProcess, backends: Backends, pool: Any
+) -> None:
+    """With ``hicache_storage_pass_prefix_keys`` SGLang passes each batch the page hashes before it: the
+    last is the batch's parent in skippyd's chain, held or not."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    backend = backends(pool, daemon)
+    keys = page_hashes(6, seed=15)
+    written = fill_pages(pool, [0, 1, 2, 3, 4, 5], seed=15)
+    assert backend.batch_set_v1(keys[:2], host_indices(pool, [0, 1])) == [True, True]
+    after = HiCacheStorageExtraInfo(prefix_keys=keys[:2])
+    assert backend.batch_set_v1(keys[2:4], host_indices(pool, [2, 3]), after) == [True, True]
+    unheld = HiCacheStorageExtraInfo(prefix_keys=page_hashes(2, seed=16))  # a prefix skippyd never held
+    assert backend.batch_set_v1(keys[4:], host_indices(pool, [4, 5]), unheld) == [True, True]
+    assert backend.batch_exists(keys) == 6
+    other = make_pool()
+    assert backends(other, daemon).batch_get_v1(keys, host_indices(other, [7, 6, 5, 4, 3, 2])) == [True] * 6
+    assert [page_bytes(other, p) for p in (7, 6, 5, 4, 3, 2)] == written

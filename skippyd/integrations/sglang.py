@@ -69,8 +69,12 @@ log = logging.getLogger("skippyd.sglang")
 LAYOUT_VERSION = 1
 
 _OPTIONS = ("socket", "namespace", "model", "state", "durable", "redis_url", "scope", "timeout")
-#: Keys SGLang itself reads from the same extra config (the dynamic loader's and the zero-copy switch).
-_SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size")
+#: Keys SGLang itself reads from the same extra config (the dynamic loader's, the zero-copy switch, and
+#: the prefetch knobs SGLang 0.5.23 normally takes out before the backend sees the config).
+_SGLANG_KEYS = (
+    "backend_name", "module_path", "class_name", "interface_v1", "tp_lcm_size", "prefetch_threshold",
+    "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+)  # fmt: skip
 _HEX = re.compile(r"[0-9a-fA-F]+")
 #: The slowest rate a load or a store that started is allowed beyond ``timeout`` before it is given up
 #: (bytes/s): generous, a first store into fresh tmpfs pages on a busy host is slow; a stall is found by
@@ -264,11 +268,14 @@ class SkippydStorage(HiCacheStorage):
         if prefix:
             parent = engine_key(str(prefix[-1]))
         started = time.perf_counter()
-        put = self._run(
-            "store", f"store of {count} pages",
-            lambda space: space.put(bound[:count], data(count), durable=self.durable, parent=parent), None,
-            nbytes=count * self.page_bytes,
-        )  # fmt: skip
+
+        def store(space: BlockSpace) -> Any:
+            put = space.put(bound[:count], data(count), durable=self.durable, parent=parent)
+            if put.skipped and parent is not None:  # skippyd no longer holds the parent: a chain of its own
+                put = space.put(bound[:count], data(count), durable=self.durable)
+            return put
+
+        put = self._run("store", f"store of {count} pages", store, None, nbytes=count * self.page_bytes)
         if put is None:
             return 0
         done = put.stored + put.present
