@@ -347,28 +347,46 @@ def _unmap(entry: tuple[int, mmap.mmap, int]) -> None:
 slab_maps = SlabMaps()
 
 
-def _writable(target: Any, nbytes: int, index: int) -> tuple[memoryview, Any]:
-    """A writable byte view of ``target`` (and the device tensor to copy into afterwards, if any)."""
+def _writable(target: Any, index: int, limit: int) -> tuple[memoryview, Any]:
+    """A writable byte view of ``target`` (and the device tensor to copy its first ``limit`` bytes into
+    afterwards, if any)."""
     if type(target).__module__.startswith("torch"):
         if target.device.type != "cpu":
-            if target.numel() * target.element_size() < nbytes:
-                raise Mismatch(f"out[{index}] holds fewer bytes than block {index} ({nbytes})")
-            host = _torch().empty(nbytes, dtype=_torch().uint8)
+            host = _torch().empty(min(limit, target.numel() * target.element_size()), dtype=_torch().uint8)
             return memoryview(host.numpy()).cast("B"), (target, host)
         if not target.is_contiguous():
             raise InvalidArgument(f"out[{index}] must be contiguous")
         flat = target.detach().reshape(-1).view(_torch().uint8)
-        view = memoryview(flat.numpy()).cast("B")
-    else:
-        try:
-            view = memoryview(target).cast("B")
-        except TypeError:
-            raise InvalidArgument(f"out[{index}] must be a tensor or a writable buffer") from None
-        if view.readonly:
-            raise InvalidArgument(f"out[{index}] is read-only")
-    if len(view) < nbytes:
-        raise Mismatch(f"out[{index}] holds {len(view)} bytes; block {index} has {nbytes}")
-    return view[:nbytes], None
+        return memoryview(flat.numpy()).cast("B"), None
+    try:
+        view = memoryview(target).cast("B")
+    except TypeError:
+        raise InvalidArgument(f"out[{index}] must be a tensor or a writable buffer") from None
+    if view.readonly:
+        raise InvalidArgument(f"out[{index}] is read-only")
+    return view, None
+
+
+def _destination(target: Any, nbytes: int, index: int) -> tuple[list[memoryview], list[Any]]:
+    """Where block ``index``'s ``nbytes`` go: byte views of ``target`` (one buffer or tensor, or a list or
+    tuple of them that the block's bytes fill one after another, as ``put`` takes pieces) and the device
+    tensors to copy into afterwards."""
+    pieces = target if isinstance(target, list | tuple) else [target]
+    views: list[memoryview] = []
+    devices: list[Any] = []
+    left = nbytes
+    for piece in pieces:
+        if not left:
+            break
+        view, device = _writable(piece, index, left)
+        take = min(len(view), left)
+        views.append(view[:take])
+        left -= take
+        if device is not None:
+            devices.append(device)
+    if left:
+        raise Mismatch(f"out[{index}] holds {nbytes - left} bytes; block {index} has {nbytes}")
+    return views, devices
 
 
 def _to_cuda(
@@ -397,10 +415,12 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
     views: list[tuple[int, int, memoryview]] = []
     devices: list[Any] = []
     for i, (fd, offset, nbytes) in enumerate(placements):
-        view, device = _writable(out[first + i], nbytes, first + i)
-        views.append((fd, offset, view))
-        if device is not None:
-            devices.append(device)
+        pieces, device = _destination(out[first + i], nbytes, first + i)
+        at = offset
+        for view in pieces:
+            views.append((fd, at, view))
+            at += len(view)
+        devices += device
     ends: dict[int, int] = {}
     for fd, offset, view in views:
         ends[fd] = max(ends.get(fd, 0), offset + len(view))
@@ -650,8 +670,9 @@ class BlockSpace(_Space):
         return result
 
     def get_into(self, keys: Sequence[bytes], out: Sequence[Any]) -> int:
-        """Copies the leading held blocks into ``out[i]`` (tensors on any device, or writable buffers, of at
-        least the block's size); returns how many."""
+        """Copies the leading held blocks into ``out[i]`` (a tensor on any device or a writable buffer of at
+        least the block's size, or a list of them that the block's bytes fill in order, as ``put``'s
+        pieces: a page scattered over an engine's layers); returns how many."""
         return int(self._run(self._get_steps(keys, out)))
 
 

@@ -297,6 +297,29 @@ def test_a_block_may_be_a_list_of_pieces_strided_tensors_included(daemon: Daemon
         assert bytes(got[1].numpy()) == second.numpy().tobytes() + second.to(torch.float16).numpy().tobytes()
 
 
+def test_get_into_scatters_a_block_over_a_list_of_pieces_and_refuses_pieces_too_small(
+    daemon: DaemonProcess,
+) -> None:
+    with daemon.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(2 * BLOCK)))
+        data = block_data(2, seed=7)
+        assert blocks.put(keys, data).stored == 2
+        # a page spread over layers, as an engine's layer-first pool holds it: K and V rows of each layer
+        pool = torch.zeros(2, 4, 2, BLOCK_BYTES // 8, dtype=torch.uint8)  # [K/V, layer, page, bytes]
+        pieces = [[pool[kv, layer, page] for layer in range(4) for kv in range(2)] for page in range(2)]
+        assert blocks.get_into(keys, pieces) == 2
+        for page in range(2):
+            joined = torch.cat([p.reshape(-1) for p in pieces[page]])
+            assert torch.equal(joined, data[page].reshape(-1).view(torch.uint8))
+        over = [bytearray(BLOCK_BYTES // 2), bytearray(BLOCK_BYTES)]  # more room than needed: filled in order
+        assert blocks.get_into(keys[:1], [over]) == 1
+        assert bytes(over[0]) + bytes(over[1][: BLOCK_BYTES // 2]) == data[0].numpy().tobytes()
+        assert not any(over[1][BLOCK_BYTES // 2 :])
+        with pytest.raises(skippyd.Mismatch):
+            blocks.get_into(keys[:1], [[bytearray(BLOCK_BYTES // 2), bytearray(10)]])
+
+
 def test_async_block_calls_match_the_blocking_ones(daemon: DaemonProcess) -> None:
     async def main() -> tuple[int, int, list[bytes]]:
         async with skippyd.AsyncClient(daemon.socket) as client:

@@ -43,8 +43,6 @@ This module imports vLLM; nothing else in skippyd does.
 from __future__ import annotations
 
 import gc
-import hashlib
-import json
 import logging
 import queue
 import threading
@@ -67,6 +65,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 import skippyd
 from skippyd.errors import SkippydError
+from skippyd.integrations._common import admission, check_durable, check_options, layout_state, why
 
 __all__ = ["LAYOUT_VERSION", "SkippydTier", "tier_identity"]
 
@@ -93,7 +92,6 @@ def tier_identity(spec: Any, block_size_bytes: int) -> tuple[str, str, int]:
     layout (never the engine id or ranks that do not change the bytes), and tokens per chunk."""
     cfg = spec.config
     layout = {
-        "version": LAYOUT_VERSION,
         "dtype": str(cfg.model.dtype),
         "tokens_per_hash": int(cfg.cache.tokens_per_hash),
         "blocks_per_chunk": int(cfg.cache.blocks_per_chunk),
@@ -109,17 +107,8 @@ def tier_identity(spec: Any, block_size_bytes: int) -> tuple[str, str, int]:
             int(cfg.parallel.dcp_size), int(cfg.parallel.world_size),
         ],
     }  # fmt: skip
-    digest = hashlib.sha256(json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     block_tokens = max(1, min(65536, int(cfg.cache.tokens_per_hash) * int(cfg.cache.blocks_per_chunk)))
-    return str(cfg.model.name), f"vllm-kv-v{LAYOUT_VERSION}:{digest[:32]}", block_tokens
-
-
-def _why(exc: BaseException) -> str:
-    """An error as one line for the log, its traceback dropped: the traceback holds the frames of the
-    failed copy, and with them views of vLLM's primary tier that must not outlive the job (a log
-    handler that keeps records would otherwise keep the primary tier from ever unmapping)."""
-    exc.__traceback__ = None
-    return f"{type(exc).__name__}: {exc}"
+    return str(cfg.model.name), layout_state("vllm-kv", LAYOUT_VERSION, layout), block_tokens
 
 
 def _by_group(keys: Sequence[OffloadKey], chunks: Sequence[int]) -> list[tuple[list[bytes], list[int]]]:
@@ -157,11 +146,7 @@ class SkippydTier(SecondaryTierManager):
         backpressure_detector: Any = None,
         **options: Any,
     ) -> None:
-        unknown = sorted(set(options) - set(_OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"SkippydTier: unknown option(s) {', '.join(unknown)}; it takes {', '.join(_OPTIONS)}"
-            )
+        check_options("SkippydTier", options, _OPTIONS)
         super().__init__(
             offloading_spec=offloading_spec,
             primary_kv_view=primary_kv_view,
@@ -175,10 +160,7 @@ class SkippydTier(SecondaryTierManager):
         self.state = str(options.get("state") or state)
         self.namespace = str(options.get("namespace") or "")
         self.block_tokens = block_tokens
-        durable = options.get("durable", True)
-        if not (isinstance(durable, bool) or durable == "sync"):
-            raise ValueError('SkippydTier: durable must be true, false or "sync"')
-        self.durable: bool | str = durable
+        self.durable = check_durable("SkippydTier", options.get("durable", True))
         self.timeout = float(options.get("timeout", 1.0))
         socket = options.get("socket")
         self._flat = primary_kv_view.cast("B")
@@ -191,7 +173,7 @@ class SkippydTier(SecondaryTierManager):
         self._inflight = 0
         self._idle = threading.Condition(self._lock)
         self._counts: dict[tuple[str, tuple[str, ...]], int] = {}  # for get_stats, under _lock
-        self._admission = _admission(options.get("redis_url"), options.get("scope"))
+        self._admission = admission("SkippydTier", options.get("redis_url"), options.get("scope"))
         # One connection per kind of work: a lookup never waits behind a copy, a load never behind a store.
         self._clients = {
             kind: skippyd.Client(
@@ -223,7 +205,7 @@ class SkippydTier(SecondaryTierManager):
         try:
             held = self._spaces["lookup"].held([bytes(k) for k in keys])
         except (SkippydError, OSError) as exc:
-            log.warning("skippyd lookup failed, answering MISS: %s", _why(exc))
+            log.warning("skippyd lookup failed, answering MISS: %s", why(exc))
             held = [False] * len(keys)
         self._count("vllm:skippyd_lookup_chunks", sum(held), "hit")
         self._count("vllm:skippyd_lookup_chunks", len(held) - sum(held), "miss")
@@ -243,13 +225,9 @@ class SkippydTier(SecondaryTierManager):
             space = self._spaces["store"]
             for offered, offered_chunks in _by_group(keys, chunks):
                 count = len(offered)
-                if self._admission is not None:
-                    admitted = self._admission.consider_many(
-                        [(k.hex(), self.block_tokens, self._stride) for k in offered]
-                    )
-                    if not all(admitted):  # a chain: the admitted run ends at the first refusal
-                        count = admitted.index(False)
-                        self._count("vllm:skippyd_not_admitted_chunks", len(offered) - count)
+                if self._admission is not None:  # a chain: the admitted run ends at the first refusal
+                    count = self._admission.admitted(space, offered, self._stride)
+                    self._count("vllm:skippyd_not_admitted_chunks", len(offered) - count)
                 if not count:
                     continue
                 group_keys = offered[:count]
@@ -257,7 +235,7 @@ class SkippydTier(SecondaryTierManager):
                 written += put.nbytes
                 stored += [OffloadKey(k) for k in group_keys[: put.stored + put.present]]
         except (SkippydError, OSError) as exc:
-            log.warning("skippyd store of %d chunks failed: %s", len(keys), _why(exc))
+            log.warning("skippyd store of %d chunks failed: %s", len(keys), why(exc))
             self._count("vllm:skippyd_failed_jobs", 1, "store")
             return JobResult(job.job_id, False, transfer_time=time.perf_counter() - started, transfer_bytes=0)
         if stored:
@@ -278,7 +256,7 @@ class SkippydTier(SecondaryTierManager):
                 count = space.get_into(group_keys, self._slots(group_chunks))
                 loaded += [OffloadKey(k) for k in group_keys[:count]]
         except (SkippydError, OSError) as exc:
-            log.warning("skippyd load of %d chunks failed: %s", len(keys), _why(exc))
+            log.warning("skippyd load of %d chunks failed: %s", len(keys), why(exc))
         elapsed = time.perf_counter() - started
         self._count("vllm:skippyd_loaded_chunks", len(loaded))
         if len(loaded) == len(keys):
@@ -390,6 +368,8 @@ class SkippydTier(SecondaryTierManager):
         self._lookups.shutdown()
         for client in self._clients.values():
             client.close()
+        if self._admission is not None:
+            self._admission.close()
         # a failed copy's traceback may still hold views of the primary tier's memory in a reference
         # cycle: collect it now, or the primary tier cannot unmap its region after us
         gc.collect()
@@ -423,32 +403,3 @@ class SkippydTier(SecondaryTierManager):
         for (name, labels), value in counts.items():
             stats.increase_counter(name, value, labelvalues=labels)
         return stats
-
-
-def _admission(redis_url: Any, scope: Any) -> Any:
-    """Second-hit admission counted in Redis across ``scope`` (None: every chunk is written)."""
-    if not redis_url:
-        if scope:
-            raise ValueError("SkippydTier: scope needs redis_url (second-hit admission is counted in Redis)")
-        return None
-    if not scope:
-        raise ValueError("SkippydTier: redis_url needs a scope: the engines that count offers together")
-    return _Admission(skippyd.Promotions.from_url(str(redis_url), scope=str(scope), timeout=1.0))
-
-
-class _Admission:
-    """``Promotions.consider_many``, or the same rules in this process while Redis is away."""
-
-    def __init__(self, promotions: Any) -> None:
-        from skippyd.coordination import LocalPromotions
-
-        self.promotions = promotions
-        self.local = LocalPromotions(promotions.settings)
-
-    def consider_many(self, items: Sequence[tuple[str, int, int]]) -> list[bool]:
-        try:
-            answers: list[bool] = self.promotions.consider_many(items)
-            return answers
-        except SkippydError as exc:
-            log.warning("second-hit admission counted locally: %s", _why(exc))
-            return self.local.consider_many(items)
