@@ -1,5 +1,6 @@
-"""The daemon fixtures both test suites use (tests/ and tests_vllm/ import them into their conftest):
-a short temporary directory and a factory of real ``skippyd serve`` processes in it."""
+"""The daemon fixtures every test suite uses (tests/, tests_vllm/ and tests_sglang/ import them into their
+conftest): a short temporary directory and a factory of real ``skippyd serve`` processes in it (the engine
+suites add :mod:`engine_fixtures`)."""
 
 from __future__ import annotations
 

@@ -23,30 +23,11 @@ except ImportError as exc:
 
 from daemon_fixtures import make_daemon, tmp_short
 from daemonutil import DaemonProcess
-from redisutil import RedisServer
+from engine_fixtures import daemon, daemon_defaults, redis_url
 
 from bench._sglang import make_backend, make_pool
 
-__all__ = ["make_daemon", "tmp_short"]
-
-
-@pytest.fixture
-def daemon_defaults() -> tuple[str, ...]:
-    return ("--redis-url", "none")  # no Redis unless a test starts one
-
-
-@pytest.fixture
-def daemon(make_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
-    return make_daemon().start()
-
-
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    server = RedisServer().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
+__all__ = ["daemon", "daemon_defaults", "make_daemon", "redis_url", "tmp_short"]
 
 
 @pytest.fixture

@@ -21,32 +21,16 @@ except ImportError as exc:
 
 from daemon_fixtures import make_daemon, tmp_short
 from daemonutil import DaemonProcess
-from redisutil import RedisServer
+from engine_fixtures import daemon, daemon_defaults, redis_url
 
 from bench._vllm import Engine, make_spec
 
-__all__ = ["TIER", "Engine", "make_daemon", "make_spec", "tier_cfg", "tmp_short"]
+__all__ = [
+    "TIER", "Engine", "daemon", "daemon_defaults", "make_daemon", "make_spec", "redis_url", "tier_cfg",
+    "tmp_short",
+]  # fmt: skip
 
 TIER = {"type": "SkippydTier", "module_path": "skippyd.integrations.vllm"}
-
-
-@pytest.fixture
-def daemon_defaults() -> tuple[str, ...]:
-    return ("--redis-url", "none")  # no Redis unless a test starts one
-
-
-@pytest.fixture
-def daemon(make_daemon: Callable[..., DaemonProcess]) -> DaemonProcess:
-    return make_daemon().start()
-
-
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    server = RedisServer().start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.fixture
