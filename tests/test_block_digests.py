@@ -6,7 +6,6 @@ whose bytes changed after it was hashed."""
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -197,12 +196,15 @@ def test_a_block_one_hasher_has_taken_is_not_hashed_again_by_the_other(shm_dir: 
             again.close()
 
 
-def test_the_digester_hashes_a_puts_blocks_within_milliseconds_of_its_end(shm_dir: Path) -> None:
-    """A put's blocks are hashed a quiet window (2 ms) and their hashing after the put ends, not a poll
-    interval (50 ms) later: the median over a dozen puts of 4 MiB, on a shared 2-vCPU machine, is well
-    under 25 ms (≈ 3-5 ms here; ≈ 50 ms when the wake-up landing inside the window was lost)."""
+def test_the_digester_starts_on_a_puts_blocks_as_its_quiet_window_closes_not_at_the_next_poll(
+    shm_dir: Path,
+) -> None:
+    """A put's end wakes the digester inside the put's quiet window (2 ms); it must then wait out the rest
+    of that window and hash, not sleep until its poll interval. With the interval set to 30 s, a lost
+    wake-up shows as a 30 s wait, so the bound below holds on any machine, however busy; the latency itself
+    (≈ 3-6 ms here, ≈ 50 ms at the old 50 ms poll) is bench.blocks' to measure."""
     with L2Tier.open(shm_dir, 256 << 20) as l2:
-        digester = Digester(l2, 128 << 20, Health())
+        digester = Digester(l2, 128 << 20, Health(), interval=30.0)
         rules = BlockRules(l2, digester=digester)
         digester.start()
         try:
@@ -211,14 +213,14 @@ def test_the_digester_hashes_a_puts_blocks_within_milliseconds_of_its_end(shm_di
                 _put(rules, [b"%d-%d" % (n, i) for i in range(64)], seed=n)
                 began = time.monotonic()
                 assert l2.blocks.unhashed_bytes > 0, "the put left its blocks to the digester"
-                while l2.blocks.unhashed_bytes and time.monotonic() - began < 2:
+                while l2.blocks.unhashed_bytes and time.monotonic() - began < 10:
                     time.sleep(0.0002)
                 latencies.append(time.monotonic() - began)
                 time.sleep(0.01)
         finally:
             digester.close()
         assert l2.stats().block_unhashed == 0
-        assert statistics.median(latencies) < 0.025, [f"{s * 1e3:.1f} ms" for s in latencies]
+        assert max(latencies) < 5, [f"{s * 1e3:.1f} ms" for s in latencies]
 
 
 def test_the_digester_never_hashes_while_a_put_fills_slots_beyond_the_block_in_hand(
@@ -253,23 +255,3 @@ def test_the_digester_never_hashes_while_a_put_fills_slots_beyond_the_block_in_h
             digester.close()
     assert len(during) == 1024 + puts * 32, "the digester hashed every block (none was left to the stop)"
     assert sum(during) <= puts
-
-
-def test_over_the_socket_a_puts_blocks_are_hashed_within_milliseconds_of_its_answer(make_daemon: Any) -> None:
-    """The same, end to end: after each put's answer, ``stats`` (a round trip) is asked until no block is
-    left unhashed; the median over eight puts of 4 MiB is under 25 ms (≈ 50 ms with the lost wake-up)."""
-    proc = make_daemon("--l3-dir", "off").start()
-    with proc.client() as client:
-        blocks = blocks_of(client)
-        latencies = []
-        for n in range(8):
-            keys = blocks.keys(list(range(n * 10**6, n * 10**6 + 64 * BLOCK)))
-            data = block_data(64, seed=100 + n)
-            assert blocks.put(keys, data, durable=False).stored == 64
-            began = time.monotonic()
-            while client.stats()["l2"]["block_unhashed"] and time.monotonic() - began < 5:
-                pass
-            latencies.append(time.monotonic() - began)
-            time.sleep(0.02)
-        assert client.stats()["l2"]["block_deferred_digests"] == 8 * 64, "every put left its blocks unhashed"
-    assert statistics.median(latencies) < 0.025, [f"{s * 1e3:.1f} ms" for s in latencies]

@@ -136,7 +136,9 @@ def test_l2_used_and_reserve_read_the_same_in_status_top_stats_metrics_and_docto
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    proc = make_daemon("--l2-reserve", "4MiB", "--metrics-addr", f"127.0.0.1:{port}", budget="64MiB").start()
+    # a window that outlasts the test: the reserve must not decay between the five readings
+    args = ("--l2-reserve", "4MiB", "--l2-reserve-window", "120s", "--metrics-addr", f"127.0.0.1:{port}")
+    proc = make_daemon(*args, budget="64MiB").start()
     with proc.client() as client:
         fill(client)
         l2 = settled(client, reserve_at_least=1 << 20)
