@@ -347,138 +347,211 @@ def _unmap(entry: tuple[int, mmap.mmap, int]) -> None:
 slab_maps = SlabMaps()
 
 
-def _writable(target: Any, index: int, limit: int) -> tuple[memoryview, Any]:
-    """A writable byte view of ``target`` (and the device tensor to copy its first ``limit`` bytes into
-    afterwards, if any)."""
-    if type(target).__module__.startswith("torch"):
-        if target.device.type != "cpu":
-            host = _torch().empty(min(limit, target.numel() * target.element_size()), dtype=_torch().uint8)
-            return memoryview(host.numpy()).cast("B"), (target, host)
-        if not target.is_contiguous():
-            raise InvalidArgument(f"out[{index}] must be contiguous")
-        flat = target.detach().reshape(-1).view(_torch().uint8)
-        return memoryview(flat.numpy()).cast("B"), None
-    try:
-        view = memoryview(target).cast("B")
-    except TypeError:
-        raise InvalidArgument(f"out[{index}] must be a tensor or a writable buffer") from None
-    if view.readonly:
-        raise InvalidArgument(f"out[{index}] is read-only")
-    return view, None
+# A destination piece of ``get_into``: ``(block, at, nbytes, where)``: block ``block`` of the reply, its bytes
+# ``[at, at + nbytes)``; ``where`` is ``(address, keep)`` for plain memory (a C-contiguous buffer or a
+# contiguous CPU tensor: a memcpy) or a tensor to fill with ``copy_`` (strided, conjugate or negative
+# views, other devices; CUDA tensors go through skippyd.transfer first).
+_Dest = tuple[int, int, int, Any]
 
 
-def _destination(target: Any, nbytes: int, index: int) -> tuple[list[memoryview], list[Any]]:
-    """Where block ``index``'s ``nbytes`` go: byte views of ``target`` (one buffer or tensor, or a list or
-    tuple of them that the block's bytes fill one after another, as ``put`` takes pieces) and the device
-    tensors to copy into afterwards."""
-    pieces = target if isinstance(target, list | tuple) else [target]
-    views: list[memoryview] = []
-    devices: list[Any] = []
-    left = nbytes
+def _destination(
+    target: Any, nbytes: int, index: int, block: int, *, raw: list[_Dest], other: list[_Dest]
+) -> None:
+    """Where block ``index``'s ``nbytes`` go: ``target`` (one buffer or tensor, or a list or tuple of them
+    that the block's bytes fill one after another, as ``put`` takes pieces; the last may be filled only
+    in part) split into memory to memcpy into (``raw``) and tensors to ``copy_`` into (``other``)."""
+    pieces = target if isinstance(target, list | tuple) else (target,)
+    at = 0
     for piece in pieces:
+        left = nbytes - at
         if not left:
             break
-        view, device = _writable(piece, index, left)
-        take = min(len(view), left)
-        views.append(view[:take])
-        left -= take
-        if device is not None:
-            devices.append(device)
-    if left:
-        raise Mismatch(f"out[{index}] holds {nbytes - left} bytes; block {index} has {nbytes}")
-    return views, devices
+        if type(piece).__module__.startswith("torch"):
+            take = min(piece.numel() * piece.element_size(), left)
+            if not take:
+                continue
+            if (
+                piece.device.type == "cpu"
+                and piece.is_contiguous()
+                and not (piece.is_conj() or piece.is_neg())
+            ):
+                raw.append((block, at, take, (piece.data_ptr(), piece)))
+            else:
+                if any(s == 0 and n > 1 for s, n in zip(piece.stride(), piece.shape, strict=True)):
+                    raise InvalidArgument(
+                        f"out[{index}] has a piece whose elements share memory (a 0 stride)"
+                    )
+                other.append((block, at, take, piece.detach()))
+            at += take
+            continue
+        try:
+            view = memoryview(piece)
+        except TypeError:
+            raise InvalidArgument(
+                f"out[{index}] must be a tensor or a writable buffer, or a list of them"
+            ) from None
+        if view.readonly:
+            raise InvalidArgument(f"out[{index}] is read-only")
+        if not view.c_contiguous:
+            raise InvalidArgument(
+                f"out[{index}]: buffers must be C-contiguous (a strided array: pass it as a tensor)"
+            )
+        take = min(view.nbytes, left)
+        if take:
+            import numpy as np
+
+            array = np.frombuffer(view.cast("B"), dtype=np.uint8)
+            raw.append((block, at, take, (array.ctypes.data, array)))
+            at += take
+    if at < nbytes:
+        raise Mismatch(f"out[{index}] holds {at} bytes; block {index} has {nbytes}")
+
+
+def _is_cuda(tensor: Any) -> bool:
+    return bool(tensor.is_cuda)
 
 
 def _to_cuda(
-    reply: dict[str, Any], fds: list[int], placements: list[tuple[int, int, int]], outs: Sequence[Any]
+    reply: dict[str, Any], fds: list[int], placements: list[tuple[int, int, int]], pieces: list[_Dest]
 ) -> bool:
-    """Queues every block's DMA into contiguous CUDA ``outs`` (one device) from the registered slabs;
-    False when they are not such tensors or a descriptor is served once (then the host path copies)."""
-    device = outs[0].device
-    if not all(getattr(o, "is_cuda", False) and o.device == device and o.is_contiguous() for o in outs):
+    """Queues the DMA of every CUDA piece (one device) from the registered slabs (skippyd.transfer: one
+    copy per contiguous run, strided pieces through a device staging buffer and one on-device copy);
+    False when they are on several devices or a descriptor is served once (then the host path copies)."""
+    device = pieces[0][3].device
+    if not all(piece[3].device == device for piece in pieces):
         return False
     from .transfer.device import transfer
 
     generations = reply.get("generations")
     if not isinstance(generations, list) or len(generations) != len(fds):
         return False
-    return transfer().blocks_to_device(placements, fds, [int(g) for g in generations], outs)
+    return transfer().pieces_to_device(placements, fds, [int(g) for g in generations], pieces)
 
 
 def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], first: int) -> int:
     """Reads every served block into ``out[first + i]``; returns how many."""
     placements = _placements(reply, fds)
-    if placements and getattr(out[first], "is_cuda", False):
-        outs = out[first : first + len(placements)]
-        if _to_cuda(reply, fds, placements, outs):
-            return len(placements)
-    views: list[tuple[int, int, memoryview]] = []
-    devices: list[Any] = []
-    for i, (fd, offset, nbytes) in enumerate(placements):
-        pieces, device = _destination(out[first + i], nbytes, first + i)
-        at = offset
-        for view in pieces:
-            views.append((fd, at, view))
-            at += len(view)
-        devices += device
-    ends: dict[int, int] = {}
-    for fd, offset, view in views:
-        ends[fd] = max(ends.get(fd, 0), offset + len(view))
-    mapped = {fd: slab_maps.view(fds[fd], end) for fd, end in ends.items()}
-    copies: list[tuple[memoryview, int, memoryview]] = []  # slab, offset, buffer: a memcpy each
-    runs: list[tuple[int, int, list[memoryview], int]] = []  # fd, offset, buffers, bytes: preadv
-    for fd, offset, view in views:
-        source = mapped[fd]
-        if not len(view):
-            continue
-        if source is not None:
-            copies.append((source, offset, view))
-            continue
-        last = runs[-1] if runs else None
-        if last is not None and last[0] == fd and last[1] + last[3] == offset and len(last[2]) < 512:
-            last[2].append(view)
-            runs[-1] = (fd, last[1], last[2], last[3] + len(view))
-        else:
-            runs.append((fd, offset, [view], len(view)))
+    raw: list[_Dest] = []
+    other: list[_Dest] = []
+    for i, (_, _, nbytes) in enumerate(placements):
+        _destination(out[first + i], nbytes, first + i, i, raw=raw, other=other)
+    if other:
+        cuda = [piece for piece in other if _is_cuda(piece[3])]
+        if cuda and _to_cuda(reply, fds, placements, cuda):
+            other = [piece for piece in other if not _is_cuda(piece[3])]
+    _host_copies(fds, placements, raw, other)
+    return len(placements)
 
-    def read(part: list[tuple[int, int, list[memoryview], int]]) -> None:
+
+def _host_copies(
+    fds: list[int], placements: list[tuple[int, int, int]], raw: list[_Dest], other: list[_Dest]
+) -> None:
+    """Copies into plain memory with one memcpy per run (pieces that continue each other in the slab and
+    in memory merge: a block into consecutive pages of one tensor is one copy), from a read-only mapping
+    of the slab, or with ``preadv`` where the descriptor is not a slab file; fills the other pieces with
+    ``copy_`` from a uint8 view of their bytes reinterpreted as the piece's dtype and shape (the mirror of
+    ``put``: the block holds a piece's elements in its logical order)."""
+    import ctypes
+
+    import numpy as np
+
+    from .transfer.plan import plan_runs
+
+    ends: dict[int, int] = {}
+    for block, at, take, _ in raw + other:
+        fd, offset, _ = placements[block]
+        ends[fd] = max(ends.get(fd, 0), offset + at + take)
+    mapped = {fd: slab_maps.view(fds[fd], end) for fd, end in ends.items()}
+    bases = {
+        fd: int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        for fd, view in mapped.items()
+        if view is not None
+    }
+    fills: list[tuple[Any, int, int, Any]] = []  # piece, address of its bytes, bytes, what holds them
+    if other:
+        torch = _torch()
+        for block, at, take, tensor in other:
+            fd, offset, _ = placements[block]
+            if fd in bases:
+                fills.append((tensor, bases[fd] + offset + at, take, None))
+            else:  # read into a buffer first
+                temp = torch.empty(take, dtype=torch.uint8)
+                raw.append((block, at, take, (temp.data_ptr(), temp)))
+                fills.append((tensor, temp.data_ptr(), take, temp))
+    memory: list[tuple[int, int, str, int, int]] = []  # from a mapping: (fd, offset, "mem", address, bytes)
+    reads: list[tuple[int, int, str, int, int]] = []
+    for block, at, take, (address, _) in raw:
+        fd, offset, _ = placements[block]
+        (memory if fd in bases else reads).append((fd, offset + at, "mem", address, take))
+    copies = [(bases[r.src] + r.src_offset, r.dst_offset, r.nbytes) for r in plan_runs(memory, sort=False)]
+
+    def copy(part: list[tuple[int, int, int]]) -> None:
+        for source, target, nbytes in part:
+            ctypes.memmove(target, source, nbytes)  # (releases the GIL)
+
+    runs: list[tuple[int, int, list[Any], int]] = []  # fd, offset, buffers, bytes: one preadv each
+    for run in plan_runs(reads, sort=False):
+        buffer = (ctypes.c_char * run.nbytes).from_address(run.dst_offset)
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last[0] == run.src
+            and last[1] + last[3] == run.src_offset
+            and len(last[2]) < 512
+        ):
+            last[2].append(buffer)
+            runs[-1] = (run.src, last[1], last[2], last[3] + run.nbytes)
+        else:
+            runs.append((run.src, run.src_offset, [buffer], run.nbytes))
+
+    def read(part: list[tuple[int, int, list[Any], int]]) -> None:
         for fd, offset, buffers, total in part:
             got = os.preadv(fds[fd], buffers, offset)
             if got != total:
                 raise BadFrame(f"a block descriptor gave {got} of {total} bytes")
 
-    def copy(part: list[tuple[memoryview, int, memoryview]]) -> None:
-        import numpy as np
-
-        for source, offset, view in part:
-            np.copyto(
-                np.frombuffer(view, dtype=np.uint8),
-                np.frombuffer(source, dtype=np.uint8, count=len(view), offset=offset),
-            )
-
     try:
-        in_two(copy, copies, sum(len(view) for _, _, view in copies))
+        in_two(copy, copies, sum(c[2] for c in copies))
+        total = sum(run[3] for run in runs)
+        if total < _PARALLEL_BYTES or len(runs) >= 2:
+            in_two(read, runs, total)
+        else:  # one long run: split it in two by its buffers
+            fd, offset, buffers, _ = runs[0]
+            half = len(buffers) // 2
+            if half:
+                second = offset + sum(len(b) for b in buffers[:half])
+                future = _pool().submit(
+                    read, [(fd, second, buffers[half:], sum(len(b) for b in buffers[half:]))]
+                )
+                read([(fd, offset, buffers[:half], second - offset)])
+                future.result()
+            else:
+                read(runs)
+        for tensor, address, take, _ in fills:
+            _fill(tensor, address, take)
     finally:
         for source in mapped.values():
             if source is not None:
                 with contextlib.suppress(BufferError):  # a failed copy's frames may hold a view a while
                     source.release()
-    total = sum(run[3] for run in runs)
-    if total < _PARALLEL_BYTES or len(runs) >= 2:
-        in_two(read, runs, total)
-    else:  # one long run: split it in two by its buffers
-        fd, offset, buffers, _ = runs[0]
-        half = len(buffers) // 2
-        if half:
-            second = offset + sum(len(b) for b in buffers[:half])
-            future = _pool().submit(read, [(fd, second, buffers[half:], sum(len(b) for b in buffers[half:]))])
-            read([(fd, offset, buffers[:half], second - offset)])
-            future.result()
-        else:
-            read(runs)
-    for target, host in devices:
-        target.reshape(-1).view(_torch().uint8)[: host.numel()].copy_(host.to(target.device))
-    return len(placements)
+
+
+def _fill(piece: Any, address: int, take: int) -> None:
+    """``piece`` (any strides, any device) gets the ``take`` bytes at ``address`` as its first elements in
+    logical order, its dtype and shape laid over them (the rest of a piece filled in part is kept)."""
+    import ctypes
+
+    torch = _torch()
+    source = torch.frombuffer((ctypes.c_char * take).from_address(address), dtype=torch.uint8)
+    size = piece.numel() * piece.element_size()
+    if take < size:  # the block ends inside this piece: its other bytes stay as they are
+        whole = piece.resolve_conj().resolve_neg().to("cpu", memory_format=torch.contiguous_format, copy=True)
+        whole.reshape(-1).view(torch.uint8)[:take].copy_(source)
+        piece.copy_(whole)
+        return
+    if address % piece.element_size():
+        source = source.clone()  # (aligned for the element type)
+    piece.copy_(source.view(piece.dtype).view(piece.shape))
 
 
 def _close(fds: list[int]) -> None:
