@@ -373,7 +373,7 @@ def _destination(
             if (
                 piece.device.type == "cpu"
                 and piece.is_contiguous()
-                and not (piece.is_conj() or piece.is_neg())
+                and not (piece.is_conj() or piece.is_neg() or _is_cuda(piece))
             ):
                 raw.append((block, at, take, (piece.data_ptr(), piece)))
             else:
@@ -408,6 +408,7 @@ def _destination(
 
 
 def _is_cuda(tensor: Any) -> bool:
+    """Whether a piece goes through skippyd.transfer (tests/test_transfer_sim.py makes CPU tensors do)."""
     return bool(tensor.is_cuda)
 
 
