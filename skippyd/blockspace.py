@@ -22,6 +22,7 @@ import contextlib
 import mmap
 import os
 import stat
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -348,34 +349,58 @@ slab_maps = SlabMaps()
 
 
 # A destination piece of ``get_into``: ``(block, at, nbytes, where)``: block ``block`` of the reply, its bytes
-# ``[at, at + nbytes)``; ``where`` is ``(address, keep)`` for plain memory (a C-contiguous buffer or a
-# contiguous CPU tensor: a memcpy) or a tensor to fill with ``copy_`` (strided, conjugate or negative
-# views, other devices; CUDA tensors go through skippyd.transfer first).
+# ``[at, at + nbytes)``; ``where`` is the address for plain memory (a C-contiguous buffer or a contiguous
+# CPU tensor: a memcpy; ``out`` keeps it alive) or a tensor to fill with ``copy_`` (strided, conjugate or
+# negative views, other devices; CUDA tensors go through skippyd.transfer first).
 _Dest = tuple[int, int, int, Any]
 
+#: Tests only (tests/test_transfer_sim.py): CPU tensors go the way CUDA ones do, to the device transfer.
+_CPU_AS_DEVICE = False
 
-def _destination(
-    target: Any, nbytes: int, index: int, block: int, *, raw: list[_Dest], other: list[_Dest]
+
+class _NoTensor:  # what isinstance checks against before torch is imported (no tensor can exist then)
+    pass
+
+
+def _tensor_type() -> type:
+    torch = sys.modules.get("torch")
+    return torch.Tensor if torch is not None else _NoTensor
+
+
+def _destination(  # noqa: PLR0917 - one block's destination and where its pieces go
+    target: Any,
+    nbytes: int,
+    index: int,
+    block: int,
+    tensor: Any,
+    lists: tuple[list[_Dest], list[_Dest], list[Any]],
 ) -> None:
     """Where block ``index``'s ``nbytes`` go: ``target`` (one buffer or tensor, or a list or tuple of them
     that the block's bytes fill one after another, as ``put`` takes pieces; the last may be filled only
-    in part) split into memory to memcpy into (``raw``) and tensors to ``copy_`` into (``other``)."""
+    in part) split into memory to memcpy into (``raw``) and tensors to ``copy_`` into (``other``); what
+    keeps a buffer's address valid goes to ``keep``. Lean: an engine passes thousands of pieces."""
+    raw, other, keep = lists
     pieces = target if isinstance(target, list | tuple) else (target,)
     at = 0
+    plain = not _CPU_AS_DEVICE
     for piece in pieces:
         left = nbytes - at
         if not left:
             break
-        if type(piece).__module__.startswith("torch"):
-            take = min(piece.numel() * piece.element_size(), left)
-            if not take:
+        if isinstance(piece, tensor):
+            take = piece.nbytes
+            if take > left:
+                take = left
+            elif not take:
                 continue
             if (
-                piece.device.type == "cpu"
+                piece.is_cpu
                 and piece.is_contiguous()
-                and not (piece.is_conj() or piece.is_neg() or _is_cuda(piece))
+                and not piece.is_conj()
+                and not piece.is_neg()
+                and plain
             ):
-                raw.append((block, at, take, (piece.data_ptr(), piece)))
+                raw.append((block, at, take, piece.data_ptr()))
             else:
                 if any(s == 0 and n > 1 for s, n in zip(piece.stride(), piece.shape, strict=True)):
                     raise InvalidArgument(
@@ -401,15 +426,16 @@ def _destination(
             import numpy as np
 
             array = np.frombuffer(view.cast("B"), dtype=np.uint8)
-            raw.append((block, at, take, (array.ctypes.data, array)))
+            keep.append(array)
+            raw.append((block, at, take, array.ctypes.data))
             at += take
     if at < nbytes:
         raise Mismatch(f"out[{index}] holds {at} bytes; block {index} has {nbytes}")
 
 
 def _is_cuda(tensor: Any) -> bool:
-    """Whether a piece goes through skippyd.transfer (tests/test_transfer_sim.py makes CPU tensors do)."""
-    return bool(tensor.is_cuda)
+    """Whether a piece goes through skippyd.transfer."""
+    return bool(tensor.is_cuda) or _CPU_AS_DEVICE
 
 
 def _to_cuda(
@@ -430,65 +456,137 @@ def _to_cuda(
 
 
 def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], first: int) -> int:
-    """Reads every served block into ``out[first + i]``; returns how many."""
+    """Reads every served block into ``out[first + i]``; returns how many. The host copies of the blocks
+    whose destinations are checked start in a pool thread while the next blocks' are (so a destination
+    that does not fit raises :class:`Mismatch` with the blocks before it possibly copied)."""
     placements = _placements(reply, fds)
     raw: list[_Dest] = []
     other: list[_Dest] = []
-    for i, (_, _, nbytes) in enumerate(placements):
-        _destination(out[first + i], nbytes, first + i, i, raw=raw, other=other)
-    if other:
-        cuda = [piece for piece in other if _is_cuda(piece[3])]
-        if cuda and _to_cuda(reply, fds, placements, cuda):
-            other = [piece for piece in other if not _is_cuda(piece[3])]
-    _host_copies(fds, placements, raw, other)
+    keep: list[Any] = []
+    lists, tensor = (raw, other, keep), _tensor_type()
+    copier = _HostCopies(fds, placements)
+    try:
+        for i, (_, _, nbytes) in enumerate(placements):
+            start = len(raw)
+            _destination(out[first + i], nbytes, first + i, i, tensor, lists)
+            copier.add(raw, start)
+        if other:
+            cuda = [piece for piece in other if _is_cuda(piece[3])]
+            if cuda and _to_cuda(reply, fds, placements, cuda):
+                other = [piece for piece in other if not _is_cuda(piece[3])]
+        copier.finish(other)
+    finally:
+        copier.close()
     return len(placements)
 
 
-def _host_copies(
-    fds: list[int], placements: list[tuple[int, int, int]], raw: list[_Dest], other: list[_Dest]
-) -> None:
-    """Copies into plain memory with one memcpy per run (pieces that continue each other in the slab and
-    in memory merge: a block into consecutive pages of one tensor is one copy), from a read-only mapping
-    of the slab, or with ``preadv`` where the descriptor is not a slab file; fills the other pieces with
-    ``copy_`` from a uint8 view of their bytes reinterpreted as the piece's dtype and shape (the mirror of
-    ``put``: the block holds a piece's elements in its logical order)."""
+_CHUNK = 4 << 20  # merged copies handed to a pool thread at a time
+
+
+class _HostCopies:
+    """The host side of one ``get_into`` reply: copies into plain memory with one memcpy per run (pieces
+    that continue each other in the slab and in memory merge: a block into consecutive pages of one
+    tensor is one copy per run of pages), from a read-only mapping of the slab, handed to a pool thread
+    4 MiB at a time as they are planned; ``preadv`` where the descriptor is not a slab file; then the
+    other pieces filled with ``copy_`` from a uint8 view of their bytes reinterpreted as the piece's dtype
+    and shape (the mirror of ``put``: the block holds a piece's elements in their logical order)."""
+
+    def __init__(self, fds: list[int], placements: list[tuple[int, int, int]]) -> None:
+        self.fds, self.placements = fds, placements
+        self.mapped: dict[int, memoryview | None] = {}
+        self.bases: dict[int, int] = {}
+        self.reads: list[tuple[int, int, str, int, int]] = []  # (fd, offset, "mem", address, bytes): preadv
+        self.chunk: list[tuple[int, int, int]] = []  # source address, target address, bytes: a memcpy each
+        self.chunk_bytes = 0
+        self.futures: list[Any] = []
+        self.run = (-1, -1, -1)  # the copy being extended
+
+    def _base(self, fd: int) -> int | None:
+        if fd not in self.mapped:
+            end = max(offset + nbytes for index, offset, nbytes in self.placements if index == fd)
+            view = self.mapped[fd] = slab_maps.view(self.fds[fd], end)
+            if view is not None:
+                import numpy as np
+
+                self.bases[fd] = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        return self.bases.get(fd)
+
+    def add(self, raw: list[_Dest], start: int) -> None:
+        """Plans the copies of ``raw[start:]`` (one block's plain pieces)."""
+        if start == len(raw):
+            return
+        placements, bases = self.placements, self.bases
+        src_at, dst_at, size = self.run
+        for block, at, take, address in raw[start:]:
+            fd, offset, _ = placements[block]
+            base = bases.get(fd)
+            if base is None and (base := self._base(fd)) is None:
+                self.reads.append((fd, offset + at, "mem", address, take))
+            elif base + offset + at == src_at + size and address == dst_at + size:
+                size += take
+            else:
+                if size > 0:
+                    self._copy(src_at, dst_at, size)
+                src_at, dst_at, size = base + offset + at, address, take
+        self.run = (src_at, dst_at, size)
+
+    def _copy(self, source: int, target: int, nbytes: int) -> None:
+        self.chunk.append((source, target, nbytes))
+        self.chunk_bytes += nbytes
+        if self.chunk_bytes >= _CHUNK:
+            self.futures.append(_pool().submit(_memmoves, self.chunk))
+            self.chunk, self.chunk_bytes = [], 0
+
+    def finish(self, other: list[_Dest]) -> None:
+        """The last copies here, the reads, then the pieces to fill with ``copy_``."""
+        src_at, dst_at, size = self.run
+        if size > 0:
+            self.chunk.append((src_at, dst_at, size))
+            self.run = (-1, -1, -1)
+        fills: list[tuple[Any, int, int, Any]] = []  # piece, address of its bytes, bytes, what holds them
+        if other:
+            torch = _torch()
+            for block, at, take, target in other:
+                fd, offset, _ = self.placements[block]
+                base = self._base(fd)
+                if base is not None:
+                    fills.append((target, base + offset + at, take, None))
+                else:  # read into a buffer first
+                    temp = torch.empty(take, dtype=torch.uint8)
+                    self.reads.append((fd, offset + at, "mem", temp.data_ptr(), take))
+                    fills.append((target, temp.data_ptr(), take, temp))
+        _memmoves(self.chunk)
+        for future in self.futures:
+            future.result()
+        self.futures = []
+        _preadv(self.fds, self.reads)
+        for target, address, take, _ in fills:
+            _fill(target, address, take)
+
+    def close(self) -> None:
+        """Waits for the copies still running (a failed call's), then lets the mappings go."""
+        for future in self.futures:
+            with contextlib.suppress(Exception):
+                future.result()
+        for view in self.mapped.values():
+            if view is not None:
+                with contextlib.suppress(BufferError):  # a failed copy's frames may hold a view a while
+                    view.release()
+
+
+def _memmoves(copies: list[tuple[int, int, int]]) -> None:
     import ctypes
 
-    import numpy as np
+    for source, target, nbytes in copies:
+        ctypes.memmove(target, source, nbytes)  # (releases the GIL)
+
+
+def _preadv(fds: list[int], reads: list[tuple[int, int, str, int, int]]) -> None:
+    """Reads ``(fd, offset, _, address, bytes)`` from descriptors that are not slab files (an L3 read into
+    a memfd): merged into runs, up to 512 buffers a call, split over two threads for large reads."""
+    import ctypes
 
     from .transfer.plan import plan_runs
-
-    ends: dict[int, int] = {}
-    for block, at, take, _ in raw + other:
-        fd, offset, _ = placements[block]
-        ends[fd] = max(ends.get(fd, 0), offset + at + take)
-    mapped = {fd: slab_maps.view(fds[fd], end) for fd, end in ends.items()}
-    bases = {
-        fd: int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-        for fd, view in mapped.items()
-        if view is not None
-    }
-    fills: list[tuple[Any, int, int, Any]] = []  # piece, address of its bytes, bytes, what holds them
-    if other:
-        torch = _torch()
-        for block, at, take, tensor in other:
-            fd, offset, _ = placements[block]
-            if fd in bases:
-                fills.append((tensor, bases[fd] + offset + at, take, None))
-            else:  # read into a buffer first
-                temp = torch.empty(take, dtype=torch.uint8)
-                raw.append((block, at, take, (temp.data_ptr(), temp)))
-                fills.append((tensor, temp.data_ptr(), take, temp))
-    memory: list[tuple[int, int, str, int, int]] = []  # from a mapping: (fd, offset, "mem", address, bytes)
-    reads: list[tuple[int, int, str, int, int]] = []
-    for block, at, take, (address, _) in raw:
-        fd, offset, _ = placements[block]
-        (memory if fd in bases else reads).append((fd, offset + at, "mem", address, take))
-    copies = [(bases[r.src] + r.src_offset, r.dst_offset, r.nbytes) for r in plan_runs(memory, sort=False)]
-
-    def copy(part: list[tuple[int, int, int]]) -> None:
-        for source, target, nbytes in part:
-            ctypes.memmove(target, source, nbytes)  # (releases the GIL)
 
     runs: list[tuple[int, int, list[Any], int]] = []  # fd, offset, buffers, bytes: one preadv each
     for run in plan_runs(reads, sort=False):
@@ -511,30 +609,19 @@ def _host_copies(
             if got != total:
                 raise BadFrame(f"a block descriptor gave {got} of {total} bytes")
 
-    try:
-        in_two(copy, copies, sum(c[2] for c in copies))
-        total = sum(run[3] for run in runs)
-        if total < _PARALLEL_BYTES or len(runs) >= 2:
-            in_two(read, runs, total)
-        else:  # one long run: split it in two by its buffers
-            fd, offset, buffers, _ = runs[0]
-            half = len(buffers) // 2
-            if half:
-                second = offset + sum(len(b) for b in buffers[:half])
-                future = _pool().submit(
-                    read, [(fd, second, buffers[half:], sum(len(b) for b in buffers[half:]))]
-                )
-                read([(fd, offset, buffers[:half], second - offset)])
-                future.result()
-            else:
-                read(runs)
-        for tensor, address, take, _ in fills:
-            _fill(tensor, address, take)
-    finally:
-        for source in mapped.values():
-            if source is not None:
-                with contextlib.suppress(BufferError):  # a failed copy's frames may hold a view a while
-                    source.release()
+    total = sum(run[3] for run in runs)
+    if total < _PARALLEL_BYTES or len(runs) >= 2:
+        in_two(read, runs, total)
+        return
+    fd, offset, buffers, _ = runs[0]  # one long run: split it in two by its buffers
+    half = len(buffers) // 2
+    if not half:
+        read(runs)
+        return
+    second = offset + sum(len(b) for b in buffers[:half])
+    future = _pool().submit(read, [(fd, second, buffers[half:], sum(len(b) for b in buffers[half:]))])
+    read([(fd, offset, buffers[:half], second - offset)])
+    future.result()
 
 
 def _fill(piece: Any, address: int, take: int) -> None:

@@ -452,14 +452,13 @@ def _copy_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     from skippyd import blockspace
 
     counts: list[int] = []
-    original = blockspace.in_two
+    original = blockspace._memmoves
 
-    def spy(run: Any, jobs: list[Any], nbytes: int) -> None:
-        if run.__name__ == "copy":
-            counts.append(len(jobs))
-        original(run, jobs, nbytes)
+    def spy(copies: list[Any]) -> None:
+        counts.append(len(copies))
+        original(copies)
 
-    monkeypatch.setattr(blockspace, "in_two", spy)
+    monkeypatch.setattr(blockspace, "_memmoves", spy)
     return counts
 
 
@@ -495,7 +494,7 @@ def test_get_into_a_vllm_paged_layout_is_bit_exact_and_copies_each_run_of_consec
             untouched = sorted(set(range(80)) - {p for pages in into for p in pages})
             assert not engine[layer][kv, untouched].view(torch.uint8).any()
     # block 0's 16 pages are consecutive: one memcpy per layer and K/V; the others' pages are not adjacent
-    assert runs == [layers * 2 + 2 * layers * 2 * 16]
+    assert sum(runs) == layers * 2 + 2 * layers * 2 * 16  # (in chunks of 4 MiB over two threads)
 
 
 def test_get_into_an_sglang_layer_first_pool_is_bit_exact_blocking_and_async(make_daemon: Any) -> None:

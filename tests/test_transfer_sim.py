@@ -293,17 +293,16 @@ def through_sim(sim: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[st
     counts the memcpys its host path makes (none are expected)."""
     from skippyd import blockspace
 
-    monkeypatch.setattr(blockspace, "_is_cuda", lambda _tensor: True)
+    monkeypatch.setattr(blockspace, "_CPU_AS_DEVICE", True)
     monkeypatch.setattr(dev, "transfer", lambda: sim["transfer"])
     host: list[int] = []
-    original = blockspace.in_two
+    original = blockspace._memmoves
 
-    def spy(run: Any, jobs: list[Any], nbytes: int) -> None:
-        if run.__name__ == "copy":
-            host.append(len(jobs))
-        original(run, jobs, nbytes)
+    def spy(copies: list[Any]) -> None:
+        host.append(len(copies))
+        original(copies)
 
-    monkeypatch.setattr(blockspace, "in_two", spy)
+    monkeypatch.setattr(blockspace, "_memmoves", spy)
     return {**sim, "host": host}
 
 
