@@ -481,13 +481,15 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
 
 
 _CHUNK = 4 << 20  # merged copies handed to a pool thread at a time
+_LARGE_COPY = 256 << 10  # ... when they average at least this much
 
 
 class _HostCopies:
     """The host side of one ``get_into`` reply: copies into plain memory with one memcpy per run (pieces
     that continue each other in the slab and in memory merge: a block into consecutive pages of one
     tensor is one copy per run of pages), from a read-only mapping of the slab, handed to a pool thread
-    4 MiB at a time as they are planned; ``preadv`` where the descriptor is not a slab file; then the
+    4 MiB at a time as they are planned when the copies are large (measured: small ones are slower on
+    two threads, each copy taking the GIL back); ``preadv`` where the descriptor is not a slab file; then the
     other pieces filled with ``copy_`` from a uint8 view of their bytes reinterpreted as the piece's dtype
     and shape (the mirror of ``put``: the block holds a piece's elements in their logical order)."""
 
@@ -534,7 +536,10 @@ class _HostCopies:
         self.chunk.append((source, target, nbytes))
         self.chunk_bytes += nbytes
         if self.chunk_bytes >= _CHUNK:
-            self.futures.append(_pool().submit(_memmoves, self.chunk))
+            if self.chunk_bytes >= len(self.chunk) * _LARGE_COPY:
+                self.futures.append(_pool().submit(_memmoves, self.chunk))
+            else:  # many small copies: here (a thread would wait for the GIL between every two of them)
+                _memmoves(self.chunk)
             self.chunk, self.chunk_bytes = [], 0
 
     def finish(self, other: list[_Dest]) -> None:
