@@ -1,6 +1,6 @@
 """Blocks over the daemon's socket, one run, each figure beside its reference measured in the same run.
 
-    python -m bench.blocks [--turns 8] [--conversations 10] [--write-docs]
+    python -m bench.blocks [--turns 8] [--conversations 10] [--write-docs] [--paged-only] [--neighbour-only]
 
 1. ``put`` of 64 MiB as 256 blocks of 256 KiB into a tier with room and into a full one, ``get_into``
    the same, zero-copy ``get``: beside a numpy memcpy of the same 64 MiB;
@@ -11,7 +11,10 @@
    buffer beside a memcpy of those bytes, and hit rates under a budget of one fifth of the working set;
 4. L3: ``get_into`` after a restart with the tmpfs wiped and the page cache dropped, beside a plain
    read of the same bytes from a file on the same disk (cache dropped too);
-5. a quiet neighbour: another process copying memory (16 MiB at a time) while the daemon does its
+5. a restore into the engine's paged layout: ``get_into`` with each block given as its pieces in a
+   vLLM-shaped cache (pages in order and scattered), beside a memcpy of the same bytes, the same copies
+   without skippyd, and ``get`` views plus one copy per page (``--paged-only`` runs just this part);
+6. a quiet neighbour: another process copying memory (16 MiB at a time) while the daemon does its
    background work after a put of 128 MiB (the digester hashing it, the reserve refilling what it took),
    beside the same neighbour while the daemon is idle, with the reserve unpaced and paced
    (``--neighbour-only`` runs just this part).
