@@ -1,6 +1,6 @@
 """Blocks over the daemon's socket, one run, each figure beside its reference measured in the same run.
 
-    python -m bench.blocks [--turns 8] [--conversations 10] [--write-docs]
+    python -m bench.blocks [--turns 8] [--conversations 10] [--write-docs] [--paged-only] [--neighbour-only]
 
 1. ``put`` of 64 MiB as 256 blocks of 256 KiB into a tier with room and into a full one, ``get_into``
    the same, zero-copy ``get``: beside a numpy memcpy of the same 64 MiB;
@@ -11,7 +11,10 @@
    buffer beside a memcpy of those bytes, and hit rates under a budget of one fifth of the working set;
 4. L3: ``get_into`` after a restart with the tmpfs wiped and the page cache dropped, beside a plain
    read of the same bytes from a file on the same disk (cache dropped too);
-5. a quiet neighbour: another process copying memory (16 MiB at a time) while the daemon does its
+5. a restore into the engine's paged layout: ``get_into`` with each block given as its pieces in a
+   vLLM-shaped cache (pages in order and scattered), beside a memcpy of the same bytes, the same copies
+   without skippyd, and ``get`` views plus one copy per page (``--paged-only`` runs just this part);
+6. a quiet neighbour: another process copying memory (16 MiB at a time) while the daemon does its
    background work after a put of 128 MiB (the digester hashing it, the reserve refilling what it took),
    beside the same neighbour while the daemon is idle, with the reserve unpaced and paced
    (``--neighbour-only`` runs just this part).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import json
 import os
 import shutil
@@ -307,6 +311,119 @@ def _restore(  # noqa: PLR0917 - one workload's parts, passed through
     return int(space.get_into(keys, pages)) * BLOCK_TOKENS
 
 
+PAGED_LAYERS, PAGED_HEADS, PAGED_BLOCKS = 8, 8, 8
+PAGED_TITLE = (
+    "Restore into the engine's paged layout (pieces): {blocks} blocks of 256 tokens into a vLLM-shaped KV "
+    "cache ({layers} layers, one bf16 tensor (2, pages, 16, {heads} heads, 128) each), every block given to "
+    "`get_into` as its {pieces} pieces (16 pages × every layer × K and V, 32 KiB each); ÷ memcpy is the "
+    "median over 11 rounds of its time ÷ a numpy memcpy of the same {mib} MiB timed right before it "
+    "(target ≤ 1.3×); under each, the same copies from one plain buffer without skippyd (the layout's "
+    "own cost: 32 KiB copies into scattered pages run slower than one long memcpy):\n\n"
+)
+
+
+def paged_rows(workdir: Path) -> list[list[str]]:
+    """``get_into`` with pieces into a vLLM-shaped paged layout: pages in runs of consecutive page ids (the
+    pieces of a run merge into one copy per layer and K/V) and pages scattered (one copy each), beside a
+    memcpy of the bytes and beside what an engine did without pieces (``get`` views, one copy per page)."""
+    import torch
+
+    import skippyd
+
+    layers, heads, count = PAGED_LAYERS, PAGED_HEADS, PAGED_BLOCKS
+    pages = count * 16
+    shape = (2, pages, 16, heads, 128)
+    gen = torch.Generator().manual_seed(5)
+    source = [torch.randint(0, 256, (2 * pages * 16 * heads * 128 * 2,), dtype=torch.uint8, generator=gen)
+              .view(torch.bfloat16).view(shape) for _ in range(layers)]  # fmt: skip
+    engine = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)]
+
+    def pieces(caches: list[Any], ids: list[int]) -> list[Any]:
+        return [cache[kv, page] for cache in caches for kv in range(2) for page in ids]
+
+    in_order = [list(range(16 * b, 16 * (b + 1))) for b in range(count)]
+    scattered_ids = torch.randperm(pages, generator=gen).tolist()
+    scattered = [scattered_ids[16 * b : 16 * (b + 1)] for b in range(count)]
+    total = count * layers * 2 * 16 * 16 * heads * 128 * 2
+    src_bytes = np.random.default_rng(6).integers(0, 255, total, dtype=np.uint8)
+    dst_bytes = np.ones_like(src_bytes)
+
+    def paired(op: Callable[[], object], reps: int = 11) -> tuple[float, float]:
+        """Medians of ``op`` and of the ratio to a memcpy of the same bytes timed right before it each
+        time (the machine is shared: its load drifts between a reference and a later figure)."""
+        took, ratios = [], []
+        for _ in range(reps):
+            start = time.perf_counter()
+            np.copyto(dst_bytes, src_bytes)
+            ref = time.perf_counter() - start
+            start = time.perf_counter()
+            op()
+            took.append(time.perf_counter() - start)
+            ratios.append(took[-1] / ref)
+        return median(took), median(ratios)
+
+    memcpy = _memcpy(total)
+    rows = [[f"numpy memcpy of {total // MiB} MiB (reference)", fmt_time(memcpy), "1.00×"]]
+    daemon = BenchDaemon(workdir / "paged", "--l2-reserve", "0", budget="512MiB").start()
+    try:
+        client = skippyd.Client(daemon.socket, timeout=120)
+        space = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK_TOKENS)
+        keys = space.keys(list(range(count * BLOCK_TOKENS)))
+        space.put(keys, [pieces(source, ids) for ids in in_order], durable=False)
+        flat = torch.from_numpy(src_bytes)
+        for label, ids in (("pages in order", in_order), ("pages scattered", scattered)):
+            outs = [pieces(engine, block) for block in ids]
+
+            def restore(outs: list[list[Any]] = outs) -> None:
+                space.get_into(keys, outs)
+
+            took, ratio = paired(restore)
+            for b in range(count):
+                for src, dst in zip(in_order[b], ids[b], strict=True):
+                    for layer in range(layers):
+                        assert torch.equal(
+                            engine[layer][:, dst].view(torch.uint8), source[layer][:, src].view(torch.uint8)
+                        )
+            rows.append([f"get_into with pieces, {label}", fmt_time(took), f"{ratio:.2f}×"])
+            starts = [(p.data_ptr(), p.numel() * 2) for out in outs for p in out]
+
+            def floor(starts: list[tuple[int, int]] = starts) -> None:  # the same copies, no skippyd
+                at = flat.data_ptr()
+                for address, size in starts:
+                    ctypes.memmove(address, at, size)
+                    at += size
+
+            took, ratio = paired(floor)
+            rows.append(
+                [
+                    f"  the same 32 KiB copies from one buffer (no skippyd), {label}",
+                    fmt_time(took),
+                    f"{ratio:.2f}×",
+                ]
+            )
+
+        def views_then_copies() -> None:  # without pieces: views of the blocks, one copy_ per page
+            for block, ids in zip(space.get(keys), scattered, strict=True):
+                at = 0
+                for piece in pieces(engine, ids):
+                    size = piece.numel() * 2
+                    piece.view(-1).view(torch.uint8).copy_(block[at : at + size])
+                    at += size
+
+        took, ratio = paired(views_then_copies)
+        rows.append(
+            [
+                "get views + one copy_ per page (without pieces), pages scattered",
+                fmt_time(took),
+                f"{ratio:.2f}×",
+            ]
+        )
+        client.close()
+    finally:
+        daemon.cleanup()
+    return rows
+
+
 def l3_rows(workdir: Path) -> list[list[str]]:
     import skippyd
 
@@ -493,9 +610,20 @@ def main() -> None:
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--neighbour-only", action="store_true", help="run only the neighbour's part")
     parser.add_argument("--neighbour-rounds", type=int, default=7, help="put/measure rounds per setting")
+    parser.add_argument("--paged-only", action="store_true", help="run only the paged-layout restore")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="skbb-", dir="/tmp"))
     neighbour_title = NEIGHBOUR_TITLE.replace("7 rounds", f"{args.neighbour_rounds} rounds")
+    paged_title = PAGED_TITLE.format(
+        blocks=PAGED_BLOCKS, layers=PAGED_LAYERS, heads=PAGED_HEADS, pieces=PAGED_LAYERS * 2 * 16,
+        mib=PAGED_BLOCKS * PAGED_LAYERS * 2 * 16 * 16 * PAGED_HEADS * 128 * 2 // MiB,
+    )  # fmt: skip
+    if args.paged_only:
+        try:
+            print(paged_title + table(["operation", "median", "÷ memcpy"], paged_rows(workdir)))
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     if args.neighbour_only:
         try:
             rows = neighbour_rows(workdir, trials=args.neighbour_rounds)
@@ -512,6 +640,7 @@ def main() -> None:
         reserve = reserve_rows(workdir)
         chat = Chat(args.conversations, args.turns, args.new_tokens, args.token_bytes)
         chat_table, _ = chat_rows(workdir, chat)
+        paged = paged_rows(workdir)
         l3 = l3_rows(workdir)
         neighbour = neighbour_rows(workdir, trials=args.neighbour_rounds)
     finally:
@@ -531,6 +660,7 @@ def main() -> None:
         "of the working set:\n\n"
         + table(["shape", "held ÷ unique", "sent ÷ unique", "capture p50", "capture p99", "÷ new memcpy p50",
                  "÷ new memcpy p99", "restore ÷ memcpy", "hit rate (⅕)", "restored (⅕)"], chat_table),
+        paged_title + table(["operation", "median", "÷ memcpy"], paged),
         "Entry capture end to end into a tier with room, before and after the pre-faulted reserve "
         "(target ≥ 0.3× memcpy; each capture and its memcpy timed after the same 1 s idle pause):\n\n"
         + table(["operation", "median", "vs memcpy"], reserve),

@@ -22,6 +22,7 @@ import contextlib
 import mmap
 import os
 import stat
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -347,138 +348,303 @@ def _unmap(entry: tuple[int, mmap.mmap, int]) -> None:
 slab_maps = SlabMaps()
 
 
-def _writable(target: Any, index: int, limit: int) -> tuple[memoryview, Any]:
-    """A writable byte view of ``target`` (and the device tensor to copy its first ``limit`` bytes into
-    afterwards, if any)."""
-    if type(target).__module__.startswith("torch"):
-        if target.device.type != "cpu":
-            host = _torch().empty(min(limit, target.numel() * target.element_size()), dtype=_torch().uint8)
-            return memoryview(host.numpy()).cast("B"), (target, host)
-        if not target.is_contiguous():
-            raise InvalidArgument(f"out[{index}] must be contiguous")
-        flat = target.detach().reshape(-1).view(_torch().uint8)
-        return memoryview(flat.numpy()).cast("B"), None
-    try:
-        view = memoryview(target).cast("B")
-    except TypeError:
-        raise InvalidArgument(f"out[{index}] must be a tensor or a writable buffer") from None
-    if view.readonly:
-        raise InvalidArgument(f"out[{index}] is read-only")
-    return view, None
+# A destination piece of ``get_into``: ``(block, at, nbytes, where)``: block ``block`` of the reply, its bytes
+# ``[at, at + nbytes)``; ``where`` is the address for plain memory (a C-contiguous buffer or a contiguous
+# CPU tensor: a memcpy; ``out`` keeps it alive) or a tensor to fill with ``copy_`` (strided, conjugate or
+# negative views, other devices; CUDA tensors go through skippyd.transfer first).
+_Dest = tuple[int, int, int, Any]
+
+#: Tests only (tests/test_transfer_sim.py): CPU tensors go the way CUDA ones do, to the device transfer.
+_CPU_AS_DEVICE = False
 
 
-def _destination(target: Any, nbytes: int, index: int) -> tuple[list[memoryview], list[Any]]:
-    """Where block ``index``'s ``nbytes`` go: byte views of ``target`` (one buffer or tensor, or a list or
-    tuple of them that the block's bytes fill one after another, as ``put`` takes pieces) and the device
-    tensors to copy into afterwards."""
-    pieces = target if isinstance(target, list | tuple) else [target]
-    views: list[memoryview] = []
-    devices: list[Any] = []
-    left = nbytes
+class _NoTensor:  # what isinstance checks against before torch is imported (no tensor can exist then)
+    pass
+
+
+def _tensor_type() -> type:
+    torch = sys.modules.get("torch")
+    return torch.Tensor if torch is not None else _NoTensor
+
+
+def _destination(  # noqa: PLR0917 - one block's destination and where its pieces go
+    target: Any,
+    nbytes: int,
+    index: int,
+    block: int,
+    tensor: Any,
+    lists: tuple[list[_Dest], list[_Dest], list[Any]],
+) -> None:
+    """Where block ``index``'s ``nbytes`` go: ``target`` (one buffer or tensor, or a list or tuple of them
+    that the block's bytes fill one after another, as ``put`` takes pieces; the last may be filled only
+    in part) split into memory to memcpy into (``raw``) and tensors to ``copy_`` into (``other``); what
+    keeps a buffer's address valid goes to ``keep``. Lean: an engine passes thousands of pieces."""
+    raw, other, keep = lists
+    pieces = target if isinstance(target, list | tuple) else (target,)
+    at = 0
+    plain = not _CPU_AS_DEVICE
     for piece in pieces:
+        left = nbytes - at
         if not left:
             break
-        view, device = _writable(piece, index, left)
-        take = min(len(view), left)
-        views.append(view[:take])
-        left -= take
-        if device is not None:
-            devices.append(device)
-    if left:
-        raise Mismatch(f"out[{index}] holds {nbytes - left} bytes; block {index} has {nbytes}")
-    return views, devices
+        if isinstance(piece, tensor):
+            take = piece.nbytes
+            if take > left:
+                take = left
+            elif not take:
+                continue
+            if (
+                piece.is_cpu
+                and piece.is_contiguous()
+                and not piece.is_conj()
+                and not piece.is_neg()
+                and plain
+            ):
+                raw.append((block, at, take, piece.data_ptr()))
+            else:
+                if any(s == 0 and n > 1 for s, n in zip(piece.stride(), piece.shape, strict=True)):
+                    raise InvalidArgument(
+                        f"out[{index}] has a piece whose elements share memory (a 0 stride)"
+                    )
+                other.append((block, at, take, piece.detach()))
+            at += take
+            continue
+        try:
+            view = memoryview(piece)
+        except TypeError:
+            raise InvalidArgument(
+                f"out[{index}] must be a tensor or a writable buffer, or a list of them"
+            ) from None
+        if view.readonly:
+            raise InvalidArgument(f"out[{index}] is read-only")
+        if not view.c_contiguous:
+            raise InvalidArgument(
+                f"out[{index}]: buffers must be C-contiguous (a strided array: pass it as a tensor)"
+            )
+        take = min(view.nbytes, left)
+        if take:
+            import numpy as np
+
+            array = np.frombuffer(view.cast("B"), dtype=np.uint8)
+            keep.append(array)
+            raw.append((block, at, take, array.ctypes.data))
+            at += take
+    if at < nbytes:
+        raise Mismatch(f"out[{index}] holds {at} bytes; block {index} has {nbytes}")
+
+
+def _is_cuda(tensor: Any) -> bool:
+    """Whether a piece goes through skippyd.transfer."""
+    return bool(tensor.is_cuda) or _CPU_AS_DEVICE
 
 
 def _to_cuda(
-    reply: dict[str, Any], fds: list[int], placements: list[tuple[int, int, int]], outs: Sequence[Any]
+    reply: dict[str, Any], fds: list[int], placements: list[tuple[int, int, int]], pieces: list[_Dest]
 ) -> bool:
-    """Queues every block's DMA into contiguous CUDA ``outs`` (one device) from the registered slabs;
-    False when they are not such tensors or a descriptor is served once (then the host path copies)."""
-    device = outs[0].device
-    if not all(getattr(o, "is_cuda", False) and o.device == device and o.is_contiguous() for o in outs):
+    """Queues the DMA of every CUDA piece (one device) from the registered slabs (skippyd.transfer: one
+    copy per contiguous run, strided pieces through a device staging buffer and one on-device copy);
+    False when they are on several devices or a descriptor is served once (then the host path copies)."""
+    device = pieces[0][3].device
+    if not all(piece[3].device == device for piece in pieces):
         return False
     from .transfer.device import transfer
 
     generations = reply.get("generations")
     if not isinstance(generations, list) or len(generations) != len(fds):
         return False
-    return transfer().blocks_to_device(placements, fds, [int(g) for g in generations], outs)
+    return transfer().pieces_to_device(placements, fds, [int(g) for g in generations], pieces)
 
 
 def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], first: int) -> int:
-    """Reads every served block into ``out[first + i]``; returns how many."""
+    """Reads every served block into ``out[first + i]``; returns how many. The host copies of the blocks
+    whose destinations are checked start in a pool thread while the next blocks' are (so a destination
+    that does not fit raises :class:`Mismatch` with the blocks before it possibly copied)."""
     placements = _placements(reply, fds)
-    if placements and getattr(out[first], "is_cuda", False):
-        outs = out[first : first + len(placements)]
-        if _to_cuda(reply, fds, placements, outs):
-            return len(placements)
-    views: list[tuple[int, int, memoryview]] = []
-    devices: list[Any] = []
-    for i, (fd, offset, nbytes) in enumerate(placements):
-        pieces, device = _destination(out[first + i], nbytes, first + i)
-        at = offset
-        for view in pieces:
-            views.append((fd, at, view))
-            at += len(view)
-        devices += device
-    ends: dict[int, int] = {}
-    for fd, offset, view in views:
-        ends[fd] = max(ends.get(fd, 0), offset + len(view))
-    mapped = {fd: slab_maps.view(fds[fd], end) for fd, end in ends.items()}
-    copies: list[tuple[memoryview, int, memoryview]] = []  # slab, offset, buffer: a memcpy each
-    runs: list[tuple[int, int, list[memoryview], int]] = []  # fd, offset, buffers, bytes: preadv
-    for fd, offset, view in views:
-        source = mapped[fd]
-        if not len(view):
-            continue
-        if source is not None:
-            copies.append((source, offset, view))
-            continue
-        last = runs[-1] if runs else None
-        if last is not None and last[0] == fd and last[1] + last[3] == offset and len(last[2]) < 512:
-            last[2].append(view)
-            runs[-1] = (fd, last[1], last[2], last[3] + len(view))
-        else:
-            runs.append((fd, offset, [view], len(view)))
+    raw: list[_Dest] = []
+    other: list[_Dest] = []
+    keep: list[Any] = []
+    lists, tensor = (raw, other, keep), _tensor_type()
+    copier = _HostCopies(fds, placements)
+    try:
+        for i, (_, _, nbytes) in enumerate(placements):
+            start = len(raw)
+            _destination(out[first + i], nbytes, first + i, i, tensor, lists)
+            copier.add(raw, start)
+        if other:
+            cuda = [piece for piece in other if _is_cuda(piece[3])]
+            if cuda and _to_cuda(reply, fds, placements, cuda):
+                other = [piece for piece in other if not _is_cuda(piece[3])]
+        copier.finish(other)
+    finally:
+        copier.close()
+    return len(placements)
 
-    def read(part: list[tuple[int, int, list[memoryview], int]]) -> None:
+
+_CHUNK = 4 << 20  # merged copies handed to a pool thread at a time
+_LARGE_COPY = 256 << 10  # ... when they average at least this much
+
+
+class _HostCopies:
+    """The host side of one ``get_into`` reply: copies into plain memory with one memcpy per run (pieces
+    that continue each other in the slab and in memory merge: a block into consecutive pages of one
+    tensor is one copy per run of pages), from a read-only mapping of the slab, handed to a pool thread
+    4 MiB at a time as they are planned when the copies are large (measured: small ones are slower on
+    two threads, each copy taking the GIL back); ``preadv`` where the descriptor is not a slab file; then the
+    other pieces filled with ``copy_`` from a uint8 view of their bytes reinterpreted as the piece's dtype
+    and shape (the mirror of ``put``: the block holds a piece's elements in their logical order)."""
+
+    def __init__(self, fds: list[int], placements: list[tuple[int, int, int]]) -> None:
+        self.fds, self.placements = fds, placements
+        self.mapped: dict[int, memoryview | None] = {}
+        self.bases: dict[int, int] = {}
+        self.reads: list[tuple[int, int, str, int, int]] = []  # (fd, offset, "mem", address, bytes): preadv
+        self.chunk: list[tuple[int, int, int]] = []  # source address, target address, bytes: a memcpy each
+        self.chunk_bytes = 0
+        self.futures: list[Any] = []
+        self.run = (-1, -1, -1)  # the copy being extended
+
+    def _base(self, fd: int) -> int | None:
+        if fd not in self.mapped:
+            end = max(offset + nbytes for index, offset, nbytes in self.placements if index == fd)
+            view = self.mapped[fd] = slab_maps.view(self.fds[fd], end)
+            if view is not None:
+                import numpy as np
+
+                self.bases[fd] = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        return self.bases.get(fd)
+
+    def add(self, raw: list[_Dest], start: int) -> None:
+        """Plans the copies of ``raw[start:]`` (one block's plain pieces)."""
+        if start == len(raw):
+            return
+        placements, bases = self.placements, self.bases
+        src_at, dst_at, size = self.run
+        for block, at, take, address in raw[start:]:
+            fd, offset, _ = placements[block]
+            base = bases.get(fd)
+            if base is None and (base := self._base(fd)) is None:
+                self.reads.append((fd, offset + at, "mem", address, take))
+            elif base + offset + at == src_at + size and address == dst_at + size:
+                size += take
+            else:
+                if size > 0:
+                    self._copy(src_at, dst_at, size)
+                src_at, dst_at, size = base + offset + at, address, take
+        self.run = (src_at, dst_at, size)
+
+    def _copy(self, source: int, target: int, nbytes: int) -> None:
+        self.chunk.append((source, target, nbytes))
+        self.chunk_bytes += nbytes
+        if self.chunk_bytes >= _CHUNK:
+            if self.chunk_bytes >= len(self.chunk) * _LARGE_COPY:
+                self.futures.append(_pool().submit(_memmoves, self.chunk))
+            else:  # many small copies: here (a thread would wait for the GIL between every two of them)
+                _memmoves(self.chunk)
+            self.chunk, self.chunk_bytes = [], 0
+
+    def finish(self, other: list[_Dest]) -> None:
+        """The last copies here, the reads, then the pieces to fill with ``copy_``."""
+        src_at, dst_at, size = self.run
+        if size > 0:
+            self.chunk.append((src_at, dst_at, size))
+            self.run = (-1, -1, -1)
+        fills: list[tuple[Any, int, int, Any]] = []  # piece, address of its bytes, bytes, what holds them
+        if other:
+            torch = _torch()
+            for block, at, take, target in other:
+                fd, offset, _ = self.placements[block]
+                base = self._base(fd)
+                if base is not None:
+                    fills.append((target, base + offset + at, take, None))
+                else:  # read into a buffer first
+                    temp = torch.empty(take, dtype=torch.uint8)
+                    self.reads.append((fd, offset + at, "mem", temp.data_ptr(), take))
+                    fills.append((target, temp.data_ptr(), take, temp))
+        _memmoves(self.chunk)
+        for future in self.futures:
+            future.result()
+        self.futures = []
+        _preadv(self.fds, self.reads)
+        for target, address, take, _ in fills:
+            _fill(target, address, take)
+
+    def close(self) -> None:
+        """Waits for the copies still running (a failed call's), then lets the mappings go."""
+        for future in self.futures:
+            with contextlib.suppress(Exception):
+                future.result()
+        for view in self.mapped.values():
+            if view is not None:
+                with contextlib.suppress(BufferError):  # a failed copy's frames may hold a view a while
+                    view.release()
+
+
+def _memmoves(copies: list[tuple[int, int, int]]) -> None:
+    import ctypes
+
+    for source, target, nbytes in copies:
+        ctypes.memmove(target, source, nbytes)  # (releases the GIL)
+
+
+def _preadv(fds: list[int], reads: list[tuple[int, int, str, int, int]]) -> None:
+    """Reads ``(fd, offset, _, address, bytes)`` from descriptors that are not slab files (an L3 read into
+    a memfd): merged into runs, up to 512 buffers a call, split over two threads for large reads."""
+    import ctypes
+
+    from .transfer.plan import plan_runs
+
+    runs: list[tuple[int, int, list[Any], int]] = []  # fd, offset, buffers, bytes: one preadv each
+    for run in plan_runs(reads, sort=False):
+        buffer = (ctypes.c_char * run.nbytes).from_address(run.dst_offset)
+        last = runs[-1] if runs else None
+        if (
+            last is not None
+            and last[0] == run.src
+            and last[1] + last[3] == run.src_offset
+            and len(last[2]) < 512
+        ):
+            last[2].append(buffer)
+            runs[-1] = (run.src, last[1], last[2], last[3] + run.nbytes)
+        else:
+            runs.append((run.src, run.src_offset, [buffer], run.nbytes))
+
+    def read(part: list[tuple[int, int, list[Any], int]]) -> None:
         for fd, offset, buffers, total in part:
             got = os.preadv(fds[fd], buffers, offset)
             if got != total:
                 raise BadFrame(f"a block descriptor gave {got} of {total} bytes")
 
-    def copy(part: list[tuple[memoryview, int, memoryview]]) -> None:
-        import numpy as np
-
-        for source, offset, view in part:
-            np.copyto(
-                np.frombuffer(view, dtype=np.uint8),
-                np.frombuffer(source, dtype=np.uint8, count=len(view), offset=offset),
-            )
-
-    try:
-        in_two(copy, copies, sum(len(view) for _, _, view in copies))
-    finally:
-        for source in mapped.values():
-            if source is not None:
-                with contextlib.suppress(BufferError):  # a failed copy's frames may hold a view a while
-                    source.release()
     total = sum(run[3] for run in runs)
     if total < _PARALLEL_BYTES or len(runs) >= 2:
         in_two(read, runs, total)
-    else:  # one long run: split it in two by its buffers
-        fd, offset, buffers, _ = runs[0]
-        half = len(buffers) // 2
-        if half:
-            second = offset + sum(len(b) for b in buffers[:half])
-            future = _pool().submit(read, [(fd, second, buffers[half:], sum(len(b) for b in buffers[half:]))])
-            read([(fd, offset, buffers[:half], second - offset)])
-            future.result()
-        else:
-            read(runs)
-    for target, host in devices:
-        target.reshape(-1).view(_torch().uint8)[: host.numel()].copy_(host.to(target.device))
-    return len(placements)
+        return
+    fd, offset, buffers, _ = runs[0]  # one long run: split it in two by its buffers
+    half = len(buffers) // 2
+    if not half:
+        read(runs)
+        return
+    second = offset + sum(len(b) for b in buffers[:half])
+    future = _pool().submit(read, [(fd, second, buffers[half:], sum(len(b) for b in buffers[half:]))])
+    read([(fd, offset, buffers[:half], second - offset)])
+    future.result()
+
+
+def _fill(piece: Any, address: int, take: int) -> None:
+    """``piece`` (any strides, any device) gets the ``take`` bytes at ``address`` as its first elements in
+    logical order, its dtype and shape laid over them (the rest of a piece filled in part is kept)."""
+    import ctypes
+
+    torch = _torch()
+    source = torch.frombuffer((ctypes.c_char * take).from_address(address), dtype=torch.uint8)
+    size = piece.numel() * piece.element_size()
+    if take < size:  # the block ends inside this piece: its other bytes stay as they are
+        whole = piece.resolve_conj().resolve_neg().to("cpu", memory_format=torch.contiguous_format, copy=True)
+        whole.reshape(-1).view(torch.uint8)[:take].copy_(source)
+        piece.copy_(whole)
+        return
+    if address % piece.element_size():
+        source = source.clone()  # (aligned for the element type)
+    piece.copy_(source.view(piece.dtype).view(piece.shape))
 
 
 def _close(fds: list[int]) -> None:

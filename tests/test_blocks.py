@@ -445,3 +445,148 @@ def test_a_restart_keeps_a_chains_tail_first_eviction_order(make_daemon: Any) ->
         held = blocks.contains(chain)
         assert 0 < held < 8  # the adopted chain lost blocks from its end, not its head
         assert client.stats()["l2"]["block_count"] == held + blocks.contains(other)
+
+
+def _copy_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records how many memcpys each get_into's host copy makes (the runs after merging)."""
+    from skippyd import blockspace
+
+    counts: list[int] = []
+    original = blockspace._memmoves
+
+    def spy(copies: list[Any]) -> None:
+        counts.append(len(copies))
+        original(copies)
+
+    monkeypatch.setattr(blockspace, "_memmoves", spy)
+    return counts
+
+
+def test_get_into_a_vllm_paged_layout_is_bit_exact_and_copies_each_run_of_consecutive_pages_once(
+    make_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from paged import vllm_block, vllm_caches
+
+    layers, heads = 4, 2  # a page piece is 16 tokens × 2 heads × 128 × bf16 = 8 KiB; a block 1 MiB
+    source = vllm_caches(layers, 64, heads, seed=1)
+    engine = vllm_caches(layers, 80, heads)
+    held = [list(range(16 * b, 16 * (b + 1))) for b in range(3)]
+    into = [
+        list(range(32, 48)),
+        list(range(79, 63, -1)),
+        [1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14],
+    ]
+    proc = make_daemon(budget="64MiB").start()
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+        keys = blocks.keys(list(range(3 * 256)))
+        put = blocks.put(keys, [vllm_block(source, pages) for pages in held], durable=False)
+        assert (put.stored, put.nbytes) == (3, 3 << 20)
+        runs = _copy_runs(monkeypatch)
+        assert blocks.get_into(keys, [vllm_block(engine, pages) for pages in into]) == 3
+    for layer in range(layers):
+        for kv in range(2):
+            for b in range(3):
+                for src, dst in zip(held[b], into[b], strict=True):
+                    assert torch.equal(
+                        engine[layer][kv, dst].view(torch.uint8), source[layer][kv, src].view(torch.uint8)
+                    )
+            untouched = sorted(set(range(80)) - {p for pages in into for p in pages})
+            assert not engine[layer][kv, untouched].view(torch.uint8).any()
+    # block 0's 16 pages are consecutive: one memcpy per layer and K/V; the others' pages are not adjacent
+    assert sum(runs) == layers * 2 + 2 * layers * 2 * 16  # (in chunks of 4 MiB over two threads)
+
+
+def test_get_into_an_sglang_layer_first_pool_is_bit_exact_blocking_and_async(make_daemon: Any) -> None:
+    from paged import sglang_block, sglang_pool
+
+    source = sglang_pool(3, 1024, 2, seed=2)
+    held = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    proc = make_daemon(budget="64MiB").start()
+
+    def check(pool: torch.Tensor, into: list[list[int]]) -> None:
+        for b in range(2):
+            for src, dst in zip(held[b], into[b], strict=True):
+                got = pool[:, :, dst * 64 : (dst + 1) * 64]
+                assert torch.equal(
+                    got.view(torch.uint8), source[:, :, src * 64 : (src + 1) * 64].view(torch.uint8)
+                )
+
+    into = [[9, 10, 11, 12], [3, 2, 1, 0]]
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+        keys = blocks.keys(list(range(2 * 256)))
+        assert blocks.put(keys, [sglang_block(source, pages) for pages in held], durable=False).stored == 2
+        pool = sglang_pool(3, 1024, 2)
+        assert blocks.get_into(keys, [sglang_block(pool, pages) for pages in into]) == 2
+        check(pool, into)
+
+    async def main() -> torch.Tensor:
+        async with skippyd.AsyncClient(proc.socket) as client:
+            blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+            pool = sglang_pool(3, 1024, 2)
+            pieces = [sglang_block(pool, pages) for pages in into]
+            assert await blocks.get_into(blocks.keys(list(range(2 * 256))), pieces) == 2
+            return pool
+
+    check(asyncio.run(main()), into)
+
+
+def test_get_into_strided_pieces_gets_their_elements_in_the_order_put_stored_them(
+    daemon: DaemonProcess,
+) -> None:
+    from paged import hf_block, random_like
+
+    with daemon.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+        # HF dynamic-cache layers (batch, heads, tokens, dim): a block's slice of one is a strided view
+        source = [
+            (
+                random_like((1, 2, 512, 128), torch.float16, 2 * i),
+                random_like((1, 2, 512, 128), torch.float16, 2 * i + 1),
+            )
+            for i in range(2)
+        ]
+        keys = blocks.keys(list(range(2 * 256)))
+        assert blocks.put(keys, [hf_block(source, b) for b in range(2)], durable=False).stored == 2
+        engine = [
+            (
+                torch.zeros(1, 2, 512, 128, dtype=torch.float16),
+                torch.zeros(1, 2, 512, 128, dtype=torch.float16),
+            )
+            for _ in range(2)
+        ]
+        pieces = [hf_block(engine, b) for b in range(2)]
+        assert not pieces[0][0].is_contiguous()
+        assert blocks.get_into(keys, pieces) == 2
+        assert all(
+            torch.equal(e.view(torch.uint8), s.view(torch.uint8))
+            for pe, ps in zip(engine, source, strict=True)
+            for e, s in zip(pe, ps, strict=True)
+        )
+        # a strided piece at an odd byte of its block, a transposed one, a conjugate view
+        odd = random_like((16, 8), torch.float32, 7).t()
+        cplx = random_like((4, 8), torch.complex64, 8)
+        other = blocks.keys([9] * 256)
+        assert blocks.put(other, [[bytearray(b"abc"), odd, cplx.conj()]], durable=False).stored == 1
+        head, got_odd, got_cplx = (
+            bytearray(3),
+            torch.zeros(16, 8, dtype=torch.float32),
+            torch.zeros(4, 8, dtype=torch.complex64),
+        )
+        assert blocks.get_into(other, [[head, got_odd.t(), got_cplx.conj()]]) == 1
+        assert head == b"abc"
+        assert torch.equal(got_odd.t().contiguous().view(torch.uint8), odd.contiguous().view(torch.uint8))
+        assert torch.equal(got_cplx.view(torch.uint8), cplx.view(torch.uint8))  # conj stored, conj read back
+        # a strided piece the block fills only in part: its first elements in logical order, the rest kept
+        short = blocks.keys([8] * 256)
+        values = torch.arange(16, dtype=torch.float32)
+        assert blocks.put(short, [values], durable=False).stored == 1
+        target = torch.full((8, 4), -1.0)
+        assert blocks.get_into(short, [target.t()]) == 1
+        assert torch.equal(target.t().reshape(-1), torch.cat([values, torch.full((16,), -1.0)]))
+        # refused with a typed error, nothing written: a strided numpy array, a piece with a 0 stride
+        with pytest.raises(InvalidArgument, match="C-contiguous"):
+            blocks.get_into(short, [np.zeros((16, 8), dtype=np.uint8)[:, ::2]])
+        with pytest.raises(InvalidArgument, match="0 stride"):
+            blocks.get_into(short, [torch.zeros(1, dtype=torch.float32).expand(16)])

@@ -182,3 +182,58 @@ def test_no_device_error_is_not_raised_where_cuda_exists() -> None:
     assert resolve_device("cuda").type == "cuda"
     with pytest.raises(skippyd.NoDevice):
         resolve_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_get_into_a_vllm_paged_layout_on_cuda_is_bit_exact_in_merged_runs(proc: Any) -> None:
+    from paged import same_bytes, vllm_block, vllm_caches
+
+    layers, heads = 4, 8  # a page piece is 16 × 8 × 128 bf16 = 32 KiB; a block 4 MiB
+    source = vllm_caches(layers, 48, heads, seed=1, device="cuda")
+    engine = vllm_caches(layers, 64, heads, device="cuda")
+    held = [list(range(16 * b, 16 * (b + 1))) for b in range(3)]
+    into = [list(range(48, 64)), list(range(31, 15, -1)), list(range(16))]
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+        keys = blocks.keys(list(range(3 * 256)))
+        assert blocks.put(keys, [vllm_block(source, pages) for pages in held], durable=False).stored == 3
+        copies = _transfer().copies
+        assert blocks.get_into(keys, [vllm_block(engine, pages) for pages in into]) == 3
+        assert _transfer().copies - copies <= 2 * layers * 2 + layers * 2 * 16  # runs of consecutive pages
+        for layer in range(layers):  # read on the current stream, no host sync
+            for b in range(3):
+                for src, dst in zip(held[b], into[b], strict=True):
+                    assert same_bytes(engine[layer][:, dst], source[layer][:, src])
+
+
+def test_get_into_an_sglang_pool_and_strided_pieces_on_cuda_is_bit_exact(proc: Any) -> None:
+    from paged import hf_block, random_like, same_bytes, sglang_block, sglang_pool
+
+    pool = sglang_pool(2, 512, 2, seed=3, device="cuda")
+    hf = [
+        (
+            random_like((1, 2, 512, 128), torch.float16, i, "cuda"),
+            random_like((1, 2, 512, 128), torch.float16, 5 + i, "cuda"),
+        )
+        for i in range(2)
+    ]
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+        keys = blocks.keys(list(range(2 * 256)))
+        assert (
+            blocks.put(
+                keys, [sglang_block(pool, [0, 1, 2, 3]), sglang_block(pool, [4, 5, 6, 7])], durable=False
+            ).stored
+            == 2
+        )
+        got = sglang_pool(2, 512, 2, device="cuda")
+        assert blocks.get_into(keys, [sglang_block(got, [4, 5, 6, 7]), sglang_block(got, [0, 1, 2, 3])]) == 2
+        assert same_bytes(got[:, :, :256], pool[:, :, 256:]) and same_bytes(got[:, :, 256:], pool[:, :, :256])
+        other = blocks.keys(list(range(7000, 7000 + 2 * 256)))
+        assert blocks.put(other, [hf_block(hf, b) for b in range(2)], durable=False).stored == 2
+        engine = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in hf]
+        assert (
+            blocks.get_into(other, [hf_block(engine, b) for b in range(2)]) == 2
+        )  # strided: staging + copy_
+        assert all(
+            same_bytes(e, s) for pe, ps in zip(engine, hf, strict=True) for e, s in zip(pe, ps, strict=True)
+        )

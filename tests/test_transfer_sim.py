@@ -285,3 +285,161 @@ def test_mappings_a_layered_get_still_needs_outlive_the_limit_and_go_once_it_is_
         assert len(transfer.maps) == 1 and torch.equal(outs[0], data[0])
         assert [c[0] for c in rec.calls].count("unregister") >= 1  # the dropped mapping's ranges
     transfer.close()
+
+
+@pytest.fixture
+def through_sim(sim: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """``BlockSpace.get_into`` sends every tensor piece to the simulated transfer (as it does CUDA ones), and
+    counts the memcpys its host path makes (none are expected)."""
+    from skippyd import blockspace
+
+    monkeypatch.setattr(blockspace, "_CPU_AS_DEVICE", True)
+    monkeypatch.setattr(dev, "transfer", lambda: sim["transfer"])
+    host: list[int] = []
+    original = blockspace._memmoves
+
+    def spy(copies: list[Any]) -> None:
+        host.append(len(copies))
+        original(copies)
+
+    monkeypatch.setattr(blockspace, "_memmoves", spy)
+    return {**sim, "host": host}
+
+
+def test_get_into_a_vllm_paged_layout_goes_by_dma_one_run_per_consecutive_pages_and_layer(
+    through_sim: dict[str, Any], make_daemon: Any
+) -> None:
+    from paged import vllm_block, vllm_caches
+
+    transfer, current = through_sim["transfer"], through_sim["current"]
+    layers, heads = 4, 2
+    source = vllm_caches(layers, 32, heads, seed=3)
+    engine = vllm_caches(layers, 64, heads)
+    held = [list(range(16)), list(range(16, 32))]
+    into = [list(range(48, 64)), list(range(15, -1, -1))]  # consecutive pages; then pages in reverse
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+        keys = blocks.keys(list(range(2 * 256)))
+        assert blocks.put(keys, [vllm_block(source, pages) for pages in held], durable=False).stored == 2
+        assert blocks.get_into(keys, [vllm_block(engine, pages) for pages in into]) == 2
+    for layer in range(layers):
+        for b in range(2):
+            for src, dst in zip(held[b], into[b], strict=True):
+                assert torch.equal(
+                    engine[layer][:, dst].view(torch.uint8), source[layer][:, src].view(torch.uint8)
+                )
+    assert transfer.copies == layers * 2 + layers * 2 * 16  # merged runs: block 0 one per layer and K/V
+    assert sum(through_sim["host"]) == 0  # nothing bounced through the host
+    assert current.waited and current.waited[-1][0] == "event"  # the caller's stream waits on skippyd's event
+    transfer.drain()
+    assert transfer.in_flight == 0
+
+
+def test_strided_device_pieces_land_in_a_staging_buffer_then_one_copy_each_in_put_order(
+    through_sim: dict[str, Any], make_daemon: Any
+) -> None:
+    from paged import hf_block, random_like, sglang_block, sglang_pool
+
+    transfer = through_sim["transfer"]
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+        source = [
+            (
+                random_like((1, 2, 512, 128), torch.float16, i),
+                random_like((1, 2, 512, 128), torch.float16, 9 + i),
+            )
+            for i in range(2)
+        ]
+        keys = blocks.keys(list(range(2 * 256)))
+        assert blocks.put(keys, [hf_block(source, b) for b in range(2)], durable=False).stored == 2
+        engine = [
+            (
+                torch.zeros(1, 2, 512, 128, dtype=torch.float16),
+                torch.zeros(1, 2, 512, 128, dtype=torch.float16),
+            )
+            for _ in range(2)
+        ]
+        issued: list[Any] = []
+        issue = transfer._issue
+
+        def recording(runs: Any, *args: Any) -> None:
+            issued.append(list(runs))
+            issue(runs, *args)
+
+        transfer._issue = recording
+        assert blocks.get_into(keys, [hf_block(engine, b) for b in range(2)]) == 2
+        assert all(
+            torch.equal(e.view(torch.uint8), s.view(torch.uint8))
+            for pe, ps in zip(engine, source, strict=True)
+            for e, s in zip(pe, ps, strict=True)
+        )
+        # the 8 strided pieces are consecutive in the slab and in staging: one DMA per block's slot run
+        assert len(issued) == 1 and len(issued[0]) <= 2
+        assert sum(through_sim["host"]) == 0
+        # a transposed piece, a conjugate one and a piece the block fills only in part, mixed with pages
+        pool = sglang_pool(1, 256, 1, seed=5)
+        odd, cplx = random_like((16, 8), torch.float32, 6).t(), random_like((4, 8), torch.complex64, 7)
+        other = blocks.keys([3] * 256)
+        assert (
+            blocks.put(
+                other,
+                [[*sglang_block(pool, [0, 1, 2, 3]), odd, cplx.conj(), torch.arange(8.0)]],
+                durable=False,
+            ).stored
+            == 1
+        )
+        got_pool = sglang_pool(1, 256, 1)
+        got_odd, got_cplx, tail = (
+            torch.zeros(16, 8),
+            torch.zeros(4, 8, dtype=torch.complex64),
+            torch.full((4, 4), -1.0),
+        )
+        pieces = [*sglang_block(got_pool, [0, 1, 2, 3]), got_odd.t(), got_cplx.conj(), tail.t()]
+        assert blocks.get_into(other, [pieces]) == 1
+        assert torch.equal(got_pool.view(torch.uint8), pool.view(torch.uint8))
+        assert torch.equal(got_odd.t().contiguous().view(torch.uint8), odd.contiguous().view(torch.uint8))
+        assert torch.equal(got_cplx.view(torch.uint8), cplx.view(torch.uint8))
+        assert torch.equal(tail.t().reshape(-1), torch.cat([torch.arange(8.0), torch.full((8,), -1.0)]))
+    transfer.drain()
+
+
+def test_a_layered_get_into_pieces_gives_each_layers_pieces_their_bytes_by_that_layers_event(
+    through_sim: dict[str, Any], make_daemon: Any
+) -> None:
+    from paged import vllm_block, vllm_caches
+
+    transfer = through_sim["transfer"]
+    layers, heads = 3, 1
+    source = vllm_caches(layers, 16, heads, seed=8)
+    engine = vllm_caches(layers, 16, heads)
+    strided = torch.zeros(256, 4, dtype=torch.float16)  # a strided piece after the pages, in the last layer
+    extra = torch.arange(1024, dtype=torch.float16).reshape(4, 256)
+    layer_bytes = 2 * 16 * 16 * heads * 128 * 2
+    spans = [(i * layer_bytes, (i + 1) * layer_bytes) for i in range(layers)]
+    spans[-1] = (spans[-1][0], spans[-1][1] + extra.numel() * 2)
+    seen: list[bool] = []
+    scatter = dev._scatter
+
+    def recording(scatters: Any, dests: Any, stream: Any) -> None:
+        scatter(scatters, dests, stream)
+        seen.append(bool(scatters) and torch.equal(strided.t(), extra))
+
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+        keys = blocks.keys(list(range(256)))
+        assert blocks.put(keys, [[*vllm_block(source, list(range(16))), extra]], durable=False).stored == 1
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(dev, "_scatter", recording)
+            with transfer.layered(spans) as copies:
+                assert blocks.get_into(keys, [[*vllm_block(engine, list(range(16))), strided.t()]]) == 1
+                assert not engine[0].any()  # only collected
+    assert len(copies.events) == layers
+    assert seen == [False, False, True]  # the strided piece is laid out with its own layer's copies
+    assert all(
+        torch.equal(e.view(torch.uint8), s.view(torch.uint8)) for e, s in zip(engine, source, strict=True)
+    )
+    assert torch.equal(strided.t(), extra)
+    transfer.drain()

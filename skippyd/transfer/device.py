@@ -251,13 +251,21 @@ class FileMaps:
 # ---------------------------------------------------------------- the transfer
 
 
+# A copy of one transfer: (source, offset, destination, offset, bytes, offset of its bytes in their block)
+_Piece = tuple[Hashable, int, Any, int, int, int]
+# A strided destination: (tensor, staging buffer, offset in it, bytes it takes, offset in its block). Its
+# bytes land in a device staging buffer by DMA, then one copy_ on skippyd's stream lays them into it.
+_Scatter = tuple[torch.Tensor, Any, int, int, int]
+
+
 @dataclass(slots=True)
 class _Part:
-    pieces: list[tuple[Hashable, int, int, int, int]]  # source, offset, destination storage, offset, size
+    pieces: list[_Piece]
     hosts: dict[Hashable, _Mapped]
     dests: dict[Any, torch.Tensor]
     needs: list[tuple[Hashable, int, int, list[tuple[int, int]]]]  # source, generation, base, spans
     leases: list[int]  # duplicated descriptors: ours to close
+    scatters: list[_Scatter]
 
 
 class Layered:
@@ -270,19 +278,20 @@ class Layered:
         self.device: torch.device | None = None
         self.pinned: list[Hashable] = []  # the mappings its parts use, kept until they are issued
 
-    def add(  # noqa: PLR0917 - one reply's copies, as blocks_to_device prepared them
+    def add(  # noqa: PLR0917 - one reply's copies, as pieces_to_device prepared them
         self,
-        pieces: list[tuple[Hashable, int, int, int, int]],
+        pieces: list[_Piece],
         hosts: dict[Hashable, _Mapped],
         dests: dict[Any, torch.Tensor],
         needs: list[tuple[Hashable, int, int, list[tuple[int, int]]]],
         leases: list[int],
         device: torch.device,
+        scatters: list[_Scatter] | None = None,
     ) -> None:
         if self.device is not None and device != self.device:
             raise InvalidArgument("the CUDA destinations of one layered get must be on one device")
         self.device = device
-        self.parts.append(_Part(pieces, hosts, dests, needs, [os.dup(fd) for fd in leases]))
+        self.parts.append(_Part(pieces, hosts, dests, needs, [os.dup(fd) for fd in leases], scatters or []))
 
     def take_leases(self) -> list[int]:
         leases = [fd for part in self.parts for fd in part.leases]
@@ -482,14 +491,39 @@ class DeviceTransfer:
         placements: Sequence[tuple[int, int, int]],
         fds: Sequence[int],
         generations: Sequence[int],
-        outs: Sequence[torch.Tensor],
+        outs: Sequence[torch.Tensor | Sequence[torch.Tensor]],
     ) -> bool:
-        """Copies block ``i`` (``placements[i]``: descriptor index, offset, size) into ``outs[i]``
-        (contiguous CUDA tensors of one device), queued on skippyd's stream; False when a descriptor is not
-        one to map and register (the caller copies another way)."""
-        if not outs:
+        """Copies block ``i`` (``placements[i]``: descriptor index, offset, size) into ``outs[i]`` (a CUDA
+        tensor of at least its size, or a list of them that its bytes fill in order; any strides; one
+        device), queued on skippyd's stream; False when a descriptor is not one to map and register (the
+        caller copies another way)."""
+        pieces: list[tuple[int, int, int, torch.Tensor]] = []
+        for block, ((_, _, nbytes), out) in enumerate(zip(placements, outs, strict=True)):
+            at = 0
+            for tensor in out if isinstance(out, list | tuple) else (out,):
+                take = min(_bytes_of(tensor), nbytes - at)
+                if take > 0:
+                    pieces.append((block, at, take, tensor))
+                    at += take
+            if at < nbytes:
+                raise Mismatch(f"a destination holds {at} bytes; its block has {nbytes}")
+        return self.pieces_to_device(placements, fds, generations, pieces)
+
+    def pieces_to_device(
+        self,
+        placements: Sequence[tuple[int, int, int]],
+        fds: Sequence[int],
+        generations: Sequence[int],
+        pieces: Sequence[tuple[int, int, int, torch.Tensor]],
+    ) -> bool:
+        """Copies bytes ``[at, at + take)`` of block ``block`` into each ``(block, at, take, tensor)`` of
+        ``pieces`` (CUDA tensors of one device: a contiguous one gets its bytes by DMA, merged with the
+        pieces it continues in the slab and in device memory; a strided, conjugate or negative one gets
+        them in a device staging buffer, then one ``copy_`` into it, in its logical order as ``put`` lays
+        it out), queued on skippyd's stream; False when a descriptor is not one to map and register."""
+        if not pieces:
             return True
-        device = outs[0].device
+        device = pieces[0][3].device
         with self._lock:
             self.maps.sweep()
             sources: dict[int, tuple[Hashable, _Mapped]] = {}
@@ -505,19 +539,35 @@ class DeviceTransfer:
                 if found is None:
                     return False
                 sources[index] = found
-            pieces = []
+            copies: list[_Piece] = []
             dests: dict[Any, torch.Tensor] = {}
-            for (index, offset, nbytes), out in zip(placements, outs, strict=True):
-                if out.device != device or not out.is_contiguous():
-                    raise InvalidArgument(
-                        "CUDA destinations of one get_into must be contiguous, on one device"
-                    )
-                if _bytes_of(out) < nbytes:
-                    raise Mismatch(f"a destination holds {_bytes_of(out)} bytes; its block has {nbytes}")
-                base, at = _storage_base(out)
-                if base not in dests:
-                    dests[base] = _storage_bytes(out)
-                pieces.append((sources[index][0], offset, base, at, nbytes))
+            strided: list[tuple[torch.Tensor, int, int, int, int]] = []  # tensor, src key index, offset...
+            staged = 0
+            for block, at, take, tensor in pieces:
+                if tensor.device != device:
+                    raise InvalidArgument("the CUDA destinations of one get_into must be on one device")
+                index, offset, nbytes = placements[block]
+                if at < 0 or take < 0 or at + take > nbytes or take > _bytes_of(tensor):
+                    raise Mismatch(f"a piece of {take} bytes at {at} does not fit its block of {nbytes}")
+                if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+                    base, pos = _storage_base(tensor)
+                    if base not in dests:
+                        dests[base] = _storage_bytes(tensor)
+                    copies.append((sources[index][0], offset + at, base, pos, take, at))
+                else:
+                    staged = -(-staged // tensor.element_size()) * tensor.element_size()
+                    strided.append((tensor, block, at, take, staged))
+                    copies.append((sources[index][0], offset + at, "staging", staged, take, at))
+                    staged += _bytes_of(tensor)
+            scatters: list[_Scatter] = []
+            if strided:
+                staging = torch.empty(staged, dtype=torch.uint8, device=device)
+                key = ("staging", staging.data_ptr())
+                dests[key] = staging
+                copies = [(*c[:2], key, *c[3:]) if c[2] == "staging" else c for c in copies]
+                for n, (tensor, _, at, take, where) in enumerate(strided):
+                    dests[("scatter", n, key)] = tensor  # (kept alive, and recorded on skippyd's stream)
+                    scatters.append((tensor, key, where, take, at))
             needs = [
                 (key, generations[index], mapped.base, [(o, o + n) for i, o, n in placements if i == index])
                 for index, (key, mapped) in sources.items()
@@ -528,12 +578,12 @@ class DeviceTransfer:
                 self.maps.pinned.update(keys)
                 collecting.pinned.extend(keys)
                 collecting.add(
-                    pieces, dict(sources.values()), dests, needs, [fds[i] for i in sources], device
+                    copies, dict(sources.values()), dests, needs, [fds[i] for i in sources], device, scatters
                 )
                 return True
             cuts = self._register(needs)
-            runs = split_runs(plan_runs(pieces), cuts)
-            self._to_device(runs, dict(sources.values()), dests, device, [fds[i] for i in sources])
+            runs = split_runs(plan_runs(c[:5] for c in copies), cuts)
+            self._to_device(runs, dict(sources.values()), dests, device, [fds[i] for i in sources], scatters)
             return True
 
     @contextlib.contextmanager
@@ -602,27 +652,32 @@ class DeviceTransfer:
             mapped = hosts.get(buffer)
             return (mapped.host if mapped is not None else dests[buffer])[offset : offset + nbytes]
 
+        scatters = [s for part in collected.parts for s in part.scatters]
+        _preload(scatters, dests, stream)
         event: Any = None
         for start, stop in collected.spans:
-            pieces = [
-                (key, offset + start, base, at + start, min(stop, nbytes) - start)
+            pieces = [  # each piece's bytes within [start, stop) of its block
+                (key, offset + lo - rel, base, at + lo - rel, hi - lo)
                 for part in collected.parts
-                for key, offset, base, at, nbytes in part.pieces
-                if start < nbytes
+                for key, offset, base, at, nbytes, rel in part.pieces
+                if (lo := max(start, rel)) < (hi := min(stop, rel + nbytes))
             ]
             self._issue(split_runs(plan_runs(pieces), sorted_cuts), address, view, stream)
+            # a strided piece is laid out once its span's bytes are in (again for each span it reaches)
+            _scatter([s for s in scatters if s[4] < stop and start < s[4] + s[3]], dests, stream)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
             collected.events.append(event)
         self._leases.hold(event, collected.take_leases())
 
-    def _to_device(
+    def _to_device(  # noqa: PLR0917 - one transfer's parts
         self,
         runs: Sequence[Run],
         hosts: dict[Hashable, _Mapped],
         dests: dict[Any, torch.Tensor],
         device: torch.device,
         leases: Sequence[int],
+        scatters: Sequence[_Scatter] = (),
     ) -> None:
         current = torch.cuda.current_stream(device)
         stream = self._stream(device, "h2d")
@@ -642,7 +697,9 @@ class DeviceTransfer:
         for tensor in dests.values():  # the allocator keeps the memory until skippyd's stream is past it
             if tensor.is_cuda:
                 tensor.record_stream(stream)
+        _preload(scatters, dests, stream)
         self._issue(runs, address, view, stream)
+        _scatter(scatters, dests, stream)
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
         event.record(stream)
         current.wait_event(event)  # results are safe on the caller's stream, with no host sync
@@ -722,6 +779,27 @@ class DeviceTransfer:
         with self._lock:
             self.maps.close()
             self.book.close()
+
+
+def _staged(scatter: _Scatter, dests: dict[Any, torch.Tensor]) -> torch.Tensor:
+    """The staging bytes of a strided piece, viewed as its dtype and shape."""
+    tensor, key, where, _, _ = scatter
+    return dests[key][where : where + _bytes_of(tensor)].view(tensor.dtype).view(tensor.shape)
+
+
+def _preload(scatters: Sequence[_Scatter], dests: dict[Any, torch.Tensor], stream: Any) -> None:
+    """A strided piece its block fills only in part keeps its other bytes: they go to staging first."""
+    with torch.cuda.stream(stream):
+        for scatter in scatters:
+            if scatter[3] < _bytes_of(scatter[0]):
+                _staged(scatter, dests).copy_(scatter[0])
+
+
+def _scatter(scatters: Sequence[_Scatter], dests: dict[Any, torch.Tensor], stream: Any) -> None:
+    """One on-device ``copy_`` per strided piece, from its staging bytes, on skippyd's stream."""
+    with torch.cuda.stream(stream):
+        for scatter in scatters:
+            scatter[0].copy_(_staged(scatter, dests))
 
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
