@@ -214,7 +214,8 @@ def test_a_slab_whose_slot_was_punched_and_filled_again_shows_a_new_generation_a
 
 
 def test_an_entry_file_given_to_a_new_entry_carries_a_new_generation(make_daemon: Any) -> None:
-    proc = make_daemon(budget="64MiB").start()
+    # no reserve: its decay or a file it faults in could otherwise take the evicted file's place
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
     tensor = torch.ones(1 << 20, dtype=torch.float32)  # 4 MiB
     with proc.client() as client:
         client.capture(model=MODEL, state=STATE, tokens=[1], tensors={"kv": tensor}, durable=False)
