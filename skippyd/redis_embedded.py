@@ -32,7 +32,7 @@ from typing import Any
 
 from .config import embedded_redis_socket, embedded_redis_url
 from .errors import ConfigError, SkippydError, StoreLocked
-from .files import lock_holder, take_owner_lock
+from .files import lock_holder, release_owner_lock, take_owner_lock
 from .workers import Health
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]
@@ -92,7 +92,7 @@ class EmbeddedRedis:
         binary = redis_server_binary()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if lock_holder(self.state_dir) != os.getpid():
-            self._lock_fd = take_owner_lock(self.state_dir)
+            self._lock_fd = take_owner_lock(self.state_dir, "state directory")
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.dir, 0o700)
@@ -274,7 +274,7 @@ class EmbeddedRedis:
     def _release(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
-            os.close(fd)
+            release_owner_lock(fd)
 
 
 def _ignore(cause: str) -> None:

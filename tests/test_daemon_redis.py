@@ -212,6 +212,32 @@ def test_a_second_serve_on_a_live_daemons_directories_is_refused_and_touches_not
     store.close()
 
 
+def test_one_directory_given_for_state_and_l3_or_state_and_l2_serves_and_restarts(make_daemon: Any) -> None:
+    """The daemon shares its own owner lock between its state, L2 and L3 directories (it never refuses
+    itself), and gives it back on stop: the same daemon starts again on the same directories."""
+    with_l3 = make_daemon()
+    with_l2 = make_daemon()
+    configs = (
+        (with_l3, ["--l3-dir", str(with_l3.state_dir)], with_l3.state_dir),
+        (with_l2, ["--state-dir", str(with_l2.shm_dir)], with_l2.shm_dir),
+    )
+    for daemon, args, shared in configs:
+        daemon.args += args  # the last of a repeated option wins
+        daemon.start()
+        tokens = [11, 12, 13]
+        with daemon.client() as client:
+            client.capture(model=MODEL, state=STATE, tokens=tokens, tensors={"x": torch.ones(4)})
+            assert client.lookup(model=MODEL, state=STATE, tokens=tokens) is not None
+        assert daemon.proc is not None and lock_holder(shared) == daemon.proc.pid
+        assert daemon.stop() == 0
+        assert lock_holder(shared) is None, "every holder gave the shared lock back"
+        daemon.start()  # the same directories again, now with something in them
+        with daemon.client() as client:
+            assert client.lookup(model=MODEL, state=STATE, tokens=tokens) is not None
+            assert not client.stats()["redis"]["degraded"]
+        assert daemon.stop() == 0
+
+
 def test_a_killed_embedded_redis_server_is_restarted_and_what_ran_meanwhile_reaches_it(
     daemon: DaemonProcess,
 ) -> None:
