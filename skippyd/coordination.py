@@ -505,8 +505,13 @@ class WarmTable:
         until it heartbeats again."""
         _check_node(node)
         with _redis_errors("forget failed"):
-            self._run("node_mark.lua", [self.keys.nodes], [node, 0, 0, "forgotten"])
+            # the shards before the registry, the reverse of a heartbeat's order (registry, then shards):
+            # a heartbeat racing this either lands on the registry after its "forgotten" mark, and its
+            # shard copies then land after ours (registry and shards say up), or before it, and the
+            # forget wins (the registry drops it) -- never a registry that says up over shards that
+            # say forgotten, which would hide a live node from lookups until its next heartbeat
             self._mark_shards(node, 0, 0, "forgotten")
+            self._run("node_mark.lua", [self.keys.nodes], [node, 0, 0, "forgotten"])
         removed = 0
         for shard in self.all_shards():
             cursor = "0"
