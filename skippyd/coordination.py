@@ -143,7 +143,11 @@ class _Scripts:
     def many(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
         """One script over several key sets (shards) in one pipeline: one round trip on a single Redis,
         one per primary on a cluster. A call answered NOSCRIPT did not run; it is sent again by itself
-        (which loads the script). Any other error is raised after the pipeline."""
+        (which loads the script). Any other error is raised after the pipeline.
+
+        Not atomic: an error leaves some shards applied and others not. That is safe to retry: a ``ran``
+        batch carries its id as a per-shard marker (applied once per shard), and node_mark.lua sets a
+        record, so sending the same calls again converges."""
         if len(calls) == 1:
             keys, args = calls[0]
             return [self(name, keys, args)]
