@@ -863,13 +863,14 @@ class Coordinator:
     def server_down(self, cause: str) -> None:
         """The Redis server is known to be gone (the embedded one died): degraded now, not at the next
         call; ``ran`` updates wait in the buffer and promotions are counted locally until it is back."""
-        self._server_down = cause
-        self._degrade(cause)
+        with self._cond:  # one step with _recover's check: a tick that went through can't undo this
+            self._server_down = cause
+            self._degrade(cause)
 
     def server_up(self) -> None:
         """The Redis server is back: reconnect and send what the buffer holds now, not after the backoff."""
-        self._server_down = ""
         with self._cond:
+            self._server_down = ""
             self._woken = True
             self._cond.notify()
 
@@ -896,11 +897,17 @@ class Coordinator:
         self.cause = self._server_down or cause  # "the server died" says more than "connection refused"
         self.counters["failures"] += 1
 
-    def _recover(self) -> None:
-        if self.degraded:
-            log.info("coordination recovered after %.1fs", time.monotonic() - self.degraded_since)
-        self.degraded = False
-        self.cause = ""
+    def _recover(self) -> bool:
+        """Clears the degraded state after a tick that went through; False (still degraded) while the
+        server is known down: that tick was in flight when the supervisor said the server died."""
+        with self._cond:
+            if self._server_down:
+                return False
+            if self.degraded:
+                log.info("coordination recovered after %.1fs", time.monotonic() - self.degraded_since)
+            self.degraded = False
+            self.cause = ""
+        return True
 
     def _take_batch(self, limit: int = 256, max_bytes: int = BATCH_BYTES) -> list[bytes]:
         """Up to ``limit`` chains and about ``max_bytes`` of them (Redis hashes every argument byte of a
@@ -942,7 +949,15 @@ class Coordinator:
                     woken, self._woken = self._woken, False
                 backoff = 0.1 if woken else min(backoff * 2, 5.0)
                 continue
-            self._recover()
+            if not self._recover():  # the server died under a tick that went through: wait for server_up
+                if final:
+                    return
+                with self._cond:
+                    if not self._stop and not self._woken:
+                        self._cond.wait(timeout=backoff)
+                    self._woken = False
+                backoff = min(backoff * 2, 5.0)
+                continue
             backoff = 0.1
             if final:
                 return
