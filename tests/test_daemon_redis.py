@@ -352,6 +352,39 @@ def test_the_supervisor_restarts_a_dead_server_with_callbacks_and_stop_ends_it_f
     assert ups == [1] and embedded.proc is None, "a stopped server is not started again"
 
 
+def test_a_callback_that_raises_costs_the_supervisor_nothing(tmp_short: Path) -> None:
+    """on_down and on_up raising: logged, and the server is still restarted, again and again."""
+    state = tmp_short / "state"
+    embedded = EmbeddedRedis(state, appendonly=False)
+    calls: list[str] = []
+
+    def down(cause: str) -> None:
+        calls.append("down")
+        raise RuntimeError("on_down broke")
+
+    def up() -> None:
+        calls.append("up")
+        raise RuntimeError("on_up broke")
+
+    embedded.start()
+    embedded.supervise(on_down=down, on_up=up)
+    try:
+        for n in (1, 2):
+            assert embedded.proc is not None
+            pid = embedded.proc.pid
+            os.kill(pid, signal.SIGKILL)
+
+            def restarted(want: int = n) -> bool:
+                return bool(embedded.status()["server_restarts"] == want and calls == ["down", "up"] * want)
+
+            assert eventually(restarted, timeout=15)
+            new = embedded.status()["server_pid"]
+            assert new not in (0, pid) and running(new) and connect(embedded.url).ping()
+        assert embedded._thread is not None and embedded._thread.is_alive()
+    finally:
+        embedded.stop()
+
+
 def test_a_server_that_cannot_start_again_stays_down_and_is_retried_until_it_can(tmp_short: Path) -> None:
     state = tmp_short / "state"
     embedded = EmbeddedRedis(state)
