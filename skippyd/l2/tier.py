@@ -725,18 +725,29 @@ class L2Tier:
                 with self._lock:
                     added = self.blocks.prefault_done(slot, faulted=faulted)
             return added
+        file = None
         try:
             file = self._pool.fresh(size)
             file.prefault()
         except Exception:
+            if file is not None:
+                self._pool.unlink(file)
             with self._lock:
                 self._reserved -= size
             raise
         with self._lock:
             self._reserved -= size
+            if self._closed_meanwhile():  # close gave the free files back while this one was faulted
+                self._pool.unlink(file)  # in: it goes too, not left in free/ past a clean stop
+                return 0
             self._pool.recycle(file, room=self._room())
             self._stats.prefaulted_files += 1  # (not fresh_files: no capture waited for this one)
             return size
+
+    def _closed_meanwhile(self) -> bool:
+        """Whether :meth:`close` ran since this thread last looked (read again: mypy would keep the
+        earlier check's answer)."""
+        return self._closed
 
     def give_back_step(self, limit: int, *, window: float = 10.0, active_s: float = 60.0) -> int:
         """The reserve's decay: one free block slot or free entry file of the kind whose free memory is
