@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -266,6 +267,39 @@ def test_a_killed_embedded_redis_server_is_restarted_and_what_ran_meanwhile_reac
     assert code == 0 and "embedded redis-server restarted 1 time" in out and "SIGKILL" in out
     _, out, _ = cli("doctor", "--socket", str(daemon.socket))
     assert "the embedded redis-server died and was restarted 1 time" in out
+
+
+def test_a_restarted_embedded_server_that_lost_its_append_only_file_gets_the_node_in_every_shard_again(
+    daemon: DaemonProcess,
+) -> None:
+    table = WarmTable.from_url(embedded_url(daemon))
+    assert eventually(table.nodes)
+    before = list(range(7000, 7000 + 64 * 3))
+    with daemon.client() as client:
+        client.ran(model=MODEL, tokens=before)
+        assert eventually(lambda: table.warmest(MODEL, before)) == ("test-node", 192)
+        pid = redis_pid(daemon)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 0.3  # the supervisor waits 0.5 s before it starts a new server
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for lost in ("appendonlydir", "appendonly.aof"):  # Redis 7's directory, or older Redis's file
+            shutil.rmtree(daemon.state_dir / "redis" / lost, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                (daemon.state_dir / "redis" / lost).unlink()
+        assert eventually(lambda: client.stats()["redis"]["server_restarts"] == 1, timeout=10)
+        assert eventually(lambda: not client.stats()["redis"]["degraded"], timeout=10)
+    assert table.warmest(MODEL, before) is None, "the append-only file really was lost"
+    assert eventually(lambda: [n.node for n in table.nodes()] == ["test-node"]), "registered again"
+    for shard in table.all_shards():
+        record = table.client.hget(shard.nodes, "test-node")
+        assert record is not None and record.decode().endswith(" up"), (shard.nodes, record)
+    after = list(range(8000, 8000 + 64 * 2))
+    with daemon.client() as client:
+        client.ran(model=MODEL, tokens=after)
+    assert eventually(lambda: table.warmest(MODEL, after)) == ("test-node", 128), "lookups answer it"
+    route = table.route(MODEL, after)
+    assert (route.node, route.prefix_tokens) == ("test-node", 128)
 
 
 def test_status_exits_4_while_the_configured_redis_is_down_and_0_once_it_is_back(make_daemon: Any) -> None:
