@@ -7,7 +7,7 @@
 -- ARGV[3]  how many fields to scan in this step
 -- Returns  {next cursor ("0" when done), prefixes removed in this step}
 --
--- WarmTable.forget marks the node "forgotten" in the registry and in every shard's copy of it
+-- WarmTable.forget marks the node "forgotten" in every shard's copy of it and then in the registry
 -- (node_mark.lua) before the first step, so lookups stop answering it at once, and drops its
 -- registration after the last step of the last shard.
 local prefixes, ages = KEYS[1], KEYS[2]

@@ -143,7 +143,11 @@ class _Scripts:
     def many(self, name: str, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
         """One script over several key sets (shards) in one pipeline: one round trip on a single Redis,
         one per primary on a cluster. A call answered NOSCRIPT did not run; it is sent again by itself
-        (which loads the script). Any other error is raised after the pipeline."""
+        (which loads the script). Any other error is raised after the pipeline.
+
+        Not atomic: an error leaves some shards applied and others not. That is safe to retry: a ``ran``
+        batch carries its id as a per-shard marker (applied once per shard), and node_mark.lua sets a
+        record, so sending the same calls again converges."""
         if len(calls) == 1:
             keys, args = calls[0]
             return [self(name, keys, args)]
@@ -505,8 +509,13 @@ class WarmTable:
         until it heartbeats again."""
         _check_node(node)
         with _redis_errors("forget failed"):
-            self._run("node_mark.lua", [self.keys.nodes], [node, 0, 0, "forgotten"])
+            # the shards before the registry, the reverse of a heartbeat's order (registry, then shards):
+            # a heartbeat racing this either lands on the registry after its "forgotten" mark, and its
+            # shard copies then land after ours (registry and shards say up), or before it, and the
+            # forget wins (the registry drops it) -- never a registry that says up over shards that
+            # say forgotten, which would hide a live node from lookups until its next heartbeat
             self._mark_shards(node, 0, 0, "forgotten")
+            self._run("node_mark.lua", [self.keys.nodes], [node, 0, 0, "forgotten"])
         removed = 0
         for shard in self.all_shards():
             cursor = "0"
@@ -854,13 +863,14 @@ class Coordinator:
     def server_down(self, cause: str) -> None:
         """The Redis server is known to be gone (the embedded one died): degraded now, not at the next
         call; ``ran`` updates wait in the buffer and promotions are counted locally until it is back."""
-        self._server_down = cause
-        self._degrade(cause)
+        with self._cond:  # one step with _recover's check: a tick that went through can't undo this
+            self._server_down = cause
+            self._degrade(cause)
 
     def server_up(self) -> None:
         """The Redis server is back: reconnect and send what the buffer holds now, not after the backoff."""
-        self._server_down = ""
         with self._cond:
+            self._server_down = ""
             self._woken = True
             self._cond.notify()
 
@@ -887,11 +897,17 @@ class Coordinator:
         self.cause = self._server_down or cause  # "the server died" says more than "connection refused"
         self.counters["failures"] += 1
 
-    def _recover(self) -> None:
-        if self.degraded:
-            log.info("coordination recovered after %.1fs", time.monotonic() - self.degraded_since)
-        self.degraded = False
-        self.cause = ""
+    def _recover(self) -> bool:
+        """Clears the degraded state after a tick that went through; False (still degraded) while the
+        server is known down: that tick was in flight when the supervisor said the server died."""
+        with self._cond:
+            if self._server_down:
+                return False
+            if self.degraded:
+                log.info("coordination recovered after %.1fs", time.monotonic() - self.degraded_since)
+            self.degraded = False
+            self.cause = ""
+        return True
 
     def _take_batch(self, limit: int = 256, max_bytes: int = BATCH_BYTES) -> list[bytes]:
         """Up to ``limit`` chains and about ``max_bytes`` of them (Redis hashes every argument byte of a
@@ -933,7 +949,15 @@ class Coordinator:
                     woken, self._woken = self._woken, False
                 backoff = 0.1 if woken else min(backoff * 2, 5.0)
                 continue
-            self._recover()
+            if not self._recover():  # the server died under a tick that went through: wait for server_up
+                if final:
+                    return
+                with self._cond:
+                    if not self._stop and not self._woken:
+                        self._cond.wait(timeout=backoff)
+                    self._woken = False
+                backoff = min(backoff * 2, 5.0)
+                continue
             backoff = 0.1
             if final:
                 return

@@ -24,7 +24,7 @@ from .config import Config, human_size
 from .coordination import Coordinator, LocalPromotions, PromotionSettings
 from .display import plural
 from .errors import ConfigError, StoreLocked
-from .files import take_owner_lock
+from .files import release_owner_lock, take_owner_lock
 from .handlers import Handlers
 from .keys import Identity
 from .l2 import L2Tier
@@ -64,7 +64,7 @@ def run(
         state_dir = Path(config.state_dir)
         state_lock = lock_state_dir(state_dir, needed=_needs_state_dir(config))
         if state_lock is not None:
-            stack.callback(os.close, state_lock)
+            stack.callback(release_owner_lock, state_lock)
         # the tiers' constructors take their directories' locks and touch nothing else: recovery (adopt,
         # reconcile) waits until everything this daemon needs is known to be its own
         with _owned("L2 directory", "--shm-dir"):
@@ -194,7 +194,7 @@ def lock_state_dir(state_dir: Path, *, needed: bool = True) -> int | None:
     try:
         state_dir.mkdir(parents=True, exist_ok=True)
         with _owned("state directory", "--state-dir"):
-            return take_owner_lock(state_dir)
+            return take_owner_lock(state_dir, "state directory")
     except StoreLocked:
         raise
     except OSError as exc:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import threading
 from pathlib import Path
 
 from .errors import ConfigError, InvalidArgument, StoreLocked
 
-__all__ = ["fsync_dir", "lock_holder", "private_dirs", "remove", "take_owner_lock"]
+__all__ = ["fsync_dir", "lock_holder", "private_dirs", "release_owner_lock", "remove", "take_owner_lock"]
 
 log = logging.getLogger("skippyd.files")
 
@@ -32,22 +33,60 @@ def private_dirs(*paths: Path) -> None:
             os.chmod(path, 0o700)
 
 
-def take_owner_lock(directory: Path) -> int:
-    """An exclusive, non-blocking flock on ``directory/.lock`` with our pid inside; the caller closes the fd.
+# The owner locks this process holds: directory (st_dev, st_ino) -> (descriptor, owner) for each holder; the
+# descriptors are dups of one open file description, so the flock lives while any of them is open. One
+# daemon whose state, L2 and L3 directories are one directory (``--l3-dir`` = ``--state-dir``) shares the
+# lock between its different owners instead of refusing itself; two owners of one kind still conflict.
+_held: dict[tuple[int, int], list[tuple[int, str]]] = {}
+_held_lock = threading.Lock()
+
+
+def take_owner_lock(directory: Path, owner: str) -> int:
+    """An exclusive, non-blocking flock on ``directory/.lock`` with our pid inside, for ``owner`` (what
+    keeps its files there: ``state directory``, ``L2 tier``, ``L3 store``); the caller gives the fd back
+    with :func:`release_owner_lock`.
 
     A second live owner gets :class:`StoreLocked` naming the holder's pid. The lock dies with its process,
-    so a crashed owner never blocks a restart.
+    so a crashed owner never blocks a restart. A directory this process already holds (the same directory
+    by device and inode, whatever the path) is shared with an owner of another kind, which gets a duplicate
+    of the held descriptor (the lock goes once every holder has released it); one of the same kind is refused.
     """
-    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+    st = os.stat(directory)
+    key = (st.st_dev, st.st_ino)
+    with _held_lock:
+        holders = _held.get(key)
+        if holders:
+            if any(kind == owner for _, kind in holders):
+                pid = os.getpid()
+                raise StoreLocked(f"{directory} is owned by another {owner} of this process (pid {pid})")
+            fd = os.dup(holders[0][0])  # os.dup descriptors are non-inheritable, like O_CLOEXEC
+            holders.append((fd, owner))
+            return fd
+        fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise StoreLocked(f"{directory} is owned by another process (pid {holder or '?'})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held[key] = [(fd, owner)]
+        return fd
+
+
+def release_owner_lock(fd: int) -> None:
+    """Gives back a descriptor :func:`take_owner_lock` returned; the last holder out releases the lock."""
+    with _held_lock:
+        for key, holders in _held.items():
+            kept = [held for held in holders if held[0] != fd]
+            if len(kept) != len(holders):
+                if kept:
+                    _held[key] = kept
+                else:
+                    del _held[key]
+                break
         os.close(fd)
-        raise StoreLocked(f"{directory} is owned by another process (pid {holder or '?'})") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def lock_holder(directory: Path) -> int | None:

@@ -18,6 +18,7 @@ came back (the coordinator buffers ``ran`` updates meanwhile and flushes them on
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -32,7 +33,7 @@ from typing import Any
 
 from .config import embedded_redis_socket, embedded_redis_url
 from .errors import ConfigError, SkippydError, StoreLocked
-from .files import lock_holder, take_owner_lock
+from .files import lock_holder, release_owner_lock, take_owner_lock
 from .workers import Health
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]
@@ -92,7 +93,7 @@ class EmbeddedRedis:
         binary = redis_server_binary()
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if lock_holder(self.state_dir) != os.getpid():
-            self._lock_fd = take_owner_lock(self.state_dir)
+            self._lock_fd = take_owner_lock(self.state_dir, "state directory")
         try:
             self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
             os.chmod(self.dir, 0o700)
@@ -179,7 +180,7 @@ class EmbeddedRedis:
                 args,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509
+                preexec_fn=functools.partial(_die_with_parent, _prctl()),  # noqa: PLW1509
             )
         deadline = time.monotonic() + timeout
         while True:  # started means answering: it opens its socket before it has read its AOF
@@ -220,7 +221,7 @@ class EmbeddedRedis:
                 self.down_since = time.monotonic()
             delay = RESTART_DELAYS[min(quick_deaths, len(RESTART_DELAYS) - 1)]
             log.error("%s; starting a new one in %.1fs (see %s)", cause, delay, self.dir / "redis.log")
-            on_down(cause)
+            _tell("on_down", on_down, cause)
             while True:
                 if self._stopping.wait(delay):
                     return
@@ -238,7 +239,7 @@ class EmbeddedRedis:
                 self.last_restart = time.monotonic()
                 self.down_since = 0.0
             log.warning("embedded redis-server restarted (restart %d)", self.restarts)
-            on_up()
+            _tell("on_up", on_up)
 
     def _stop_orphan(self) -> None:
         """A redis-server left by a daemon that was killed outright must not share our AOF.
@@ -274,7 +275,7 @@ class EmbeddedRedis:
     def _release(self) -> None:
         fd, self._lock_fd = self._lock_fd, None
         if fd is not None:
-            os.close(fd)
+            release_owner_lock(fd)
 
 
 def _ignore(cause: str) -> None:
@@ -291,13 +292,33 @@ def _how(code: int) -> str:
     return f"exited with status {code}"
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the daemon dies, even by SIGKILL."""
+def _tell(what: str, callback: Callable[..., None], *args: str) -> None:
+    """Runs a supervision callback; one that raises is logged in one line and supervision goes on (a dead
+    supervisor thread would take its server with it: the parent-death signal is bound to that thread)."""
+    try:
+        callback(*args)
+    except Exception as exc:
+        log.error("the embedded redis-server's %s callback failed: %s: %s", what, type(exc).__name__, exc)
+
+
+@functools.cache
+def _prctl() -> Callable[..., int] | None:
+    """libc's prctl, resolved once in the parent: loading a library (dlopen) in the child of a threaded
+    process can deadlock on the loader's lock, so the child only calls it."""
     import ctypes
 
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with_parent(prctl: Callable[..., int] | None) -> None:
+    """In the child, before exec: get SIGTERM when the daemon dies, even by SIGKILL."""
     pr_set_pdeathsig = 1
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if prctl is not None:
+        with contextlib.suppress(Exception):
+            prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _ping(path: Path) -> str:

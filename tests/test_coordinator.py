@@ -131,3 +131,33 @@ def test_a_server_known_down_counts_promotions_locally_and_its_return_flushes_th
         assert c.consider("b" * 64, 10, 100) is False and c.counters["promotions_redis"] == 1
     finally:
         c.close()
+
+
+def test_a_tick_that_went_through_as_the_server_died_does_not_clear_the_degraded_state(
+    server: RedisServer,
+) -> None:
+    """The supervisor's server_down lands while a heartbeat is in flight and answered: the coordinator
+    stays degraded (with the server's cause) until server_up, not "recovered" over a dead server."""
+    c = make(server, heartbeat_s=0.2)
+    real = c.table.heartbeat
+    died = threading.Event()
+
+    def heartbeat_then_the_server_dies(*args: object, **kwargs: object) -> bool:
+        answer = real(*args, **kwargs)  # type: ignore[arg-type]
+        if not died.is_set():
+            died.set()
+            c.server_down("the embedded redis-server (pid 1) was killed by SIGKILL")
+        return answer
+
+    c.table.heartbeat = heartbeat_then_the_server_dies  # type: ignore[method-assign]
+    c._last_heartbeat = 0.0  # make() holds heartbeats back; this test is about one
+    c.start()
+    try:
+        assert died.wait(10)
+        time.sleep(0.5)  # ticks go through meanwhile (this server is up): none may clear the state
+        status = c.status()
+        assert status.degraded and status.cause.endswith("killed by SIGKILL")
+        c.server_up()
+        assert eventually(lambda: not c.status().degraded, timeout=10)
+    finally:
+        c.close()

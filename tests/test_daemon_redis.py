@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -212,6 +213,32 @@ def test_a_second_serve_on_a_live_daemons_directories_is_refused_and_touches_not
     store.close()
 
 
+def test_one_directory_given_for_state_and_l3_or_state_and_l2_serves_and_restarts(make_daemon: Any) -> None:
+    """The daemon shares its own owner lock between its state, L2 and L3 directories (it never refuses
+    itself), and gives it back on stop: the same daemon starts again on the same directories."""
+    with_l3 = make_daemon()
+    with_l2 = make_daemon()
+    configs = (
+        (with_l3, ["--l3-dir", str(with_l3.state_dir)], with_l3.state_dir),
+        (with_l2, ["--state-dir", str(with_l2.shm_dir)], with_l2.shm_dir),
+    )
+    for daemon, args, shared in configs:
+        daemon.args += args  # the last of a repeated option wins
+        daemon.start()
+        tokens = [11, 12, 13]
+        with daemon.client() as client:
+            client.capture(model=MODEL, state=STATE, tokens=tokens, tensors={"x": torch.ones(4)})
+            assert client.lookup(model=MODEL, state=STATE, tokens=tokens) is not None
+        assert daemon.proc is not None and lock_holder(shared) == daemon.proc.pid
+        assert daemon.stop() == 0
+        assert lock_holder(shared) is None, "every holder gave the shared lock back"
+        daemon.start()  # the same directories again, now with something in them
+        with daemon.client() as client:
+            assert client.lookup(model=MODEL, state=STATE, tokens=tokens) is not None
+            assert not client.stats()["redis"]["degraded"]
+        assert daemon.stop() == 0
+
+
 def test_a_killed_embedded_redis_server_is_restarted_and_what_ran_meanwhile_reaches_it(
     daemon: DaemonProcess,
 ) -> None:
@@ -240,6 +267,39 @@ def test_a_killed_embedded_redis_server_is_restarted_and_what_ran_meanwhile_reac
     assert code == 0 and "embedded redis-server restarted 1 time" in out and "SIGKILL" in out
     _, out, _ = cli("doctor", "--socket", str(daemon.socket))
     assert "the embedded redis-server died and was restarted 1 time" in out
+
+
+def test_a_restarted_embedded_server_that_lost_its_append_only_file_gets_the_node_in_every_shard_again(
+    daemon: DaemonProcess,
+) -> None:
+    table = WarmTable.from_url(embedded_url(daemon))
+    assert eventually(table.nodes)
+    before = list(range(7000, 7000 + 64 * 3))
+    with daemon.client() as client:
+        client.ran(model=MODEL, tokens=before)
+        assert eventually(lambda: table.warmest(MODEL, before)) == ("test-node", 192)
+        pid = redis_pid(daemon)
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 0.3  # the supervisor waits 0.5 s before it starts a new server
+        while running(pid) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for lost in ("appendonlydir", "appendonly.aof"):  # Redis 7's directory, or older Redis's file
+            shutil.rmtree(daemon.state_dir / "redis" / lost, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                (daemon.state_dir / "redis" / lost).unlink()
+        assert eventually(lambda: client.stats()["redis"]["server_restarts"] == 1, timeout=10)
+        assert eventually(lambda: not client.stats()["redis"]["degraded"], timeout=10)
+    assert table.warmest(MODEL, before) is None, "the append-only file really was lost"
+    assert eventually(lambda: [n.node for n in table.nodes()] == ["test-node"]), "registered again"
+    for shard in table.all_shards():
+        record = table.client.hget(shard.nodes, "test-node")
+        assert record is not None and record.decode().endswith(" up"), (shard.nodes, record)
+    after = list(range(8000, 8000 + 64 * 2))
+    with daemon.client() as client:
+        client.ran(model=MODEL, tokens=after)
+    assert eventually(lambda: table.warmest(MODEL, after)) == ("test-node", 128), "lookups answer it"
+    route = table.route(MODEL, after)
+    assert (route.node, route.prefix_tokens) == ("test-node", 128)
 
 
 def test_status_exits_4_while_the_configured_redis_is_down_and_0_once_it_is_back(make_daemon: Any) -> None:
@@ -324,6 +384,39 @@ def test_the_supervisor_restarts_a_dead_server_with_callbacks_and_stop_ends_it_f
     assert not running(second) and lock_holder(state) is None
     time.sleep(1.0)
     assert ups == [1] and embedded.proc is None, "a stopped server is not started again"
+
+
+def test_a_callback_that_raises_costs_the_supervisor_nothing(tmp_short: Path) -> None:
+    """on_down and on_up raising: logged, and the server is still restarted, again and again."""
+    state = tmp_short / "state"
+    embedded = EmbeddedRedis(state, appendonly=False)
+    calls: list[str] = []
+
+    def down(cause: str) -> None:
+        calls.append("down")
+        raise RuntimeError("on_down broke")
+
+    def up() -> None:
+        calls.append("up")
+        raise RuntimeError("on_up broke")
+
+    embedded.start()
+    embedded.supervise(on_down=down, on_up=up)
+    try:
+        for n in (1, 2):
+            assert embedded.proc is not None
+            pid = embedded.proc.pid
+            os.kill(pid, signal.SIGKILL)
+
+            def restarted(want: int = n) -> bool:
+                return bool(embedded.status()["server_restarts"] == want and calls == ["down", "up"] * want)
+
+            assert eventually(restarted, timeout=15)
+            new = embedded.status()["server_pid"]
+            assert new not in (0, pid) and running(new) and connect(embedded.url).ping()
+        assert embedded._thread is not None and embedded._thread.is_alive()
+    finally:
+        embedded.stop()
 
 
 def test_a_server_that_cannot_start_again_stays_down_and_is_retried_until_it_can(tmp_short: Path) -> None:

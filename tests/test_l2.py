@@ -6,6 +6,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from l2util import IDENT, admit, admit_bytes, borrow, get, key_of, keys_lru_firs
 from skippyd.errors import DigestMismatch, NoSpace, SkippydError, StoreLocked, TooLarge
 from skippyd.keys import Identity, cache_key, encode_tokens, prefix_keys
 from skippyd.l2 import L2Tier
+from skippyd.l2.pool import File
 from skippyd.payload import TensorDecl, header_span
 from skippyd.shm import size_class
 
@@ -266,7 +268,7 @@ def test_restart_removes_partial_leftovers_and_entries_that_fail_verification(sh
 
 
 def test_a_second_owner_of_the_same_directory_is_refused(shm_dir: Path) -> None:
-    with L2Tier.open(shm_dir, 1 << 20), pytest.raises(StoreLocked, match="owned by another process"):
+    with L2Tier.open(shm_dir, 1 << 20), pytest.raises(StoreLocked, match="owned by another"):
         L2Tier.open(shm_dir, 1 << 20)
     L2Tier.open(shm_dir, 1 << 20).close()  # released on close
 
@@ -278,6 +280,33 @@ def test_files_the_reserve_faults_in_count_as_prefaulted_not_as_a_captures_fresh
         assert tier.prefault_step(4 * size_of(60 * KB)) > 0
         stats = tier.stats()
         assert (stats.fresh_files, stats.prefaulted_files) == (1, 1)
+
+
+def test_a_file_the_reserve_faults_in_while_the_tier_closes_is_given_back_not_left_free(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = L2Tier.open(shm_dir, 8 * size_of(60 * KB))
+    admit_bytes(tier, "a", 60 * KB)  # a size class seen: the reserve wants a file of it
+    faulting, go = threading.Event(), threading.Event()
+    real = File.prefault
+
+    def slow_prefault(file: File) -> None:
+        faulting.set()
+        assert go.wait(10)
+        real(file)
+
+    monkeypatch.setattr(File, "prefault", slow_prefault)
+    added: list[int] = []
+    step = threading.Thread(target=lambda: added.append(tier.prefault_step(4 * size_of(60 * KB))))
+    step.start()
+    try:
+        assert faulting.wait(10)
+        tier.close()  # gives every free file back while the fault runs outside the lock
+    finally:
+        go.set()
+        step.join(10)
+    assert added == [0]
+    assert list((shm_dir / "free").iterdir()) == [] and list((shm_dir / "tmp").iterdir()) == []
 
 
 def test_files_of_evicted_entries_are_reused_for_the_same_size_class(shm_dir: Path) -> None:

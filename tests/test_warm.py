@@ -284,6 +284,45 @@ def test_forget_removes_a_nodes_prefixes_in_bounded_steps(any_redis_url: str) ->
     assert stored(warm) == 3
 
 
+def test_a_heartbeat_racing_forget_never_leaves_a_live_node_hidden_by_its_shards(any_redis_url: str) -> None:
+    """A heartbeat that lands on Redis right after forget's first "forgotten" mark (whichever copy that
+    mark is) must not end with the registry saying up and the shards saying forgotten."""
+    warm = WarmTable.from_url(any_redis_url)
+    node = WarmTable.from_url(any_redis_url)  # the node's own daemon, heartbeating meanwhile
+    warm.heartbeat("busy", 1, ttl_s=60)
+    warm.ran("m", list(range(64 * 3)), "busy")
+    real = warm._run
+    raced: list[bool] = []
+
+    class Racing:
+        def _after(self, args: Any) -> None:
+            if not raced and "forgotten" in [str(a) for a in args]:
+                raced.append(node.heartbeat("busy", 1, ttl_s=60))
+
+        def __call__(self, name: str, keys: Any, args: Any) -> Any:
+            answer = real(name, keys, args)
+            self._after(args)
+            return answer
+
+        def many(self, name: str, calls: Any) -> Any:
+            answers = real.many(name, calls)
+            self._after(calls[0][1])
+            return answers
+
+    warm._run = Racing()  # type: ignore[assignment]
+    warm.forget("busy")
+    warm._run = real
+    assert raced == [True]
+    prompt = list(range(500000, 500000 + 64 * 2))
+    warm.ran("m", prompt, "busy")  # the live node runs a prompt after the forget
+    assert warm.warmest("m", prompt) == ("busy", 128), "lookups answer the node that heartbeated"
+    for shard in warm.all_shards():
+        record = warm.client.hget(shard.nodes, "busy")
+        assert record is not None and record.decode().endswith(" up"), record
+    warm.heartbeat("busy", 1, ttl_s=60)
+    assert [n.node for n in warm.nodes()] == ["busy"], "registered again at its next heartbeat"
+
+
 def test_scripts_are_reloaded_after_script_flush(redis_url: str) -> None:
     warm = WarmTable.from_url(redis_url)
     warm.ran("m", list(range(256)), "a")

@@ -345,3 +345,20 @@ def test_a_batch_after_its_prefix_is_stored_as_the_chains_continuation(
     other = make_pool()
     assert backends(other, daemon).batch_get_v1(keys, host_indices(other, [7, 6, 5, 4, 3, 2])) == [True] * 6
     assert [page_bytes(other, p) for p in (7, 6, 5, 4, 3, 2)] == written
+
+
+def test_a_page_key_that_is_not_text_is_a_miss_or_a_failed_write_never_an_exception_into_sglang(
+    daemon: DaemonProcess, backends: Backends, pool: Any
+) -> None:
+    backend = backends(pool, daemon)
+    keys = page_hashes(2, seed=9)
+    fill_pages(pool, [0, 1], seed=9)
+    for bad in (b"\x01" * 32, 7, None):
+        mixed: list[Any] = [keys[0], bad]
+        assert backend.batch_exists(mixed) == 0
+        assert not backend.exists(bad)
+        assert backend.batch_set_v1(mixed, host_indices(pool, [0, 1])) == [False, False]
+        assert backend.batch_get_v1(mixed, host_indices(pool, [0, 1])) == [False, False]
+    assert held_blocks(daemon) == 0, "nothing was written"
+    assert backend.batch_set_v1(keys, host_indices(pool, [0, 1])) == [True, True], "the backend goes on"
+    assert backend.batch_exists(keys) == 2

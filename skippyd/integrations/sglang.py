@@ -86,7 +86,10 @@ T = TypeVar("T")
 
 def engine_key(key: str) -> bytes:
     """SGLang's page hash as skippyd's engine key: its hex digest's bytes (32 for SHA-256), or a
-    BLAKE3 of the text for a key that is not hex (a backend-specific suffix, say)."""
+    BLAKE3 of the text for a key that is not hex (a backend-specific suffix, say). A key that is not text
+    is a :class:`TypeError` (the backend's calls catch it: nothing raises into SGLang)."""
+    if not isinstance(key, str):
+        raise TypeError(f"an SGLang page key is text (str), not {type(key).__name__}")
     if len(key) % 2 == 0 and 0 < len(key) <= 128 and _HEX.fullmatch(key):
         return bytes.fromhex(key)
     return blake3(key.encode("utf-8", "surrogatepass")).digest()
@@ -228,6 +231,15 @@ class SkippydStorage(HiCacheStorage):
                 log.error("skippyd %s failed unexpectedly: %s", what, why(exc))
         return fallback
 
+    def _bind(self, keys: list[Any], what: str) -> list[bytes] | None:
+        """SGLang's page keys as engine keys; None (logged in one line) when one is unusable (not text):
+        the call then misses or writes nothing, and nothing raises into SGLang's controller."""
+        try:
+            return [engine_key(k) for k in keys]
+        except Exception as exc:
+            log.error("skippyd %s failed: %s", what, why(exc))
+            return None
+
     def _held(self, keys: list[bytes]) -> int:
         return self._run("query", "lookup", lambda space: space.contains(keys), 0)
 
@@ -236,7 +248,9 @@ class SkippydStorage(HiCacheStorage):
         so a stalled daemon answers within ``timeout``)."""
         if not keys:
             return 0
-        bound = [engine_key(k) for k in keys]
+        bound = self._bind(keys, "load")
+        if bound is None:
+            return 0
         held = self._held(bound)
         if not held:
             return 0
@@ -253,7 +267,9 @@ class SkippydStorage(HiCacheStorage):
         second-hit admission count as written: they are not an error, only not kept)."""
         if not keys:
             return 0
-        bound = [engine_key(k) for k in keys]
+        bound = self._bind(keys, "store")
+        if bound is None:
+            return 0
         count = len(bound)
         if self._admission is not None:
             space = self._spaces.get("store")
@@ -266,7 +282,10 @@ class SkippydStorage(HiCacheStorage):
         parent = None
         prefix = getattr(extra_info, "prefix_keys", None)
         if prefix:
-            parent = engine_key(str(prefix[-1]))
+            parents = self._bind([str(prefix[-1])], "store")
+            if parents is None:
+                return 0
+            parent = parents[0]
         started = time.perf_counter()
 
         def store(space: BlockSpace) -> Any:
@@ -294,7 +313,8 @@ class SkippydStorage(HiCacheStorage):
         """How many LEADING pages of ``keys`` skippyd holds (L2 or L3); 0 while it is away."""
         if not keys or not self._spaces:
             return 0
-        return self._held([engine_key(k) for k in keys])
+        bound = self._bind(list(keys), "lookup")
+        return self._held(bound) if bound is not None else 0
 
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from skippyd.errors import DigestMismatch, InvalidArgument, NoSpace, SkippydError, TooLarge
-from skippyd.files import private_dirs, remove, take_owner_lock
+from skippyd.files import private_dirs, release_owner_lock, remove, take_owner_lock
 from skippyd.index import PrefixIndex
 from skippyd.keys import Identity, is_hex_digest
 from skippyd.payload import (
@@ -243,7 +243,8 @@ class L2Tier:
             self.directory / "free", self.directory / "tmp", max(map_threshold, self.budget_bytes // 16384)
         )
         private_dirs(self.directory)
-        self._lock_fd = take_owner_lock(self.directory)  # before anything under the directory is touched
+        # before anything under the directory is touched
+        self._lock_fd = take_owner_lock(self.directory, "L2 tier")
         try:
             private_dirs(self._entries_dir, self._pool.free_dir, self._pool.tmp_dir)
             self.blocks = L2Blocks(
@@ -251,7 +252,7 @@ class L2Tier:
                 make_room=self._free_room, room=self._room, evict_one=self._evict_one, tick=self._next_tick,
             )  # fmt: skip
         except BaseException:
-            os.close(self._lock_fd)
+            release_owner_lock(self._lock_fd)
             raise
 
     @classmethod
@@ -315,7 +316,7 @@ class L2Tier:
             self.blocks.close()
             for slot in self._index:
                 slot.file.unmap()
-            os.close(self._lock_fd)
+            release_owner_lock(self._lock_fd)
 
     def __enter__(self) -> L2Tier:
         return self
@@ -724,18 +725,29 @@ class L2Tier:
                 with self._lock:
                     added = self.blocks.prefault_done(slot, faulted=faulted)
             return added
+        file = None
         try:
             file = self._pool.fresh(size)
             file.prefault()
         except Exception:
+            if file is not None:
+                self._pool.unlink(file)
             with self._lock:
                 self._reserved -= size
             raise
         with self._lock:
             self._reserved -= size
+            if self._closed_meanwhile():  # close gave the free files back while this one was faulted
+                self._pool.unlink(file)  # in: it goes too, not left in free/ past a clean stop
+                return 0
             self._pool.recycle(file, room=self._room())
             self._stats.prefaulted_files += 1  # (not fresh_files: no capture waited for this one)
             return size
+
+    def _closed_meanwhile(self) -> bool:
+        """Whether :meth:`close` ran since this thread last looked (read again: mypy would keep the
+        earlier check's answer)."""
+        return self._closed
 
     def give_back_step(self, limit: int, *, window: float = 10.0, active_s: float = 60.0) -> int:
         """The reserve's decay: one free block slot or free entry file of the kind whose free memory is

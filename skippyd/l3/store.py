@@ -30,7 +30,7 @@ from typing import Any
 from blake3 import blake3
 
 from skippyd.errors import CorruptEntry, InvalidArgument, NoSpace, NotFound, TooLarge
-from skippyd.files import fsync_dir, private_dirs, remove, take_owner_lock
+from skippyd.files import fsync_dir, private_dirs, release_owner_lock, remove, take_owner_lock
 from skippyd.index import PrefixIndex
 from skippyd.payload import Entry, EntryRef, payload_digest
 
@@ -129,7 +129,8 @@ class L3Store:
         self._closed = False
         self.last_reconciliation = Reconciliation()
         private_dirs(self.directory)
-        self._lock_fd = take_owner_lock(self.directory)  # before anything under the directory is touched
+        # before anything under the directory is touched
+        self._lock_fd = take_owner_lock(self.directory, "L3 store")
         try:
             self.layout.create()
             self.blocks = L3Blocks(
@@ -137,7 +138,7 @@ class L3Store:
                 make_room=self._room_for_blocks, quarantine=self._quarantine_path,
             )  # fmt: skip
         except BaseException:
-            os.close(self._lock_fd)
+            release_owner_lock(self._lock_fd)
             raise
 
     @property
@@ -177,7 +178,7 @@ class L3Store:
             self.flush_recency()
             self.blocks.close()
             self._hasher.shutdown(wait=True)
-            os.close(self._lock_fd)
+            release_owner_lock(self._lock_fd)
 
     def __enter__(self) -> L3Store:
         return self
