@@ -451,6 +451,12 @@ def _check(config: Config, raw: Mapping[str, Any] | None = None) -> None:
             f"({human_size(config.l2_budget)}), which could never hold such an entry; "
             "set --max-entry at most --l2-budget (0: the L2 budget)"
         )
+    l3 = config.l3_path
+    if l3 is not None and os.path.abspath(l3) == os.path.abspath(config.shm_path):
+        raise ConfigError(
+            f"invalid l3_dir: {l3} is the L2 directory too; L3 is the durable tier and belongs on a disk "
+            "(give --l3-dir a directory of its own, or off)"
+        )
     if config.max_frame < 64 * 1024:
         raise ConfigError("invalid max_frame: must be at least 64KiB")
     if len(os.fsencode(config.socket)) >= 108:

@@ -106,6 +106,15 @@ def test_serve_refuses_an_entry_limit_the_l2_budget_could_never_hold(tmp_short: 
     assert run("serve", "--state-dir", str(state), "--max-entry", "1GiB", "--l2-budget", "1KiB")[0] == 2
 
 
+def test_serve_refuses_one_directory_for_l2_and_l3(tmp_short: Path) -> None:
+    state, shared = tmp_short / "st", tmp_short / "both"
+    args = ("--state-dir", str(state), "--shm-dir", str(shared), "--l3-dir", str(shared))
+    code, out, err = run("serve", *args)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert f"invalid l3_dir: {shared} is the L2 directory too" in err
+    assert not state.exists() and not shared.exists(), "refused before anything was touched"
+
+
 # ----------------------------------------------------------------------------- 5: fsck in a checkout
 
 
