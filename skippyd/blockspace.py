@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import BadFrame, InvalidArgument, Mismatch
 from .keys import MAX_BLOCK_KEY_BYTES, block_keys, block_space, encode_tokens
 from .protocol import MAX_BLOCKS_PER_REQUEST
+from .transfer import in_callers_streams
 
 if TYPE_CHECKING:
     import torch
@@ -867,7 +868,9 @@ class AsyncBlockSpace(_Space):
                 elif kind == _STAGED:
                     result = await self._staged(what, size, write)
                 else:
-                    result = await self._staging_max() if what is None else await asyncio.to_thread(what)
+                    # (a copy to or from a GPU stays ordered against the caller's current stream)
+                    work = in_callers_streams(what) if what is not None else None
+                    result = await self._staging_max() if work is None else await asyncio.to_thread(work)
         except StopIteration as done:
             return done.value
 

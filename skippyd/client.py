@@ -43,7 +43,7 @@ from .protocol import (
     encode_frame,
     recv_fds_into,
 )
-from .transfer import forget_host
+from .transfer import forget_host, in_callers_streams
 
 if TYPE_CHECKING:  # torch loads on the first capture or restore, so pings and stats stay light
     import torch
@@ -886,7 +886,7 @@ class AsyncClient:
                     conn = await self._connection()
                     staging = await conn.ensure_staging(max(size, 1), self.timeout)
                     region = staging.region(size)
-                    copy = asyncio.ensure_future(asyncio.to_thread(write, region))
+                    copy = asyncio.ensure_future(asyncio.to_thread(in_callers_streams(write), region))
                     try:
                         await asyncio.shield(copy)
                     finally:
@@ -947,10 +947,9 @@ class AsyncClient:
             self._stager = _skt().DeviceStager()
         if target.type == "cpu":
             restored = _finish_restore(reply, fds, target, None)
-        elif target.type == "cuda":  # queues the copy on this thread (the caller's current stream waits)
-            restored = _finish_restore(reply, fds, target, self._stager)
-        else:
-            restored = await asyncio.to_thread(_finish_restore, reply, fds, target, self._stager)
+        else:  # on a thread, ordered against the caller's current stream (not the thread's own)
+            finish = in_callers_streams(_finish_restore)
+            restored = await asyncio.to_thread(finish, reply, fds, target, self._stager)
         restored.timings["total_ms"] = (time.perf_counter() - started) * 1e3
         return restored
 

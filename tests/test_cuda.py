@@ -237,3 +237,35 @@ def test_get_into_an_sglang_pool_and_strided_pieces_on_cuda_is_bit_exact(proc: A
         assert all(
             same_bytes(e, s) for pe, ps in zip(engine, hf, strict=True) for e, s in zip(pe, ps, strict=True)
         )
+
+
+def test_async_get_into_and_put_on_a_side_stream_are_ordered_against_that_stream(proc: Any) -> None:
+    """The async client copies on a worker thread, whose own current stream is the default one: it must
+    order skippyd's copies against the CALLER's stream. A slow kernel queued on the caller's side stream
+    writes the destination (get_into) or the source (put) first; reading the old bytes, or writing before
+    that kernel ends, shows as wrong bytes."""
+    import asyncio
+
+    nbytes = 4 << 20
+    data = [_random(torch.uint8, (nbytes,), 70 + i) for i in range(4)]
+
+    async def main() -> None:
+        async with skippyd.AsyncClient(str(proc.socket)) as client:
+            blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+            keys = blocks.keys(list(range(4 * BLOCK)))
+            stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            source = torch.zeros((4, nbytes), dtype=torch.uint8, device="cuda")
+            staged = torch.stack(data).cuda()
+            torch.cuda.synchronize()
+            with torch.cuda.stream(stream):
+                torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # ≈ 0.1 s of GPU time
+                source.copy_(staged)  # the bytes, written late on the side stream
+                assert (await blocks.put(keys, list(source.unbind(0)), durable=False)).stored == 4
+                out = torch.zeros((4, nbytes), dtype=torch.uint8, device="cuda")
+                torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+                out.fill_(7)  # skippyd's copy must land after this, on this stream's order
+                assert await blocks.get_into(keys, list(out.unbind(0))) == 4
+                same = [bool(torch.equal(out[i].cpu(), data[i])) for i in range(4)]
+            assert same == [True] * 4
+
+    asyncio.run(main())

@@ -334,3 +334,16 @@ def test_skt_restore_to_cuda_without_cuda_raises_no_device(
     tokens = prompt(3 * BLOCK)
     with daemon.client() as client, pytest.raises(NoDevice, match="cuda"):
         skt.restore(client, model, tokens=tokens, device="cuda")
+
+
+def test_the_callers_streams_wrapper_is_the_function_itself_where_cuda_was_never_initialised() -> None:
+    """On a CPU-only host (or before any CUDA use) the async client's worker threads run the work as it
+    is: nothing to carry, and torch's CUDA state is not touched."""
+    from skippyd.transfer import in_callers_streams
+
+    def work(x: int) -> int:
+        return x + 1
+
+    assert not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    assert in_callers_streams(work) is work
+    assert in_callers_streams(work)(1) == 2

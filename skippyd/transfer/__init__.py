@@ -3,6 +3,7 @@
 * :mod:`.plan`: the copies of one transfer merged into contiguous runs (pure logic).
 * :mod:`.book`: which host memory is registered with CUDA, for which generation of its file (pure logic,
   with injected register/unregister calls).
+* :mod:`.streams`: the caller's CUDA streams carried into a worker thread (the async client's copies).
 * :mod:`.device` (imports torch): CUDA device checks (a typed :class:`~skippyd.errors.NoDevice`), kept
   mappings of the daemon's files, the registrations, skippyd's own CUDA stream per direction, batched
   copies (``cuMemcpyBatchAsync`` when ``cuda-bindings`` has it, else one ``cudaMemcpyAsync`` per run
@@ -17,12 +18,14 @@ import sys
 
 from .book import BookStats, RegistrationBook, page_span
 from .plan import Run, plan_runs, split_runs, total_bytes
+from .streams import in_callers_streams
 
 __all__ = [
     "BookStats",
     "RegistrationBook",
     "Run",
     "forget_host",
+    "in_callers_streams",
     "page_span",
     "plan_runs",
     "split_runs",
