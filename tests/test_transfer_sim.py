@@ -443,3 +443,44 @@ def test_a_layered_get_into_pieces_gives_each_layers_pieces_their_bytes_by_that_
     )
     assert torch.equal(strided.t(), extra)
     transfer.drain()
+
+
+def test_a_transfer_that_fails_part_way_still_holds_its_leases_until_what_it_queued_has_landed(
+    sim: dict[str, Any], make_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy queued before a failure still reads the daemon's memory: the leases go to the thread that
+    closes them once the stream's event passes, never straight back (the daemon could then reuse the slots
+    under the copy)."""
+    transfer = sim["transfer"]
+    held: list[tuple[Any, list[int]]] = []
+    real_hold = transfer._leases.hold
+
+    def hold(event: Any, fds: list[int]) -> None:
+        held.append((event, fds))
+        real_hold(event, fds)
+
+    monkeypatch.setattr(transfer._leases, "hold", hold)
+    real_issue = transfer._issue
+
+    def issue_then_fail(*args: Any) -> None:
+        real_issue(*args)  # the copies are queued...
+        raise RuntimeError("the driver refused the next copy")  # ...and then something fails
+
+    monkeypatch.setattr(transfer, "_issue", issue_then_fail)
+    proc = make_daemon(budget="64MiB").start()
+    with proc.client() as client:
+        client.capture(
+            model=MODEL, state=STATE, tokens=[1], tensors={"x": _random(1 << 20, 3)}, durable=False
+        )
+        reply, fds = client._call({"op": "restore", **_ident([1])})
+        try:
+            with pytest.raises(RuntimeError, match="refused"):
+                transfer.entry_to_device(
+                    fds[0], reply["generation"], reply["data_offset"], reply["data_len"], torch.device("cpu")
+                )
+        finally:
+            os.close(fds[0])
+        assert len(held) == 1 and held[0][0].recorded_on is not None, "the leases wait for the stream's event"
+        assert len(held[0][1]) == 1  # the entry's lease, duplicated
+        transfer.drain()
+        assert transfer.in_flight == 0

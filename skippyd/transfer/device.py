@@ -653,22 +653,25 @@ class DeviceTransfer:
             return (mapped.host if mapped is not None else dests[buffer])[offset : offset + nbytes]
 
         scatters = [s for part in collected.parts for s in part.scatters]
-        _preload(scatters, dests, stream)
-        event: Any = None
-        for start, stop in collected.spans:
-            pieces = [  # each piece's bytes within [start, stop) of its block
-                (key, offset + lo - rel, base, at + lo - rel, hi - lo)
-                for part in collected.parts
-                for key, offset, base, at, nbytes, rel in part.pieces
-                if (lo := max(start, rel)) < (hi := min(stop, rel + nbytes))
-            ]
-            self._issue(split_runs(plan_runs(pieces), sorted_cuts), address, view, stream)
-            # a strided piece is laid out once its span's bytes are in (again for each span it reaches)
-            _scatter([s for s in scatters if s[4] < stop and start < s[4] + s[3]], dests, stream)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-            collected.events.append(event)
-        self._leases.hold(event, collected.take_leases())
+        try:
+            _preload(scatters, dests, stream)
+            for start, stop in collected.spans:
+                pieces = [  # each piece's bytes within [start, stop) of its block
+                    (key, offset + lo - rel, base, at + lo - rel, hi - lo)
+                    for part in collected.parts
+                    for key, offset, base, at, nbytes, rel in part.pieces
+                    if (lo := max(start, rel)) < (hi := min(stop, rel + nbytes))
+                ]
+                self._issue(split_runs(plan_runs(pieces), sorted_cuts), address, view, stream)
+                # a strided piece is laid out once its span's bytes are in (again for each span it reaches)
+                _scatter([s for s in scatters if s[4] < stop and start < s[4] + s[3]], dests, stream)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                collected.events.append(event)
+        finally:  # the leases go once everything queued has landed, a failure part-way included
+            last = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            last.record(stream)
+            self._leases.hold(last, collected.take_leases())
 
     def _to_device(  # noqa: PLR0917 - one transfer's parts
         self,
@@ -697,13 +700,15 @@ class DeviceTransfer:
         for tensor in dests.values():  # the allocator keeps the memory until skippyd's stream is past it
             if tensor.is_cuda:
                 tensor.record_stream(stream)
-        _preload(scatters, dests, stream)
-        self._issue(runs, address, view, stream)
-        _scatter(scatters, dests, stream)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(stream)
+        try:
+            _preload(scatters, dests, stream)
+            self._issue(runs, address, view, stream)
+            _scatter(scatters, dests, stream)
+        finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            self._hold(event, leases)
         current.wait_event(event)  # results are safe on the caller's stream, with no host sync
-        self._hold(event, leases)
 
     # ------------------------------------------------------------ device → host
     def to_host(self, region: memoryview, jobs: Sequence[tuple[int, torch.Tensor]]) -> None:
