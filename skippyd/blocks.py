@@ -250,8 +250,9 @@ class BlockRules:
                     usable.append(key)
                 in_l2 = [key for key in usable if key not in extra]
                 lease = self.l2.blocks.lease(in_l2, max_fds=max(1, max_fds - len(extra_fds)))
-            placements = iter(lease.placements)
+            placements = iter(zip(lease.placements, lease.slot_generations, strict=True))
             merged: list[BlockPlacement] = []
+            slot_generations: list[int] = []
             base = len(lease.fds)
             by_key = {r.key: r for r in records}
             for key in usable:
@@ -259,12 +260,15 @@ class BlockRules:
                     fd_index, offset = extra[key]
                     record = by_key[key]
                     merged.append([base + fd_index, offset, record.nbytes])
+                    slot_generations.append(0)
                     continue
-                placement = next(placements, None)
-                if placement is None:  # out of descriptors: the client asks again for the rest
+                found = next(placements, None)
+                if found is None:  # out of descriptors: the client asks again for the rest
                     break
-                merged.append(placement)
+                merged.append(found[0])
+                slot_generations.append(found[1])
             lease.placements = merged
+            lease.slot_generations = slot_generations
             lease.fds += extra_fds
             lease.generations += [0] * len(extra_fds)  # read for this reply alone: not worth registering
             extra_fds = []

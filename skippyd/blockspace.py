@@ -453,7 +453,13 @@ def _to_cuda(
     generations = reply.get("generations")
     if not isinstance(generations, list) or len(generations) != len(fds):
         return False
-    return transfer().pieces_to_device(placements, fds, [int(g) for g in generations], pieces)
+    slots = reply.get("slot_generations")  # one per placement (an older daemon: absent, per file then)
+    slot_generations = (
+        [int(g) for g in slots] if isinstance(slots, list) and len(slots) == len(placements) else None
+    )
+    return transfer().pieces_to_device(
+        placements, fds, [int(g) for g in generations], pieces, slot_generations=slot_generations
+    )
 
 
 def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], first: int) -> int:

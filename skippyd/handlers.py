@@ -438,7 +438,12 @@ class Handlers:
 def _blocks_reply(served: Served) -> Reply:
     lease = served.lease
     return Reply(
-        {"held": served.held, "blocks": lease.placements, "generations": lease.generations},
+        {
+            "held": served.held,
+            "blocks": lease.placements,
+            "generations": lease.generations,
+            "slot_generations": lease.slot_generations,
+        },
         lease.fds,
     )
 

@@ -120,6 +120,53 @@ def test_a_new_generation_unregisters_every_range_of_the_file_before_registering
     assert book.generation("slab") == 2 and book.stats.generation_changes == 1
 
 
+def test_a_slot_generation_change_reregisters_only_the_ranges_that_hold_that_slot() -> None:
+    rec = Recorder()
+    book = rec.book()
+    base = 0x100000
+    book.ensure("slab", 1, base, [(0, 4096)], readonly=True, span_generations=[10])
+    book.ensure("slab", 1, base, [(4096, 8192)], readonly=True, span_generations=[11])
+    assert book.ranges("slab") == [(0, 4096), (4096, 8192)]
+    rec.calls.clear()
+    # the slab's file generation moved (another slot was punched): slots 0 and 1 did not, nothing happens
+    cuts = book.ensure("slab", 2, base, [(0, 100), (4096, 8192)], readonly=True, span_generations=[10, 11])
+    assert rec.calls == [] and cuts == [0, 4096, 8192]
+    # slot 1 was punched and filled again: only its range goes and comes back
+    book.ensure("slab", 3, base, [(0, 100), (4096, 8192)], readonly=True, span_generations=[10, 12])
+    assert rec.calls == [("unregister", base + 4096), ("register", base + 4096, 4096, 8)]
+    assert book.parts("slab") == [(0, 4096, 10), (4096, 8192, 12)]
+    assert book.stats.generation_changes == 1 and book.stats.registered_bytes == 8192
+
+
+def test_a_range_over_several_slots_goes_when_one_slot_changed_and_only_what_is_wanted_comes_back() -> None:
+    rec = Recorder()
+    book = rec.book()
+    base = 0x200000
+    spans = [(0, 4096), (4096, 8192), (8192, 12288)]
+    book.ensure("slab", 1, base, spans, readonly=True, span_generations=[10, 11, 12])
+    assert rec.calls == [("register", base, 12288, 8)]  # one registration for the three slots
+    rec.calls.clear()
+    book.ensure("slab", 1, base, [(8192, 12288)], readonly=True, span_generations=[13])
+    assert rec.calls == [("unregister", base), ("register", base + 8192, 4096, 8)]
+    rec.calls.clear()
+    # an unwanted span is never registered (its slot may be a hole); asked again, it is
+    book.ensure("slab", 1, base, [(0, 4096)], readonly=True, span_generations=[10])
+    assert rec.calls == [("register", base, 4096, 8)]
+    assert book.registration_at("slab", 100) == base and book.registration_at("slab", 5000) is None
+
+
+def test_an_entry_file_keeps_one_generation_for_the_whole_file() -> None:
+    rec = Recorder()
+    book = rec.book()
+    book.ensure("entry", 1, 0x10000, [(0, 4096)], readonly=True)
+    book.ensure("entry", 1, 0x10000, [(8192, 12288)], readonly=True)
+    rec.calls.clear()
+    book.ensure("entry", 2, 0x10000, [(8192, 12288)], readonly=True)
+    assert rec.calls == [
+        ("unregister", 0x10000), ("unregister", 0x10000 + 8192), ("register", 0x10000 + 8192, 4096, 8),
+    ]  # fmt: skip
+
+
 def test_writable_memory_is_registered_without_the_read_only_flag_and_dropped_before_unmapping() -> None:
     rec = Recorder()
     book = rec.book()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -455,9 +456,9 @@ def test_a_transfer_that_fails_part_way_still_holds_its_leases_until_what_it_que
     held: list[tuple[Any, list[int]]] = []
     real_hold = transfer._leases.hold
 
-    def hold(event: Any, fds: list[int]) -> None:
+    def hold(event: Any, fds: list[int], registrations: set[int] | None = None) -> None:
         held.append((event, fds))
-        real_hold(event, fds)
+        real_hold(event, fds, registrations)
 
     monkeypatch.setattr(transfer._leases, "hold", hold)
     real_issue = transfer._issue
@@ -484,3 +485,127 @@ def test_a_transfer_that_fails_part_way_still_holds_its_leases_until_what_it_que
         assert len(held[0][1]) == 1  # the entry's lease, duplicated
         transfer.drain()
         assert transfer.in_flight == 0
+
+
+#: a reserve whose window ends soon after the puts: it then punches the free slots, one at a time
+_DECAYING = ("--l2-reserve", "1MiB", "--l2-reserve-window", "1s")
+
+
+def _until_free_slots_are_punched(client: Any) -> None:
+    from daemonutil import eventually
+
+    assert eventually(lambda: client.stats()["l2"]["block_free_slots"] == 0, timeout=15)
+
+
+def _get_to_device(
+    transfer: Any, client: Any, blocks: Any, keys: list[bytes], outs: list[torch.Tensor]
+) -> dict[str, Any]:
+    reply, fds = client._call(blocks._body("blocks_get", keys))
+    try:
+        placements = [tuple(p) for p in reply["blocks"]]
+        assert len(reply["slot_generations"]) == len(placements)
+        assert transfer.blocks_to_device(
+            placements, fds, reply["generations"], outs, slot_generations=reply["slot_generations"]
+        )
+        return dict(reply)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_punching_a_free_slot_of_a_slab_leaves_the_other_slots_registrations_alone(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    transfer, rec = sim["transfer"], sim["rec"]
+    proc = make_daemon(*_DECAYING, budget="64MiB").start()
+    nbytes = 64 * 1024
+    with proc.client() as client:
+        kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
+        keys = kept.keys(list(range(3 * BLOCK)))
+        data = [_random(nbytes, 200 + i) for i in range(3)]
+        kept.put(keys, data, durable=False)
+        gone = other.keys(list(range(BLOCK)))
+        other.put(gone, [_random(nbytes, 300)], durable=False)
+        pages = torch.zeros((3, nbytes), dtype=torch.uint8)
+        before = _get_to_device(transfer, client, kept, keys, list(pages.unbind(0)))
+        assert [c[0] for c in rec.calls] == ["register"]
+        transfer.drain()
+        assert client.evict(model="sim-other@sha256:0", state=STATE, namespace="", blocks=True) >= 1
+        _until_free_slots_are_punched(client)
+        pages.zero_()
+        rec.calls.clear()
+        after = _get_to_device(transfer, client, kept, keys, list(pages.unbind(0)))
+        assert after["generations"] != before["generations"]  # the slab's file generation moved...
+        assert after["slot_generations"] == before["slot_generations"]  # ...its slots did not
+        assert rec.calls == []  # nothing unregistered or registered again, nothing drained for it
+        assert all(torch.equal(pages[i], data[i]) for i in range(3))
+        assert transfer.book.stats.generation_changes == 0
+
+
+def test_a_slot_punched_and_filled_again_is_registered_again_and_its_new_bytes_are_read(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    transfer, rec = sim["transfer"], sim["rec"]
+    proc = make_daemon(*_DECAYING, budget="64MiB").start()
+    nbytes = 64 * 1024
+    with proc.client() as client:
+        kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
+        keys = kept.keys(list(range(2 * BLOCK)))
+        data = [_random(nbytes, 400 + i) for i in range(2)]
+        kept.put(keys, data, durable=False)
+        old = other.keys(list(range(BLOCK)))
+        other.put(old, [_random(nbytes, 500)], durable=False)
+        pages = torch.zeros((2, nbytes), dtype=torch.uint8)
+        _get_to_device(transfer, client, kept, keys, list(pages.unbind(0)))
+        out = torch.zeros(nbytes, dtype=torch.uint8)
+        first = _get_to_device(transfer, client, other, old, [out])
+        assert [c[0] for c in rec.calls] == ["register", "register"]
+        transfer.drain()
+        client.evict(model="sim-other@sha256:0", state=STATE, namespace="", blocks=True)
+        _until_free_slots_are_punched(client)
+        new = other.keys(list(range(1000, 1000 + BLOCK)))
+        fresh = _random(nbytes, 501)
+        other.put(new, [fresh], durable=False)
+        rec.calls.clear()
+        out.zero_()
+        second = _get_to_device(transfer, client, other, new, [out])
+        assert second["blocks"][0][1] == first["blocks"][0][1]  # the same slot, filled again...
+        assert second["slot_generations"] != first["slot_generations"]  # ...is new memory
+        assert [c[0] for c in rec.calls] == ["unregister", "register"]
+        assert rec.calls[0][1] == rec.calls[1][1]  # that slot's range, and only it
+        assert torch.equal(out, fresh)  # the new bytes, never the old ones
+        rec.calls.clear()
+        pages.zero_()
+        _get_to_device(transfer, client, kept, keys, list(pages.unbind(0)))
+        assert rec.calls == []  # the other slots' registration stayed
+        assert all(torch.equal(pages[i], data[i]) for i in range(2))
+
+
+class _SlowEvent:
+    def __init__(self) -> None:
+        self.passed = threading.Event()
+
+    def synchronize(self) -> None:
+        self.passed.wait(10)
+
+
+def test_unregistering_one_range_waits_only_for_the_copies_that_read_it() -> None:
+    leases = dev._Leases()
+    slow = _SlowEvent()
+    leases.hold(slow, [], {0x1000})
+    leases.drain_for(0x9000)  # another range: no wait (it would hang here otherwise)
+    waited = threading.Event()
+
+    def unregister() -> None:
+        leases.drain_for(0x1000)
+        waited.set()
+
+    thread = threading.Thread(target=unregister)
+    thread.start()
+    assert not waited.wait(0.2)  # the copy reading 0x1000 is still in flight
+    slow.passed.set()
+    assert waited.wait(5)
+    thread.join(5)
+    assert len(leases) == 0

@@ -198,6 +198,7 @@ class Lease:
     fds: list[int] = field(default_factory=list)
     placements: list[BlockPlacement] = field(default_factory=list)
     generations: list[int] = field(default_factory=list)  # each descriptor's slab generation (0: once)
+    slot_generations: list[int] = field(default_factory=list)  # each placement's slot generation (0: once)
 
     def close(self) -> None:
         for fd in self.fds:
@@ -274,11 +275,12 @@ class L2Blocks:
         if len(where) < len(chosen):
             del chosen[len(where) :]
         placements = [[at, offset, b.record.nbytes] for b, (at, offset) in zip(chosen, where, strict=True)]
+        slot_generations = [b.home.slab.slot_generations[b.index] for b in chosen]
         if hit:
             self._stats.block_hits += len(chosen)
             chosen.reverse()
             self._touch_all(chosen)
-        return Lease(fds, placements, generations)
+        return Lease(fds, placements, generations, slot_generations)
 
     def count_miss(self, blocks: int = 1) -> None:
         self._stats.block_misses += blocks

@@ -156,6 +156,10 @@ class Slab:
         #: Changes whenever a slot's pages are punched (a slot filled again later is new memory): a client
         #: that registered this slab's pages with CUDA registers them again (docs/protocol.md).
         self.generation = next_generation()
+        #: Each slot's own generation: changes when that slot is punched (so a registration of its old
+        #: pages is never used for the pages it is filled with again), and only then. A new or adopted
+        #: slab's slots start at a number never given before (its file may reuse an old inode).
+        self.slot_generations = [self.generation] * slots
 
     @property
     def header_bytes(self) -> int:
@@ -224,6 +228,7 @@ class Slab:
         """Gives slot ``index``'s pages back to the system (call only when :meth:`has_readers` is False)."""
         self.mapping.madvise(mmap.MADV_REMOVE, self.offset(index), self.slot_size)
         self.generation = next_generation()
+        self.slot_generations[index] = self.generation
 
     # ------------------------------------------------------------------ leases
     def has_readers(self, index: int) -> bool:

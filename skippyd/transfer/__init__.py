@@ -1,8 +1,8 @@
 """The transfer layer: how bytes move between skippyd's shared memory and a device (client side only).
 
 * :mod:`.plan`: the copies of one transfer merged into contiguous runs (pure logic).
-* :mod:`.book`: which host memory is registered with CUDA, for which generation of its file (pure logic,
-  with injected register/unregister calls).
+* :mod:`.book`: which host memory is registered with CUDA, for which generation of its file or slot
+  (pure logic, with injected register/unregister calls).
 * :mod:`.streams`: the caller's CUDA streams carried into a worker thread (the async client's copies).
 * :mod:`.device` (imports torch): CUDA device checks (a typed :class:`~skippyd.errors.NoDevice`), kept
   mappings of the daemon's files, the registrations, skippyd's own CUDA stream per direction, batched

@@ -9,16 +9,20 @@ drive the book with a hook that records them. The device side (:mod:`skippyd.tra
   (ranges are never merged: a run is cut at registration boundaries instead, see
   :func:`skippyd.transfer.plan.split_runs`). Ranges are page-aligned, so two never share a page.
 * **Read-only where it only reads** (``cudaHostRegisterReadOnly``, flag 8, for a ``PROT_READ`` mapping).
-* **Generations.** Every source names the generation the daemon gave its file (a slab or an entry file).
-  When the daemon punched a slot and filled it again (or recycled a file), its generation changed: the
-  pages the old registration pinned are not the file's any more, so every range of that source is
-  unregistered and registered again before a copy uses it.
+* **Generations.** Every span a copy needs carries the generation the daemon gave its memory: an entry
+  file's (one unit: another generation unregisters every range of that file), or a block slot's
+  (``span_generations``: one per span, docs/protocol.md "Generations"). The book remembers, for every
+  registered range, the generation of each span it was registered for; a span whose slot generation
+  changed (the daemon punched that slot, and may have filled it again: new pages) makes the book
+  unregister the ranges that overlap it and register the span again. Ranges of the same file that
+  cover only unchanged slots stay registered.
 * **Bounded.** At most ``limit_bytes`` registered; the least recently used sources go first (never one
   the current call needs). ``drop`` unregisters a source before its mapping goes.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -55,7 +59,11 @@ class _Source:
     base: int  # the mapping's address: a range [a, b) of the source is registered at base + a
     readonly: bool
     ranges: list[tuple[int, int]] = field(default_factory=list)  # sorted, disjoint, page-aligned
+    #: what each range was registered for: (start, end, generation), sorted, disjoint, page-aligned, each
+    #: inside one range (a range is the union of its parts)
+    parts: list[tuple[int, int, int]] = field(default_factory=list)
     unregistrable: bool = False
+    slotted: bool = False  # generations per span (a slab's slots), not one for the file
 
     def nbytes(self) -> int:
         return sum(b - a for a, b in self.ranges)
@@ -80,24 +88,43 @@ class RegistrationBook:
         spans: Sequence[tuple[int, int]],
         *,
         readonly: bool,
+        span_generations: Sequence[int] | None = None,
     ) -> list[int] | None:
         """Registers what ``spans`` (byte ranges of the source ``key``, mapped at ``base``) need and is not
-        registered for this ``generation`` yet; returns the registration boundaries inside them (to
-        cut runs at), or None when the memory cannot be registered (copy it unpinned)."""
+        registered for their generation yet; returns the registration boundaries inside them (to cut runs
+        at), or None when the memory cannot be registered (copy it unpinned).
+
+        Without ``span_generations`` every span has the file's ``generation`` (an entry file: another
+        generation drops every range of the source). With it (one per span: a slab's slot generations)
+        the file's ``generation`` is not compared; a range is dropped and registered again only where a
+        span's generation differs from the one a part of that range was registered for."""
+        slotted = span_generations is not None
         source = self._sources.get(key)
         if source is not None and (
-            source.generation != generation or source.base != base or source.readonly != readonly
+            source.base != base
+            or source.readonly != readonly
+            or source.slotted != slotted
+            or (not slotted and source.generation != generation)
         ):
-            if source.generation != generation:
+            if not slotted and source.generation != generation:
                 self.stats.generation_changes += 1
             self.drop(key)
             source = None
         if source is None:
-            source = self._sources[key] = _Source(generation, base, readonly)
+            source = self._sources[key] = _Source(generation, base, readonly, slotted=slotted)
+        source.generation = generation
         self._sources.move_to_end(key)
         if source.unregistrable:
             return None
-        wanted = _merge([page_span(a, b) for a, b in spans if b > a])
+        gens = span_generations if span_generations is not None else [generation] * len(spans)
+        if len(gens) != len(spans):
+            raise ValueError("span_generations must name one generation per span")
+        wanted_parts = _merge_parts(
+            [(*page_span(a, b), g) for (a, b), g in zip(spans, gens, strict=True) if b > a]
+        )
+        wanted = _merge([(a, b) for a, b, _ in wanted_parts])
+        if slotted:
+            self._drop_stale(source, wanted_parts)
         missing = _gaps(source.ranges, wanted)
         need = sum(b - a for a, b in missing)
         if need:
@@ -109,11 +136,51 @@ class RegistrationBook:
                     source.unregistrable = True
                     self.drop(key, forget=False)
                     return None
-                source.ranges.append((a, b))
+                bisect.insort(source.ranges, (a, b))
+                for part in _clip(wanted_parts, a, b):
+                    bisect.insort(source.parts, part)
                 self.stats.registrations += 1
                 self.stats.registered_bytes += b - a
-            source.ranges.sort()
         return sorted({x for a, b in source.ranges for x in (a, b) if _touches(a, b, wanted)})
+
+    def _drop_stale(self, source: _Source, wanted: Sequence[tuple[int, int, int]]) -> None:
+        """Unregisters every range of ``source`` holding a part that overlaps a wanted span of another
+        generation (its pages may not be the file's any more)."""
+        stale: set[tuple[int, int]] = set()
+        parts = source.parts
+        i = 0
+        for wa, wb, wg in wanted:  # both sorted and disjoint: one sweep
+            while i < len(parts) and parts[i][1] <= wa:
+                i += 1
+            j = i
+            while j < len(parts) and parts[j][0] < wb:
+                if parts[j][2] != wg:
+                    stale.add(self._range_of(source, parts[j][0]))
+                j += 1
+        for a, b in sorted(stale):
+            self.stats.generation_changes += 1
+            self._unregister(source.base + a)
+            self.stats.unregistrations += 1
+            self.stats.registered_bytes -= b - a
+            source.ranges.remove((a, b))
+            source.parts = [p for p in source.parts if not a <= p[0] < b]
+
+    @staticmethod
+    def _range_of(source: _Source, offset: int) -> tuple[int, int]:
+        at = bisect.bisect_right(source.ranges, (offset, 1 << 62)) - 1
+        return source.ranges[at]
+
+    def registration_at(self, key: Hashable, offset: int) -> int | None:
+        """The address a registered range of ``key`` holding byte ``offset`` was registered at (what
+        unregistering it passes), or None."""
+        source = self._sources.get(key)
+        if source is None or not source.ranges:
+            return None
+        at = bisect.bisect_right(source.ranges, (offset, 1 << 62)) - 1
+        if at < 0:
+            return None
+        a, b = source.ranges[at]
+        return source.base + a if a <= offset < b else None
 
     def drop(self, key: Hashable, *, forget: bool = True) -> None:
         """Unregisters every range of ``key`` (call before its mapping is unmapped)."""
@@ -125,6 +192,7 @@ class RegistrationBook:
             self.stats.unregistrations += 1
             self.stats.registered_bytes -= b - a
         source.ranges = []
+        source.parts = []
         if forget:
             del self._sources[key]
 
@@ -135,6 +203,11 @@ class RegistrationBook:
     def generation(self, key: Hashable) -> int | None:
         source = self._sources.get(key)
         return source.generation if source is not None else None
+
+    def parts(self, key: Hashable) -> list[tuple[int, int, int]]:
+        """What each registered range of ``key`` was registered for: ``(start, end, generation)``."""
+        source = self._sources.get(key)
+        return list(source.parts) if source is not None else []
 
     def ranges(self, key: Hashable) -> list[tuple[int, int]]:
         source = self._sources.get(key)
@@ -160,6 +233,25 @@ def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
+
+
+def _merge_parts(spans: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Page spans with their generations, sorted and made disjoint (overlapping spans name one slot's
+    pages: they carry one generation; were they not to, the newest, the largest, is kept)."""
+    spans.sort()
+    out: list[tuple[int, int, int]] = []
+    for a, b, g in spans:
+        if out and a < out[-1][1]:
+            pa, pb, pg = out[-1]
+            out[-1] = (pa, max(pb, b), max(pg, g))
+        else:
+            out.append((a, b, g))
+    return out
+
+
+def _clip(parts: Sequence[tuple[int, int, int]], a: int, b: int) -> list[tuple[int, int, int]]:
+    """The parts (sorted, disjoint) cut to ``[a, b)``."""
+    return [(max(pa, a), min(pb, b), g) for pa, pb, g in parts if pa < b and a < pb]
 
 
 def _gaps(have: Sequence[tuple[int, int]], want: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -4,9 +4,12 @@
   process has none (no CUDA build, no GPU, no such index) is :class:`~skippyd.errors.NoDevice`.
 * :class:`FileMaps` keeps shared mappings of the daemon's linked files (entry files, block slabs), made
   through a fresh open file description (``/proc/self/fd``), so a kept mapping holds no lease: the
-  daemon may evict and reuse the memory, and the file's *generation* (docs/protocol.md) says when it did.
-* :class:`DeviceTransfer` registers the ranges a copy needs with ``cudaHostRegister`` once per file
-  generation (:class:`~skippyd.transfer.book.RegistrationBook`), merges the copies into runs
+  daemon may evict and reuse the memory, and the *generation* of an entry file or of a slab's slot
+  (docs/protocol.md) says when it did.
+* :class:`DeviceTransfer` registers the ranges a copy needs with ``cudaHostRegister`` once per entry
+  file generation or slot generation (:class:`~skippyd.transfer.book.RegistrationBook`: a punched slot
+  re-registers only the ranges over it, waiting only for the copies in flight that read those ranges),
+  merges the copies into runs
   (:mod:`~skippyd.transfer.plan`), and issues them on skippyd's own stream per device and direction:
   one ``cuMemcpyBatchAsync`` call (``cuda-bindings``, the ``gpu`` extra) or one ``copy_`` per run.
 
@@ -253,6 +256,9 @@ class FileMaps:
 
 # A copy of one transfer: (source, offset, destination, offset, bytes, offset of its bytes in their block)
 _Piece = tuple[Hashable, int, Any, int, int, int]
+# What one source needs registered: (source, file generation, base, spans, each span's slot generation or
+# None for a file that is one unit)
+_Need = tuple[Hashable, int, int, list[tuple[int, int]], list[int] | None]
 # A strided destination: (tensor, staging buffer, offset in it, bytes it takes, offset in its block). Its
 # bytes land in a device staging buffer by DMA, then one copy_ on skippyd's stream lays them into it.
 _Scatter = tuple[torch.Tensor, Any, int, int, int]
@@ -263,7 +269,7 @@ class _Part:
     pieces: list[_Piece]
     hosts: dict[Hashable, _Mapped]
     dests: dict[Any, torch.Tensor]
-    needs: list[tuple[Hashable, int, int, list[tuple[int, int]]]]  # source, generation, base, spans
+    needs: list[_Need]
     leases: list[int]  # duplicated descriptors: ours to close
     scatters: list[_Scatter]
 
@@ -283,7 +289,7 @@ class Layered:
         pieces: list[_Piece],
         hosts: dict[Hashable, _Mapped],
         dests: dict[Any, torch.Tensor],
-        needs: list[tuple[Hashable, int, int, list[tuple[int, int]]]],
+        needs: list[_Need],
         leases: list[int],
         device: torch.device,
         scatters: list[_Scatter] | None = None,
@@ -311,16 +317,21 @@ class _Leases:
     ``_MAX_PENDING`` copies are held; past that, a new one waits for the oldest."""
 
     def __init__(self) -> None:
-        self._queue: deque[tuple[Any, list[int]]] = deque()
+        self._queue: deque[tuple[Any, list[int], set[int]]] = deque()
         self._held = 0
+        self._reading: Counter[int] = Counter()  # registration address -> copies in flight reading it
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def hold(self, event: Any, fds: list[int]) -> None:
+    def hold(self, event: Any, fds: list[int], registrations: set[int] | None = None) -> None:
+        """Holds ``fds`` until ``event`` passes; ``registrations``: the addresses of the registered
+        ranges the copy reads (each unregisters only once the copy has landed)."""
+        reads = registrations or set()
         with self._cond:
             while self._held >= _MAX_PENDING:
                 self._cond.wait()
-            self._queue.append((event, fds))
+            self._queue.append((event, fds, reads))
+            self._reading.update(reads)
             self._held += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="skippyd-leases", daemon=True)
@@ -332,7 +343,7 @@ class _Leases:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                event, fds = self._queue.popleft()
+                event, fds, reads = self._queue.popleft()
             try:
                 event.synchronize()
             except Exception as exc:  # a failed copy still gives its leases back
@@ -343,11 +354,22 @@ class _Leases:
                         os.close(fd)
                 with self._cond:
                     self._held -= 1
+                    self._reading.subtract(reads)
+                    for address in reads:
+                        if self._reading[address] <= 0:
+                            del self._reading[address]
                     self._cond.notify_all()
 
     def drain(self) -> None:
         with self._cond:
             while self._held:
+                self._cond.wait()
+
+    def drain_for(self, address: int) -> None:
+        """Waits until no copy in flight reads the registration made at ``address`` (copies of other
+        registrations go on)."""
+        with self._cond:
+            while self._reading.get(address, 0) > 0:
                 self._cond.wait()
 
     def __len__(self) -> int:
@@ -380,8 +402,8 @@ class DeviceTransfer:
     ) -> None:
         undo = unregister or _cuda_unregister
 
-        def unregister_idle(address: int) -> None:  # never under a copy still in flight
-            self._leases.drain()
+        def unregister_idle(address: int) -> None:  # never under a copy still in flight that reads it
+            self._leases.drain_for(address)
             undo(address)
 
         self.book = RegistrationBook(register or _cuda_register, unregister_idle, limit_bytes=limit_bytes)
@@ -408,8 +430,9 @@ class DeviceTransfer:
         self._leases.drain()
         self.book.drop(key)
 
-    def _hold(self, event: Any, fds: Sequence[int]) -> None:
-        self._leases.hold(event, [os.dup(fd) for fd in fds])  # a duplicate keeps the description's locks
+    def _hold(self, event: Any, fds: Sequence[int], registrations: set[int] | None = None) -> None:
+        # a duplicate keeps the description's locks
+        self._leases.hold(event, [os.dup(fd) for fd in fds], registrations)
 
     @property
     def in_flight(self) -> int:
@@ -492,6 +515,8 @@ class DeviceTransfer:
         fds: Sequence[int],
         generations: Sequence[int],
         outs: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+        *,
+        slot_generations: Sequence[int] | None = None,
     ) -> bool:
         """Copies block ``i`` (``placements[i]``: descriptor index, offset, size) into ``outs[i]`` (a CUDA
         tensor of at least its size, or a list of them that its bytes fill in order; any strides; one
@@ -507,7 +532,7 @@ class DeviceTransfer:
                     at += take
             if at < nbytes:
                 raise Mismatch(f"a destination holds {at} bytes; its block has {nbytes}")
-        return self.pieces_to_device(placements, fds, generations, pieces)
+        return self.pieces_to_device(placements, fds, generations, pieces, slot_generations=slot_generations)
 
     def pieces_to_device(
         self,
@@ -515,12 +540,16 @@ class DeviceTransfer:
         fds: Sequence[int],
         generations: Sequence[int],
         pieces: Sequence[tuple[int, int, int, torch.Tensor]],
+        *,
+        slot_generations: Sequence[int] | None = None,
     ) -> bool:
         """Copies bytes ``[at, at + take)`` of block ``block`` into each ``(block, at, take, tensor)`` of
         ``pieces`` (CUDA tensors of one device: a contiguous one gets its bytes by DMA, merged with the
         pieces it continues in the slab and in device memory; a strided, conjugate or negative one gets
         them in a device staging buffer, then one ``copy_`` into it, in its logical order as ``put`` lays
-        it out), queued on skippyd's stream; False when a descriptor is not one to map and register."""
+        it out), queued on skippyd's stream; False when a descriptor is not one to map and register.
+        ``slot_generations`` (one per placement, the reply's): registrations are kept and renewed per slot;
+        without it, per descriptor (``generations``)."""
         if not pieces:
             return True
         device = pieces[0][3].device
@@ -568,10 +597,16 @@ class DeviceTransfer:
                 for n, (tensor, _, at, take, where) in enumerate(strided):
                     dests[("scatter", n, key)] = tensor  # (kept alive, and recorded on skippyd's stream)
                     scatters.append((tensor, key, where, take, at))
-            needs = [
-                (key, generations[index], mapped.base, [(o, o + n) for i, o, n in placements if i == index])
-                for index, (key, mapped) in sources.items()
-            ]
+            if slot_generations is not None and len(slot_generations) != len(placements):
+                raise BadFrame("a blocks_get reply's slot generations do not match its blocks")
+            needs: list[_Need] = []
+            for index, (source, mapped) in sources.items():
+                mine = [n for n, placement in enumerate(placements) if placement[0] == index]
+                spans = [(placements[n][1], placements[n][1] + placements[n][2]) for n in mine]
+                slots = [int(slot_generations[n]) for n in mine] if slot_generations is not None else None
+                if slots is not None and not all(slots):  # (a slot lent for this reply alone)
+                    return False
+                needs.append((source, generations[index], mapped.base, spans, slots))
             collecting: Layered | None = getattr(self._local, "layered", None)
             if collecting is not None:  # issued layer by layer when the collection ends
                 keys = [key for key, _ in sources.values()]
@@ -606,25 +641,35 @@ class DeviceTransfer:
                 self.maps.pinned.subtract(collected.pinned)
                 self.maps.pinned = +self.maps.pinned  # (drops the zeros)
 
-    def _register(
-        self, needs: Sequence[tuple[Hashable, int, int, list[tuple[int, int]]]]
-    ) -> dict[Hashable, list[int]]:
-        """Registers what each source needs (one call per source, at its newest generation); returns the
-        registration boundaries to cut runs at."""
-        merged: dict[Hashable, tuple[int, int, list[tuple[int, int]]]] = {}
-        for key, generation, base, spans in needs:
+    def _register(self, needs: Sequence[_Need]) -> dict[Hashable, list[int]]:
+        """Registers what each source needs (one call per source, at its newest file generation; slots
+        at their own); returns the registration boundaries to cut runs at."""
+        merged: dict[Hashable, tuple[int, int, list[tuple[int, int]], list[int] | None]] = {}
+        for key, generation, base, spans, slots in needs:
             seen = merged.get(key)
             if seen is None:
-                merged[key] = (generation, base, list(spans))
+                merged[key] = (generation, base, list(spans), None if slots is None else list(slots))
             else:
                 seen[2].extend(spans)
-                merged[key] = (max(seen[0], generation), base, seen[2])
+                both = None if seen[3] is None or slots is None else [*seen[3], *slots]
+                merged[key] = (max(seen[0], generation), base, seen[2], both)
         cuts: dict[Hashable, list[int]] = {}
-        for key, (generation, base, spans) in merged.items():
-            got = self.book.ensure(key, generation, base, spans, readonly=True)
+        for key, (generation, base, spans, slots) in merged.items():
+            got = self.book.ensure(key, generation, base, spans, readonly=True, span_generations=slots)
             if got is not None:
                 cuts[key] = got
         return cuts
+
+    def _registrations(self, runs: Sequence[Run], hosts: dict[Hashable, _Mapped]) -> set[int]:
+        """The addresses of the registrations ``runs`` read from (each run lies inside one: runs are cut
+        at registration boundaries): unregistering one of them waits for these copies."""
+        found: set[int] = set()
+        for run in runs:
+            if run.src in hosts:
+                address = self.book.registration_at(run.src, run.src_offset)
+                if address is not None:
+                    found.add(address)
+        return found
 
     def _issue_layered(self, collected: Layered) -> None:
         if not collected.parts:
@@ -653,6 +698,7 @@ class DeviceTransfer:
             return (mapped.host if mapped is not None else dests[buffer])[offset : offset + nbytes]
 
         scatters = [s for part in collected.parts for s in part.scatters]
+        reads: set[int] = set()
         try:
             _preload(scatters, dests, stream)
             for start, stop in collected.spans:
@@ -662,7 +708,9 @@ class DeviceTransfer:
                     for key, offset, base, at, nbytes, rel in part.pieces
                     if (lo := max(start, rel)) < (hi := min(stop, rel + nbytes))
                 ]
-                self._issue(split_runs(plan_runs(pieces), sorted_cuts), address, view, stream)
+                runs = split_runs(plan_runs(pieces), sorted_cuts)
+                reads |= self._registrations(runs, hosts)
+                self._issue(runs, address, view, stream)
                 # a strided piece is laid out once its span's bytes are in (again for each span it reaches)
                 _scatter([s for s in scatters if s[4] < stop and start < s[4] + s[3]], dests, stream)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -671,7 +719,7 @@ class DeviceTransfer:
         finally:  # the leases go once everything queued has landed, a failure part-way included
             last = torch.cuda.Event()  # type: ignore[no-untyped-call]
             last.record(stream)
-            self._leases.hold(last, collected.take_leases())
+            self._leases.hold(last, collected.take_leases(), reads)
 
     def _to_device(  # noqa: PLR0917 - one transfer's parts
         self,
@@ -700,6 +748,7 @@ class DeviceTransfer:
         for tensor in dests.values():  # the allocator keeps the memory until skippyd's stream is past it
             if tensor.is_cuda:
                 tensor.record_stream(stream)
+        reads = self._registrations(runs, hosts)
         try:
             _preload(scatters, dests, stream)
             self._issue(runs, address, view, stream)
@@ -707,7 +756,7 @@ class DeviceTransfer:
         finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
-            self._hold(event, leases)
+            self._hold(event, leases, reads)
         current.wait_event(event)  # results are safe on the caller's stream, with no host sync
 
     # ------------------------------------------------------------ device → host
