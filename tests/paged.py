@@ -68,6 +68,24 @@ def sglang_block(pool: torch.Tensor, pages: list[int]) -> list[torch.Tensor]:
     ]
 
 
+def hf_layers(
+    layers: int, tokens: int, *, seed: int | None = None, device: Any = "cpu"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """HF dynamic-cache layers (keys, values), fp16 ``(1, 2, tokens, 128)`` each: random, or zeros without
+    a seed."""
+    shape = (1, 2, tokens, HEAD_DIM)
+    if seed is None:
+        zeros = [torch.zeros(shape, dtype=torch.float16, device=device) for _ in range(2 * layers)]
+        return list(zip(zeros[::2], zeros[1::2], strict=True))
+    return [
+        (
+            random_like(shape, torch.float16, seed + 2 * i, device),
+            random_like(shape, torch.float16, seed + 2 * i + 1, device),
+        )
+        for i in range(layers)
+    ]
+
+
 def hf_block(layers: list[tuple[torch.Tensor, torch.Tensor]], block: int) -> list[torch.Tensor]:
     """A block of HF dynamic-cache layers ``(1, heads, tokens, 128)``: strided views, K then V per layer."""
     span = slice(block * BLOCK_TOKENS, (block + 1) * BLOCK_TOKENS)

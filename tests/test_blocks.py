@@ -535,27 +535,15 @@ def test_get_into_an_sglang_layer_first_pool_is_bit_exact_blocking_and_async(mak
 def test_get_into_strided_pieces_gets_their_elements_in_the_order_put_stored_them(
     daemon: DaemonProcess,
 ) -> None:
-    from paged import hf_block, random_like
+    from paged import hf_block, hf_layers, random_like
 
     with daemon.client() as client:
         blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
         # HF dynamic-cache layers (batch, heads, tokens, dim): a block's slice of one is a strided view
-        source = [
-            (
-                random_like((1, 2, 512, 128), torch.float16, 2 * i),
-                random_like((1, 2, 512, 128), torch.float16, 2 * i + 1),
-            )
-            for i in range(2)
-        ]
+        source = hf_layers(2, 512, seed=0)
         keys = blocks.keys(list(range(2 * 256)))
         assert blocks.put(keys, [hf_block(source, b) for b in range(2)], durable=False).stored == 2
-        engine = [
-            (
-                torch.zeros(1, 2, 512, 128, dtype=torch.float16),
-                torch.zeros(1, 2, 512, 128, dtype=torch.float16),
-            )
-            for _ in range(2)
-        ]
+        engine = hf_layers(2, 512)
         pieces = [hf_block(engine, b) for b in range(2)]
         assert not pieces[0][0].is_contiguous()
         assert blocks.get_into(keys, pieces) == 2

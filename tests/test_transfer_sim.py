@@ -340,28 +340,16 @@ def test_get_into_a_vllm_paged_layout_goes_by_dma_one_run_per_consecutive_pages_
 def test_strided_device_pieces_land_in_a_staging_buffer_then_one_copy_each_in_put_order(
     through_sim: dict[str, Any], make_daemon: Any
 ) -> None:
-    from paged import hf_block, random_like, sglang_block, sglang_pool
+    from paged import hf_block, hf_layers, random_like, sglang_block, sglang_pool
 
     transfer = through_sim["transfer"]
     proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
     with proc.client() as client:
         blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
-        source = [
-            (
-                random_like((1, 2, 512, 128), torch.float16, i),
-                random_like((1, 2, 512, 128), torch.float16, 9 + i),
-            )
-            for i in range(2)
-        ]
+        source = hf_layers(2, 512, seed=0)
         keys = blocks.keys(list(range(2 * 256)))
         assert blocks.put(keys, [hf_block(source, b) for b in range(2)], durable=False).stored == 2
-        engine = [
-            (
-                torch.zeros(1, 2, 512, 128, dtype=torch.float16),
-                torch.zeros(1, 2, 512, 128, dtype=torch.float16),
-            )
-            for _ in range(2)
-        ]
+        engine = hf_layers(2, 512)
         issued: list[Any] = []
         issue = transfer._issue
 
@@ -513,6 +501,20 @@ def _get_to_device(
             os.close(fd)
 
 
+def _kept_and_other(
+    client: Any, kept_blocks: int, seed: int, nbytes: int
+) -> tuple[Any, Any, list[bytes], list[torch.Tensor], list[bytes]]:
+    """``kept_blocks`` blocks of one space and one block of another (whose eviction frees a slot), put."""
+    kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+    other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
+    keys = kept.keys(list(range(kept_blocks * BLOCK)))
+    data = [_random(nbytes, seed + i) for i in range(kept_blocks)]
+    kept.put(keys, data, durable=False)
+    other_keys = other.keys(list(range(BLOCK)))
+    other.put(other_keys, [_random(nbytes, seed + 100)], durable=False)
+    return kept, other, keys, data, other_keys
+
+
 def test_punching_a_free_slot_of_a_slab_leaves_the_other_slots_registrations_alone(
     sim: dict[str, Any], make_daemon: Any
 ) -> None:
@@ -520,13 +522,7 @@ def test_punching_a_free_slot_of_a_slab_leaves_the_other_slots_registrations_alo
     proc = make_daemon(*_DECAYING, budget="64MiB").start()
     nbytes = 64 * 1024
     with proc.client() as client:
-        kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
-        other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
-        keys = kept.keys(list(range(3 * BLOCK)))
-        data = [_random(nbytes, 200 + i) for i in range(3)]
-        kept.put(keys, data, durable=False)
-        gone = other.keys(list(range(BLOCK)))
-        other.put(gone, [_random(nbytes, 300)], durable=False)
+        kept, _, keys, data, _ = _kept_and_other(client, 3, 200, nbytes)
         pages = torch.zeros((3, nbytes), dtype=torch.uint8)
         before = _get_to_device(transfer, client, kept, keys, list(pages.unbind(0)))
         assert [c[0] for c in rec.calls] == ["register"]
@@ -550,13 +546,7 @@ def test_a_slot_punched_and_filled_again_is_registered_again_and_its_new_bytes_a
     proc = make_daemon(*_DECAYING, budget="64MiB").start()
     nbytes = 64 * 1024
     with proc.client() as client:
-        kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
-        other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
-        keys = kept.keys(list(range(2 * BLOCK)))
-        data = [_random(nbytes, 400 + i) for i in range(2)]
-        kept.put(keys, data, durable=False)
-        old = other.keys(list(range(BLOCK)))
-        other.put(old, [_random(nbytes, 500)], durable=False)
+        kept, other, keys, data, old = _kept_and_other(client, 2, 400, nbytes)
         pages = torch.zeros((2, nbytes), dtype=torch.uint8)
         _get_to_device(transfer, client, kept, keys, list(pages.unbind(0)))
         out = torch.zeros(nbytes, dtype=torch.uint8)
