@@ -255,8 +255,9 @@ def choose_route(
     def load(node: str) -> float:
         return float(loads.get(node, 0.0)) if loads else 0.0
 
-    warm = min(candidates, key=lambda c: (-c[1], load(c[0]), _route_rank(first_hash, c[0])))
-    least = min(candidates, key=lambda c: (load(c[0]), -c[1], _route_rank(first_hash, c[0])))
+    rank = {node: (load(node), _route_rank(first_hash, node)) for node, _ in candidates}  # each hashed once
+    warm = min(candidates, key=lambda c: (-c[1], *rank[c[0]]))
+    least = min(candidates, key=lambda c: (rank[c[0]][0], -c[1], rank[c[0]][1]))
     if warm[1] == 0:
         return Route(least[0], 0, "cold")
     if loads is not None:
@@ -321,6 +322,7 @@ class WarmTable:
         self.keys = RedisKeys(prefix)
         self.max_dead_runs = max_dead_runs
         self.shards = shards
+        self._shards = tuple(self.keys.warm_shard(i, shards) for i in range(shards))  # built once
         self.balance_abs = float(balance_abs)
         self.balance_rel = float(balance_rel)
         self.max_runs = max_runs
@@ -350,11 +352,10 @@ class WarmTable:
     def shard_of(self, chain: bytes) -> WarmShard:
         """The shard holding every prefix of this chain (shard 0 for a chain shorter than one block,
         which holds no prefix; any shard answers liveness)."""
-        index = self.keys.warm_shard_index(chain, self.shards) if chain else 0
-        return self.keys.warm_shard(index, self.shards)
+        return self._shards[self.keys.warm_shard_index(chain, self.shards) if chain else 0]
 
     def all_shards(self) -> list[WarmShard]:
-        return [self.keys.warm_shard(i, self.shards) for i in range(self.shards)]
+        return list(self._shards)
 
     # ------------------------------------------------------------- the seed's operations
     def ran(self, model: str, tokens: Any, node: str) -> None:
@@ -379,7 +380,7 @@ class WarmTable:
             return 0
         calls = []
         for index, group in sorted(by_shard.items()):
-            shard = self.keys.warm_shard(index, self.shards)
+            shard = self._shards[index]
             calls.append(
                 (
                     [shard.prefixes, shard.ages, shard.clock, shard.batch(batch_id)],

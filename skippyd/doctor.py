@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import Config, embedded_redis_url, human_size
-from .display import human_age, plural
+from .display import plural
 from .errors import SkippydError
 from .l2.slabs import SLAB_SUFFIX, BadSlab, describe
-from .stats import Snapshot, redis_summary
+from .stats import Snapshot, redis_summary, server_restarts
 
 __all__ = ["Finding", "diagnose"]
 
@@ -112,12 +112,9 @@ def check_redis(config: Config, daemon: Snapshot | None) -> Iterator[Finding]:
             + (" and restarts its embedded redis-server" if daemon.redis.embedded else ""),
         )
     if daemon is not None and daemon.redis.embedded and daemon.redis.server_restarts:
-        age = daemon.redis.server_last_restart_age_s
         yield Finding(
             WARN,
-            f"the embedded redis-server died and was restarted {plural(daemon.redis.server_restarts, 'time')}"
-            + (f", last {human_age(age)} ago" if age is not None else "")
-            + (f" (the one before {daemon.redis.server_last_exit})" if daemon.redis.server_last_exit else ""),
+            f"the embedded redis-server died and was {server_restarts(daemon.redis)}",
             f"see {Path(config.state_dir) / 'redis' / 'redis.log'} and the kernel log (OOM killer)",
         )
 

@@ -324,8 +324,6 @@ def _die_with_parent(prctl: Callable[..., int] | None) -> None:
 def _ping(path: Path) -> str:
     """``PONG``, ``LOADING`` or ``""`` (no answer yet): one PING over the unix socket, without redis-py
     (only :mod:`skippyd.coordination` speaks Redis's client protocol for real)."""
-    if not path.exists():
-        return ""
     try:
         with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as conn:
             conn.settimeout(1.0)

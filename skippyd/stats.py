@@ -225,11 +225,17 @@ def redis_summary(redis: RedisStatus) -> str:
     if redis.embedded and redis.server_down_for_s is not None and not redis.degraded:
         text += f"; embedded redis-server down for {human_age(redis.server_down_for_s)}"
     if redis.embedded and redis.server_restarts:
-        age = redis.server_last_restart_age_s
-        last = f", last {human_age(age)} ago" if age is not None else ""
-        why = f" (the one before {redis.server_last_exit})" if redis.server_last_exit else ""
-        text += f"; embedded redis-server restarted {plural(redis.server_restarts, 'time')}{last}{why}"
+        text += f"; embedded redis-server {server_restarts(redis)}"
     return text
+
+
+def server_restarts(redis: RedisStatus) -> str:
+    """``restarted 2 times, last 1m05s ago (the one before was killed by SIGKILL)``: the embedded
+    redis-server's restarts, as ``status`` and ``doctor`` word them."""
+    age = redis.server_last_restart_age_s
+    last = f", last {human_age(age)} ago" if age is not None else ""
+    why = f" (the one before {redis.server_last_exit})" if redis.server_last_exit else ""
+    return f"restarted {plural(redis.server_restarts, 'time')}{last}{why}"
 
 
 def counter_names(cls: type[Any]) -> set[str]:

@@ -750,14 +750,9 @@ class L2Blocks:
     def release_all_free(self) -> int:
         """Gives back every free slot's memory nobody still reads; returns how many slots."""
         released = 0
-        for group in list(self._groups.values()):
-            for _ in range(len(group.free)):
-                home, index = group.free.popleft()
-                if home.slab.has_readers(index):
-                    group.free.append((home, index))
-                else:
-                    self._punch(group, home, index)
-                    released += 1
+        for key in list(self._groups):
+            while self.punch_free_slot(key):
+                released += 1
         return released
 
     # ------------------------------------------------------------------ stats
