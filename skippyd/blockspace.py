@@ -31,10 +31,12 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from .errors import BadFrame, InvalidArgument, Mismatch
 from .keys import MAX_BLOCK_KEY_BYTES, block_keys, block_space, encode_tokens
 from .protocol import MAX_BLOCKS_PER_REQUEST
-from .transfer import in_callers_streams
+from .transfer import cuda_in_use, in_callers_streams
 
 if TYPE_CHECKING:
     import torch
@@ -139,8 +141,6 @@ def _plan_batches(sizes: Sequence[int], held: Sequence[bool], limit: int) -> lis
 
 def _copy_part(region: memoryview, offset: int, part: Part) -> int:
     """Copies one piece to ``offset`` of the staging region; returns its size."""
-    import numpy as np
-
     size = _part_bytes(part)
     if not size:
         return 0
@@ -160,7 +160,7 @@ def _copy_part(region: memoryview, offset: int, part: Part) -> int:
 def _write_blocks(region: memoryview, jobs: list[tuple[int, list[Part]]]) -> None:
     """Copies each block's pieces to its offset in the staging region (two threads for large puts; CUDA
     pieces by DMA straight into it, see :mod:`skippyd.transfer`)."""
-    if any(getattr(piece, "is_cuda", False) for _, pieces in jobs for piece in pieces):
+    if cuda_in_use() and any(getattr(piece, "is_cuda", False) for _, pieces in jobs for piece in pieces):
         jobs = _cuda_pieces_to_host(region, jobs)
 
     def run(part: list[tuple[int, list[Part]]]) -> None:
@@ -424,8 +424,6 @@ def _destination(  # noqa: PLR0917 - one block's destination and where its piece
             )
         take = min(view.nbytes, left)
         if take:
-            import numpy as np
-
             array = np.frombuffer(view.cast("B"), dtype=np.uint8)
             keep.append(array)
             raw.append((block, at, take, array.ctypes.data))
@@ -478,9 +476,12 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
             _destination(out[first + i], nbytes, first + i, i, tensor, lists)
             copier.add(raw, start)
         if other:
-            cuda = [piece for piece in other if _is_cuda(piece[3])]
+            cuda: list[Any] = []
+            rest: list[Any] = []
+            for piece in other:
+                (cuda if _is_cuda(piece[3]) else rest).append(piece)
             if cuda and _to_cuda(reply, fds, placements, cuda):
-                other = [piece for piece in other if not _is_cuda(piece[3])]
+                other = rest
         copier.finish(other)
     finally:
         copier.close()
@@ -515,8 +516,6 @@ class _HostCopies:
             end = max(offset + nbytes for index, offset, nbytes in self.placements if index == fd)
             view = self.mapped[fd] = slab_maps.view(self.fds[fd], end)
             if view is not None:
-                import numpy as np
-
                 self.bases[fd] = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
         return self.bases.get(fd)
 

@@ -122,12 +122,15 @@ def write_into(region: Any, specs: Sequence[TensorSpec], tensors: Mapping[str, A
     sized = [spec for spec in specs if spec.nbytes]
     if not sized:
         return
-    on_cuda = [spec for spec in sized if getattr(tensors[spec.name], "is_cuda", False)]
+    on_cuda: list[TensorSpec] = []
+    on_host: list[TensorSpec] = []
+    for spec in sized:
+        (on_cuda if getattr(tensors[spec.name], "is_cuda", False) else on_host).append(spec)
     if on_cuda:
         from .transfer.device import transfer
 
         transfer().to_host(region, [(s.offset, _dense(tensors[s.name], s.name)) for s in on_cuda])
-        sized = [spec for spec in sized if spec not in on_cuda]
+        sized = on_host
         if not sized:
             return
     views = _views(torch.frombuffer(region, dtype=torch.uint8), sized)

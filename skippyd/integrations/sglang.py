@@ -289,9 +289,10 @@ class SkippydStorage(HiCacheStorage):
         started = time.perf_counter()
 
         def store(space: BlockSpace) -> Any:
-            put = space.put(bound[:count], data(count), durable=self.durable, parent=parent)
+            pages = data(count)
+            put = space.put(bound[:count], pages, durable=self.durable, parent=parent)
             if put.skipped and parent is not None:  # skippyd no longer holds the parent: a chain of its own
-                put = space.put(bound[:count], data(count), durable=self.durable)
+                put = space.put(bound[:count], pages, durable=self.durable)
             return put
 
         put = self._run("store", f"store of {count} pages", store, None, nbytes=count * self.page_bytes)

@@ -18,12 +18,13 @@ import sys
 
 from .book import BookStats, RegistrationBook, page_span
 from .plan import Run, plan_runs, split_runs, total_bytes
-from .streams import in_callers_streams
+from .streams import cuda_in_use, in_callers_streams
 
 __all__ = [
     "BookStats",
     "RegistrationBook",
     "Run",
+    "cuda_in_use",
     "forget_host",
     "in_callers_streams",
     "page_span",

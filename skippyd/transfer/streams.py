@@ -16,16 +16,23 @@ import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["in_callers_streams"]
+__all__ = ["cuda_in_use", "in_callers_streams"]
 
 T = TypeVar("T")
 
 
+def cuda_in_use() -> bool:
+    """Whether this process initialised CUDA (no CUDA tensor exists before it does): the CPU paths' one
+    check, which never imports torch."""
+    torch: Any = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
 def in_callers_streams(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn``, to be run on another thread with this thread's CUDA device and current streams."""
-    torch: Any = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
+    if not cuda_in_use():
         return fn
+    torch: Any = sys.modules["torch"]
     device = torch.cuda.current_device()
     streams = [torch.cuda.current_stream(index) for index in range(torch.cuda.device_count())]
 
