@@ -443,7 +443,7 @@ def render(args: argparse.Namespace, shape: Shape, trace: Trace, results: list[R
         )
     total = sum(len(c) for c in trace.conversations)
     header = (
-        f"Machine: {machine()}, shared with other work while it ran (times are noisy). "
+        f"Machine: {machine()}. "
         f"`python -m bench.routing`, one run ({elapsed:.0f} s): {NODES} daemons (L2 {args.l2_budget} each, "
         f"L3 off) and one redis-server on this host; {shape.conversations} conversations, {total} requests; "
         f"{shape.tenants} system prompts of {shape.system_blocks[0] * BLOCK:,}-"
