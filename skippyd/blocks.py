@@ -114,11 +114,12 @@ class PutJob:
 
     def promised(self) -> PutOutcome:
         nbytes = sum(self.sizes[index] for index, _ in self.pending)
-        queued = (
-            self.to_disk and self.pending and not (self.durable is True and self.rules.admission is not None)
-        )
+        # "pending": the commit, and what L3 gets of it (queued, deferred, or with second-put admission
+        # maybe nothing yet), follow the reply (a kill -9 within the copy's few milliseconds loses the
+        # blocks, a clean stop does not; the connection's next request sees them)
+        pending = self.to_disk and bool(self.pending)
         return PutOutcome(
-            len(self.pending), self.present, self.skipped, nbytes, "queued" if queued else "none"
+            len(self.pending), self.present, self.skipped, nbytes, "pending" if pending else "none"
         )
 
     def _end(self) -> bool:
