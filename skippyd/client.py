@@ -304,13 +304,17 @@ def _staging_need(size: int, info: dict[str, Any]) -> int:
     return 2 * _pages(size) if _halves(size, info) else max(size, 1)
 
 
+#: The most one staged put request carries where the daemon takes halves: a larger put goes as several
+#: requests, the client filling one half while the daemon copies the other out of the half before.
+_PUT_CHUNK = 64 << 20
+
+
 def _staged_limit(info: dict[str, Any]) -> int:
-    """The most one staged request carries: a half of what the daemon lends where it takes halves (a put
-    is split into requests of at most that, the client filling one half while the daemon copies the
-    other), else all of it."""
+    """The most one staged put request carries: a half of what the daemon lends (at most
+    :data:`_PUT_CHUNK`) where it takes halves, else all of it."""
     limit = int(info.get("staging_max", info.get("max_entry", 1 << 30)))
     if _HALVES_FEATURE in info.get("features", ()):
-        return limit // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+        return min(_PUT_CHUNK, limit // 2 // mmap.PAGESIZE * mmap.PAGESIZE)
     return limit
 
 
@@ -345,6 +349,13 @@ class _Staging:
         self.size = size
         self.half_len = size // 2 // mmap.PAGESIZE * mmap.PAGESIZE
         self.next_half = 0  # the half the next staged request writes (the other one may still be read)
+        # used in halves or whole (None: not yet). One buffer is never used both ways: a device copy
+        # registers the region it writes (cudaHostRegister), and a whole-buffer region overlapping a
+        # registered second half could not be registered again
+        self.halved: bool | None = None
+
+    def fits(self, need: int, halves: bool) -> bool:
+        return self.size >= need and self.halved in (None, halves)
 
     def region(self, length: int) -> memoryview:
         return memoryview(self.mapping)[:length]
@@ -353,6 +364,7 @@ class _Staging:
         """Where the next staged request of ``length`` bytes is written, and the half it names: the
         half the last reply freed (the daemon answers a staged request only once its copy of the one
         before, which read the other half, has ended), or the whole buffer (None)."""
+        self.halved = halves
         if not halves:
             return self.region(length), None
         half = self.next_half
@@ -498,8 +510,10 @@ class _Conn:
                 raise ConnectionLost("skippyd closed the connection")
             self.decoder.feed(data, fds)
 
-    def ensure_staging(self, size: int, timeout: float) -> _Staging:
-        if self.staging is not None and self.staging.size >= size:
+    def ensure_staging(self, size: int, timeout: float, halves: bool = False) -> _Staging:
+        """A staging buffer of at least ``size`` bytes, to be used in halves or whole (a new one when the
+        one held is smaller or was used the other way)."""
+        if self.staging is not None and self.staging.fits(size, halves):
             return self.staging
         want = _staging_size(self.staging, size, self.info)
         if self.staging is not None:
@@ -618,8 +632,9 @@ class Client:
             for attempt in range(_ATTEMPTS):
                 try:
                     conn = self._connection()
-                    staging = conn.ensure_staging(_staging_need(size, conn.info), self.timeout)
-                    region, half = staging.take(size, _halves(size, conn.info))
+                    halves = _halves(size, conn.info)
+                    staging = conn.ensure_staging(_staging_need(size, conn.info), self.timeout, halves)
+                    region, half = staging.take(size, halves)
                     try:
                         write(region)
                     finally:
@@ -818,9 +833,9 @@ class _AsyncConn:
             raise error_from_wire(frame.body)
         return frame.body, frame.fds
 
-    async def ensure_staging(self, size: int, timeout: float) -> _Staging:
+    async def ensure_staging(self, size: int, timeout: float, halves: bool = False) -> _Staging:
         """As :meth:`_Conn.ensure_staging`."""
-        if self.staging is not None and self.staging.size >= size:
+        if self.staging is not None and self.staging.fits(size, halves):
             return self.staging
         want = _staging_size(self.staging, size, self.info)
         if self.staging is not None:
@@ -945,8 +960,9 @@ class AsyncClient:
                 conn: _AsyncConn | None = None
                 try:
                     conn = await self._connection()
-                    staging = await conn.ensure_staging(_staging_need(size, conn.info), self.timeout)
-                    region, half = staging.take(size, _halves(size, conn.info))
+                    halves = _halves(size, conn.info)
+                    staging = await conn.ensure_staging(_staging_need(size, conn.info), self.timeout, halves)
+                    region, half = staging.take(size, halves)
                     copy = asyncio.ensure_future(asyncio.to_thread(in_callers_streams(write), region))
                     try:
                         await asyncio.shield(copy)

@@ -373,3 +373,26 @@ def test_a_client_scribbling_over_its_staging_during_captures_never_gets_an_entr
             assert restored is not None and restored.digest == digest
             data = restored.tensors["x"].numpy()
             assert blake3(data.tobytes()).hexdigest() == digest
+
+
+def test_a_capture_too_large_for_a_half_gets_a_buffer_of_its_own_and_puts_go_back_to_halves(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--staging-budget", "1MiB").start()  # halves of 512 KiB
+    with proc.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(2 * BLOCK)))
+        data = block_data(2, seed=15)
+        blocks.put(keys[:1], data[:1])
+        halved = client._connection().staging
+        assert halved is not None and halved.halved is True
+        big = {"x": torch.arange(768 * 1024 // 8, dtype=torch.int64)}  # 768 KiB: only whole fits
+        result = client.capture(model=MODEL, state=STATE, tokens=[1, 2], tensors=big)
+        whole = client._connection().staging
+        assert whole is not halved and whole is not None and whole.halved is False
+        blocks.put(keys[1:], data[1:], parent=keys[0])
+        assert client._connection().staging is not whole  # used one way only: halves again
+        restored = client.restore(model=MODEL, state=STATE, tokens=[1, 2])
+        assert restored is not None and restored.digest == result.digest
+        assert torch.equal(restored.tensors["x"], big["x"])
+        assert same(blocks.get(keys), data)
