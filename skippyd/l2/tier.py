@@ -21,9 +21,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from blake3 import blake3
 
 from skippyd.errors import DigestMismatch, InvalidArgument, NoSpace, SkippydError, TooLarge
 from skippyd.files import private_dirs, release_owner_lock, remove, take_owner_lock
@@ -40,7 +43,7 @@ from skippyd.payload import (
     payload_digest,
     plan_layout,
 )
-from skippyd.shm import copy_bytes, has_readers, open_reader, size_class, zero
+from skippyd.shm import _copy_pool, copy_bytes, has_readers, open_reader, size_class, zero
 
 from . import adopt as adoption
 from .blocks import L2Blocks, L2BlockStats, Prefault
@@ -161,14 +164,20 @@ class Reservation:
         return open_reader(self._file.path)
 
     def commit(
-        self, expected_digest: str | None = None, *, before_publish: Callable[[str], None] | None = None
+        self,
+        expected_digest: str | None = None,
+        *,
+        before_publish: Callable[[str], None] | None = None,
+        digest: str | None = None,
     ) -> Entry:
         """Hashes the bytes, writes the header and publishes the entry atomically under its key.
 
         ``before_publish`` is called with the payload digest after hashing and before the entry becomes
         visible (the tier rules use it to retire a stale durable copy and record a durable intent).
+        ``digest``: the payload digest the caller computed over :attr:`data` itself, as it wrote it (a
+        capture hashes each chunk of its copy while it copies the next); not hashed again.
         """
-        entry = self._finish(expected_digest, before_publish, only_if_absent=False)
+        entry = self._finish(expected_digest, before_publish, only_if_absent=False, digest=digest)
         assert entry is not None
         return entry
 
@@ -182,6 +191,7 @@ class Reservation:
         before_publish: Callable[[str], None] | None,
         *,
         only_if_absent: bool,
+        digest: str | None = None,
     ) -> Entry | None:
         if self._done:
             raise InvalidArgument("reservation already committed or aborted")
@@ -190,7 +200,7 @@ class Reservation:
         try:
             entry = self._tier._commit(
                 self._file, self.entry, self.data_offset, expected_digest, before_publish,
-                only_if_absent=only_if_absent,
+                only_if_absent=only_if_absent, computed=digest,
             )  # fmt: skip
         except BaseException:
             self._tier._abort(self._file)
@@ -478,6 +488,7 @@ class L2Tier:
         before_publish: Callable[[str], None] | None,
         *,
         only_if_absent: bool,
+        computed: str | None = None,
     ) -> Entry | None:
         mapping = file.ensure_mapped()
         view = memoryview(mapping)
@@ -485,7 +496,7 @@ class L2Tier:
             if not file.fresh:
                 _zero_gaps(view, entry.tensors, data_offset, file.size)
             threads = self._hash_threads if entry.data_len >= _THREADED_HASH_BYTES else 1
-            digest = payload_digest(view, entry.tensors, base=data_offset, threads=threads)
+            digest = computed or payload_digest(view, entry.tensors, base=data_offset, threads=threads)
             if expected is not None and digest != expected:
                 with self._lock:
                     self._stats.admission_rejects += 1
@@ -787,6 +798,42 @@ class L2Tier:
         self._stats.evictions += 1
         self._pool.discard(victim.file)
         return True
+
+
+_PIPELINE_CHUNK = 16 << 20  # a large capture is copied and hashed in chunks of this, overlapped
+
+
+def copy_and_hash(
+    region: memoryview, specs: Sequence[TensorSpec], source: memoryview, *, threads: int = 1
+) -> str:
+    """Copies each tensor's bytes from ``source`` into ``region`` at its offset and returns the payload
+    digest of the COPY (:func:`skippyd.payload.payload_digest` of ``region``): chunk by chunk, hashing
+    one chunk of the copy (BLAKE3 on ``threads`` threads) while the next is copied (``threads`` too),
+    so a large capture takes about the longer of the two, not their sum. The digest is of what the
+    daemon holds: whatever the client writes to ``source`` meanwhile cannot make them differ."""
+    hasher = blake3(max_threads=max(1, threads))
+    pool = _copy_pool()
+    hashing: Future[Any] | None = None
+    pieces: list[memoryview] = []
+    try:
+        for spec in specs:
+            end = spec.offset + spec.nbytes
+            for start in range(spec.offset, end, _PIPELINE_CHUNK):
+                stop = min(end, start + _PIPELINE_CHUNK)
+                copy_into(region, start, stop - start, source[start:stop], threads=threads)
+                if hashing is not None:
+                    hashing.result()
+                piece = region[start:stop]
+                pieces.append(piece)
+                hashing = pool.submit(hasher.update, piece)
+        if hashing is not None:
+            hashing.result()
+    finally:
+        if hashing is not None:
+            wait([hashing])
+        for piece in pieces:
+            piece.release()
+    return str(hasher.hexdigest())
 
 
 def copy_into(region: memoryview, offset: int, nbytes: int, source: Any, *, threads: int = 1) -> None:
