@@ -599,9 +599,9 @@ def test_copy_and_hash_gives_the_payload_digest_of_the_copy_across_chunks() -> N
     specs, data_len = plan_layout(decls)
     source = np.random.default_rng(5).integers(0, 255, data_len, dtype=np.uint8)
     target = np.zeros(data_len, dtype=np.uint8)
-    region = memoryview(target)
-    digest = copy_and_hash(region, specs, memoryview(source), threads=2)
-    assert digest == payload_digest(memoryview(source), specs)
+    region = memoryview(target.data)
+    digest = copy_and_hash(region, specs, source.data, threads=2)
+    assert digest == payload_digest(source.data, specs)
     assert digest == payload_digest(region, specs)
     for spec in specs:
         assert np.array_equal(

@@ -238,6 +238,10 @@ class L2Tier:
         self.budget_bytes = int(budget_bytes)
         self._hash_threads = max(1, hash_threads)
         self._lock = threading.RLock()
+        # slots and files the reserve faults in outside the lock (charged, neither free nor evictable): a
+        # put that finds no other room waits for them (the lock released) instead of failing NoSpace
+        self._faults_in_flight = 0
+        self._fault_done = threading.Condition(self._lock)
         self._index: PrefixIndex[_Slot] = PrefixIndex()
         self._bytes = 0  # file bytes of committed entries
         self._reserved = 0
@@ -450,6 +454,7 @@ class L2Tier:
         """Frees budget for ``size`` bytes: free entry files first, then free block slots, then the least
         recently used entry or block, whichever is older. With ``claim``, an evicted entry's file of
         exactly ``size`` bytes is returned for reuse instead of being unlinked."""
+        deadline = 0.0
         while self._room() < size:
             if self._pool.drop_one() or self.blocks.release_free():
                 continue
@@ -458,6 +463,12 @@ class L2Tier:
                 continue
             victim = self._index.oldest()
             if victim is None:
+                if self._faults_in_flight:  # the reserve faults a slot or file in: it is free memory soon
+                    deadline = deadline or time.monotonic() + _FAULT_WAIT_S
+                    left = deadline - time.monotonic()
+                    if left > 0:
+                        self._fault_done.wait(left)  # (the lock is released meanwhile)
+                        continue
                 raise NoSpace("the L2 budget is held by captures still in flight; retry shortly")
             self._detach(victim)
             self._stats.evictions += 1
@@ -725,6 +736,7 @@ class L2Tier:
                 self._reserved += size  # held while the file is faulted in outside the lock
             else:
                 return 0
+            self._faults_in_flight += 1
         if slot is not None:  # faulted in without the lock: lookups, gets and puts go on meanwhile
             faulted = False
             try:
@@ -735,25 +747,34 @@ class L2Tier:
             finally:  # (on any other error too: the slot goes back to being a hole)
                 with self._lock:
                     added = self.blocks.prefault_done(slot, faulted=faulted)
+                    self._fault_ended()
             return added
         file = None
         try:
             file = self._pool.fresh(size)
             file.prefault()
-        except Exception:
+        except BaseException:
             if file is not None:
                 self._pool.unlink(file)
             with self._lock:
                 self._reserved -= size
+                self._fault_ended()
             raise
         with self._lock:
             self._reserved -= size
+            self._fault_ended()
             if self._closed_meanwhile():  # close gave the free files back while this one was faulted
                 self._pool.unlink(file)  # in: it goes too, not left in free/ past a clean stop
                 return 0
             self._pool.recycle(file, room=self._room())
             self._stats.prefaulted_files += 1  # (not fresh_files: no capture waited for this one)
             return size
+
+    def _fault_ended(self) -> None:
+        """A fault of the reserve ended (its slot or file is free now, or given back): waiting puts look
+        again. Under the lock."""
+        self._faults_in_flight -= 1
+        self._fault_done.notify_all()
 
     def _closed_meanwhile(self) -> bool:
         """Whether :meth:`close` ran since this thread last looked (read again: mypy would keep the
@@ -800,6 +821,7 @@ class L2Tier:
         return True
 
 
+_FAULT_WAIT_S = 5.0  # the longest a put waits for the reserve's faults in flight before NoSpace
 _PIPELINE_CHUNK = 16 << 20  # a large capture is copied and hashed in chunks of this, overlapped
 
 
