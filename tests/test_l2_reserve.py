@@ -199,7 +199,9 @@ def test_a_put_in_a_full_tier_waits_for_a_slot_the_reserve_is_faulting_in_instea
                           memoryview(raw), durable=False)  # fmt: skip
         fits = probe.stored  # every slot the budget holds (the rest found no room)
         assert 0 < fits < 64
-        rules.clear()  # every slot given back; the group's demand stays
+        rules.clear()  # every slot given back (and the group with its last slab)
+        with tier.lock:
+            tier.blocks.expect(bytes.fromhex(space.digest), SLOT)  # the reserve stocks the group again
         time.sleep(0.01)  # the put's quiet window
         go = threading.Event()
         real = Prefault.fault

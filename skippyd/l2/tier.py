@@ -454,7 +454,7 @@ class L2Tier:
         """Frees budget for ``size`` bytes: free entry files first, then free block slots, then the least
         recently used entry or block, whichever is older. With ``claim``, an evicted entry's file of
         exactly ``size`` bytes is returned for reuse instead of being unlinked."""
-        deadline = 0.0
+        deadline = read_deadline = 0.0
         while self._room() < size:
             if self._pool.drop_one() or self.blocks.release_free():
                 continue
@@ -468,6 +468,11 @@ class L2Tier:
                     left = deadline - time.monotonic()
                     if left > 0:
                         self._fault_done.wait(left)  # (the lock is released meanwhile)
+                        continue
+                if self.blocks.free_slots_read():  # read by a lease (the digester's, a get's): soon free
+                    read_deadline = read_deadline or time.monotonic() + _READ_WAIT_S
+                    if time.monotonic() < read_deadline:
+                        self._fault_done.wait(0.005)  # (the lock is released meanwhile)
                         continue
                 raise NoSpace("the L2 budget is held by captures still in flight; retry shortly")
             self._detach(victim)
@@ -822,6 +827,7 @@ class L2Tier:
 
 
 _FAULT_WAIT_S = 5.0  # the longest a put waits for the reserve's faults in flight before NoSpace
+_READ_WAIT_S = 1.0  # the longest it waits for free slots still read under a lease
 _PIPELINE_CHUNK = 16 << 20  # a large capture is copied and hashed in chunks of this, overlapped
 
 
