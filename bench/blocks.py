@@ -599,6 +599,102 @@ def neighbour_rows(workdir: Path, *, trials: int = 7, window: float = 1.0) -> li
     return rows
 
 
+PUTS_TITLE = (
+    "Puts and captures, the call against the time until the data is committed (readable from another "
+    "connection), before ({before}) and after ({after}); each ÷ a numpy memcpy of the same bytes in the same "
+    "process; CPU tensors, durable off, a tier with room (the previous repetition's blocks or entry "
+    "evicted before each, so its slots or file are reused faulted in, as after an LRU eviction), median of "
+    "{reps}:\n\n"
+)
+PUTS_HEADERS = ["operation", "code", "memcpy", "call", "call ÷ memcpy", "committed", "committed ÷ memcpy"]
+_PUT_CASES = [("BlockSpace.put 64 × 8 MiB", 64, 8 * MiB), ("BlockSpace.put 2048 × 256 KiB", 2048, 256 * 1024)]
+_CAPTURE_CASES = [("capture 64 MiB", 64 * MiB), ("capture 512 MiB", 512 * MiB)]
+
+
+def put_measures(workdir: Path, reps: int) -> list[tuple[str, float, float, float]]:
+    """(case, memcpy, call, committed) medians for each put and capture case, on this tree's skippyd."""
+    import torch
+
+    import skippyd
+
+    daemon = BenchDaemon(workdir, "--l3-dir", "none", budget="6GiB").start()
+    out: list[tuple[str, float, float, float]] = []
+    try:
+        with skippyd.Client(daemon.socket, timeout=120) as client, skippyd.Client(daemon.socket) as other:
+            for name, count, nbytes in _PUT_CASES:
+                data = [torch.from_numpy(b) for b in _blocks(count, nbytes, seed=7)]
+                memcpy = _memcpy(count * nbytes, reps=reps)
+                calls, commits = [], []
+                for rep in range(reps + 1):
+                    state = f"{STATE}-{count}"
+                    blocks = client.blocks(model=MODEL, state=state, block_tokens=BLOCK_TOKENS)
+                    look = other.blocks(model=MODEL, state=state, block_tokens=BLOCK_TOKENS)
+                    keys = [b"%d-%d" % (rep, i) for i in range(count)]
+                    # the last repetition's blocks go: their slots stay faulted in for this one's, as an
+                    # LRU eviction leaves them
+                    other.evict(model=MODEL, state=state, blocks=True)
+                    time.sleep(0.5)
+                    start = time.perf_counter()
+                    blocks.put(keys, data, durable=False)
+                    called = time.perf_counter() - start
+                    while look.contains(keys[-1:]) < 1:  # the last request's copy commits last
+                        pass
+                    committed = time.perf_counter() - start
+                    if rep:  # the first warms the staging buffer and the slots
+                        calls.append(called)
+                        commits.append(committed)
+                out.append((name, memcpy, median(calls), median(commits)))
+                del data
+            for name, nbytes in _CAPTURE_CASES:
+                tensor = torch.from_numpy(_blocks(1, nbytes, seed=8)[0])
+                memcpy = _memcpy(nbytes, reps=reps)
+                calls, commits = [], []
+                for rep in range(reps + 1):
+                    if rep:  # the last one's file is recycled (kept faulted in)
+                        other.evict(model=MODEL, state=STATE, tokens=[rep, 7])
+                    time.sleep(0.5)
+                    tokens = [rep + 1, 7]
+                    start = time.perf_counter()
+                    client.capture(
+                        model=MODEL, state=STATE, tokens=tokens, tensors={"kv": tensor}, durable=False
+                    )
+                    called = time.perf_counter() - start
+                    while other.lookup(model=MODEL, state=STATE, tokens=tokens) is None:
+                        pass
+                    committed = time.perf_counter() - start
+                    if rep:
+                        calls.append(called)
+                        commits.append(committed)
+                out.append((name, memcpy, median(calls), median(commits)))
+                del tensor
+    finally:
+        daemon.cleanup()
+    return out
+
+
+def put_rows(workdir: Path, reps: int, before: Path | None) -> tuple[list[list[str]], str]:
+    """Rows for ``--puts``: this tree's measures, and beside each the same run on ``before`` (another
+    checkout of skippyd, e.g. main's, measured in a subprocess of this script from there)."""
+    runs: list[tuple[str, list[tuple[str, float, float, float]]]] = []
+    if before is not None:
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.blocks", "--puts-json", "--reps", str(reps)],
+            cwd=before, check=True, capture_output=True, text=True,
+        )  # fmt: skip
+        measured = json.loads(done.stdout.strip().splitlines()[-1])
+        runs.append(("before", [(str(n), float(m), float(c), float(t)) for n, m, c, t in measured]))
+    runs.append(("after", put_measures(workdir, reps)))
+    rows = []
+    for index in range(len(runs[-1][1])):
+        for label, measures in runs:
+            name, memcpy, call, committed = measures[index]
+            rows.append([
+                name, label, fmt_time(memcpy), fmt_time(call), f"{memcpy / call:.2f}×", fmt_time(committed),
+                f"{memcpy / committed:.2f}×",
+            ])  # fmt: skip
+    return rows, PUTS_TITLE.format(before=before or "-", after=Path.cwd().name, reps=reps)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -611,7 +707,24 @@ def main() -> None:
     parser.add_argument("--neighbour-only", action="store_true", help="run only the neighbour's part")
     parser.add_argument("--neighbour-rounds", type=int, default=7, help="put/measure rounds per setting")
     parser.add_argument("--paged-only", action="store_true", help="run only the paged-layout restore")
+    parser.add_argument("--puts", action="store_true", help="run only the put and capture table")
+    parser.add_argument(
+        "--before", type=Path, help="with --puts: a checkout of skippyd (e.g. main's) to run beside"
+    )
+    parser.add_argument("--reps", type=int, default=5, help="with --puts: repetitions")
+    parser.add_argument("--puts-json", action="store_true", help=argparse.SUPPRESS)  # what --before runs
     args = parser.parse_args()
+    if args.puts or args.puts_json:
+        workdir = Path(tempfile.mkdtemp(prefix="skbp-", dir="/tmp"))
+        try:
+            if args.puts_json:
+                print(json.dumps(put_measures(workdir, args.reps)))
+                return
+            rows, title = put_rows(workdir, args.reps, args.before)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(title + table(PUTS_HEADERS, rows))
+        return
     workdir = Path(tempfile.mkdtemp(prefix="skbb-", dir="/tmp"))
     neighbour_title = NEIGHBOUR_TITLE.replace("7 rounds", f"{args.neighbour_rounds} rounds")
     paged_title = PAGED_TITLE.format(

@@ -51,7 +51,7 @@ from .l3.packs import PackRecord
 from .packer import BlockWriter
 from .shm import PAGE, _copy_pool, memfd, seal_readonly
 
-__all__ = ["Admission", "BlockCounters", "BlockRules", "MemoryBudget", "PutOutcome", "Served"]
+__all__ = ["Admission", "BlockCounters", "BlockRules", "MemoryBudget", "PutJob", "PutOutcome", "Served"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,75 @@ class PutOutcome:
     skipped: int  # neither held nor sent, or left out because the chain has a hole before them
     nbytes: int
     durability: str = "none"
+
+
+class PutJob:
+    """A put whose slots are reserved (:meth:`BlockRules.begin_put`): :meth:`finish` copies and commits
+    it, :meth:`abandon` gives its slots back; exactly one of them, once. :meth:`promised` is what the
+    put's reply says when it is answered before the copy: every reserved block counted as stored."""
+
+    def __init__(  # noqa: PLR0917 - one put's state, passed on
+        self,
+        rules: BlockRules,
+        space: BlockSpaceId,
+        bound: list[bytes],
+        pending: list[tuple[int, Pending]],
+        sizes: Sequence[int],
+        offsets: Sequence[int],
+        source: memoryview,
+        durable: bool | str,
+        seq: int,
+        *,
+        present: int,
+        skipped: int,
+        hashed: bool,
+        epoch: int,
+        identity: bytes,
+        to_disk: bool,
+    ) -> None:
+        self.rules, self.space, self.bound, self.pending = rules, space, bound, pending
+        self.sizes, self.offsets, self.source, self.durable, self.seq = sizes, offsets, source, durable, seq
+        self.present, self.skipped, self.hashed, self.epoch = present, skipped, hashed, epoch
+        self.identity, self.to_disk = identity, to_disk
+        self._ended = False
+        self._lock = threading.Lock()
+
+    def promised(self) -> PutOutcome:
+        nbytes = sum(self.sizes[index] for index, _ in self.pending)
+        # "pending": the commit, and what L3 gets of it (queued, deferred, or with second-put admission
+        # maybe nothing yet), follow the reply (a kill -9 within the copy's few milliseconds loses the
+        # blocks, a clean stop does not; the connection's next request sees them)
+        pending = self.to_disk and bool(self.pending)
+        return PutOutcome(
+            len(self.pending), self.present, self.skipped, nbytes, "pending" if pending else "none"
+        )
+
+    def _end(self) -> bool:
+        with self._lock:
+            ended, self._ended = self._ended, True
+        return not ended
+
+    def finish(self) -> PutOutcome:
+        """Copies the reserved blocks out of the source, commits them and queues their L3 copy."""
+        if not self._end():
+            raise RuntimeError("a put job runs once")
+        try:
+            return self.rules._finish_put(self)
+        finally:
+            self._release()
+
+    def abandon(self) -> None:
+        """Gives the reserved slots back, copying nothing (a no-op once the job ran)."""
+        if self._end():
+            try:
+                self.rules._abandon_put(self)
+            finally:
+                self._release()
+
+    def _release(self) -> None:
+        source, self.source = self.source, memoryview(b"")
+        with contextlib.suppress(BufferError):
+            source.release()
 
 
 @dataclass(slots=True)
@@ -134,6 +203,11 @@ class BlockRules:
         self._sync_timeout = sync_timeout
         self.counters = BlockCounters()
         self._lock = threading.Lock()
+        # bound keys that puts reserved slots for and have not committed yet (how many puts each): a
+        # block whose parent is one of them is no hole (its parent's copy is behind its put's reply)
+        self._reserved: dict[bytes, int] = {}
+        self._evict_epoch = 0  # explicit evictions so far; puts reserved before one never commit its blocks
+        self._evict_marks: dict[bytes | None, int] = {}  # identity (None: all) -> the epoch of its last
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -391,7 +465,26 @@ class BlockRules:
         durable: bool | str = True,
     ) -> PutOutcome:
         """Stores the blocks of ``keys`` that are not held, each from ``source[offsets[i]:][:sizes[i]]``
-        (an offset of -1: not sent, because the client found it held)."""
+        (an offset of -1: not sent, because the client found it held); returns once they are committed."""
+        return self.begin_put(space, keys, sizes, offsets, source, parent=parent, durable=durable).finish()
+
+    def begin_put(
+        self,
+        space: BlockSpaceId,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        offsets: Sequence[int],
+        source: memoryview,
+        *,
+        parent: bytes | None = None,
+        durable: bool | str = True,
+    ) -> PutJob:
+        """The first half of a put: validates it and reserves (allocated, charged) a slot for every block
+        it will store, so every error a put can meet (``too_large``, ``no_space``, bad offsets) is raised
+        here, before anything is copied. The returned job copies the blocks out of ``source`` and commits
+        them (:meth:`PutJob.finish`, on any thread, once) or gives the slots back
+        (:meth:`PutJob.abandon`); ``source`` must stay as it is until then (the caller's promise: the
+        connection's staging half is not written again before the job ends)."""
         if durable not in (True, False, "sync"):
             raise InvalidArgument('durable must be true, false or "sync"')
         if not len(keys) == len(sizes) == len(offsets):
@@ -402,14 +495,22 @@ class BlockRules:
         bound = bind_keys(space, keys)
         parent_key = bind_keys(space, [parent])[0] if parent is not None else None
         seq = self.writer.begin() if self.writer is not None else 0
+        job: PutJob | None = None
         try:
-            with self._filling():
-                return self._put(space, bound, parent_key, sizes, offsets, source, durable, seq)
+            with self.l2.lock:
+                self.l2.blocks.fill_begun()
+            try:
+                job = self._reserve_put(space, bound, parent_key, sizes, offsets, source, durable, seq)
+            finally:
+                if job is None:
+                    with self.l2.lock:
+                        self.l2.blocks.fill_ended()
         finally:
-            if self.writer is not None:
+            if job is None and self.writer is not None:
                 self.writer.end(seq)
+        return job
 
-    def _put(  # noqa: PLR0917 - one put's state, passed on
+    def _reserve_put(  # noqa: PLR0917 - one put's state, passed on
         self,
         space: BlockSpaceId,
         bound: list[bytes],
@@ -419,15 +520,15 @@ class BlockRules:
         source: memoryview,
         durable: bool | str,
         seq: int,
-    ) -> PutOutcome:
+    ) -> PutJob:
         space_digest = bytes.fromhex(space.digest)
         identity = bytes.fromhex(space.identity.digest)
         to_disk = bool(durable) and self.writer is not None
-        held_back = to_disk and durable is True and self.admission is not None  # L3 on a second put only
         pending: list[tuple[int, Pending]] = []
         present = skipped = 0
         failure: SkippydError | None = None
         blocks = self.l2.blocks
+        reserved = self._reserved
         with self.l2.lock:
             blocks.touch(bound)  # the held ones become the newest before anything is evicted for the rest
             taken: set[bytes] = set()
@@ -439,6 +540,14 @@ class BlockRules:
                     skipped += 1
                     continue
                 previous = bound[index - 1] if index else parent_key
+                if previous is not None and not (
+                    previous in taken
+                    or previous in reserved
+                    or blocks.holds(previous)
+                    or self._on_disk(previous)
+                ):
+                    skipped += 1  # a hole before it: contains could never reach it
+                    continue
                 record = SlotRecord(
                     key=key, space=space_digest, identity=identity, block_tokens=space.block_tokens,
                     parent=previous, nbytes=sizes[index], digest=bytes(32),
@@ -449,51 +558,121 @@ class BlockRules:
                     failure = exc
                     skipped += 1
                     continue
+                except BaseException:
+                    for _, slot in pending:
+                        blocks.abort(slot)
+                    raise
                 taken.add(key)
+            if failure is not None and not pending and present == 0:
+                raise failure
+            for key in taken:
+                reserved[key] = reserved.get(key, 0) + 1
             new_bytes = sum(sizes[index] for index, _ in pending)
             defer = self.digester is not None and self.digester.may_defer(new_bytes)
-        try:
-            digests = self._fill(pending, sizes, offsets, source, hashed=not defer)
-        except BaseException:
-            with self.l2.lock:
-                for _, slot in pending:
-                    blocks.abort(slot)
-            raise
-        stored = nbytes = 0
-        committed: list[bytes] = []
-        with self.l2.lock:
-            for (index, slot), digest in zip(pending, digests, strict=True):
-                parent_of = slot.record.parent
-                if parent_of is not None and not (blocks.holds(parent_of) or self._on_disk(parent_of)):
-                    blocks.abort(slot)  # a hole before it: contains could never reach it
-                    skipped += 1
-                    continue
-                if blocks.commit(slot, digest, durable=to_disk and not held_back):
-                    stored += 1
-                    nbytes += sizes[index]
-                    committed.append(slot.record.key)
-                else:
-                    present += 1
-            blocks.touch(bound)
-        if failure is not None and stored == 0 and present == 0:
-            raise failure
-        durability = "none"
-        if held_back:
-            committed, nbytes_to_disk = self._admit(space, bound)
-            if committed:
-                assert self.writer is not None
-                durability = self.writer.submit(
-                    committed, identity, seq, nbytes_to_disk, sync=False, timeout=self._sync_timeout
-                )
-        elif to_disk and self.writer is not None:
-            durability = self.writer.submit(
-                committed, identity, seq, nbytes, sync=durable == "sync", timeout=self._sync_timeout
-            )
-        self._count(
-            block_puts=1, block_put_offered=len(bound), block_put_stored=stored, block_put_present=present,
-            block_bytes_offered=sum(sizes), block_bytes_written=nbytes,
+            epoch = self._evict_epoch
+        return PutJob(
+            self, space, bound, pending, sizes, offsets, source, durable, seq,
+            present=present, skipped=skipped, hashed=not defer, epoch=epoch, identity=identity,
+            to_disk=to_disk,
         )  # fmt: skip
-        return PutOutcome(stored, present, skipped, nbytes, durability)
+
+    def _finish_put(self, job: PutJob) -> PutOutcome:
+        """The second half of a put: copy, commit (the slot records), queue for L3."""
+        blocks = self.l2.blocks
+        pending, sizes = job.pending, job.sizes
+        durable, identity, seq = job.durable, job.identity, job.seq
+        to_disk = job.to_disk
+        held_back = to_disk and durable is True and self.admission is not None  # L3 on a second put only
+        try:
+            try:
+                digests = self._fill(pending, sizes, job.offsets, job.source, hashed=job.hashed)
+            except BaseException:
+                with self.l2.lock:
+                    self._unreserve(pending)
+                    for _, slot in pending:
+                        blocks.abort(slot)
+                raise
+            stored = nbytes = 0
+            present, skipped = job.present, job.skipped
+            committed: list[bytes] = []
+            with self.l2.lock:
+                cancelled = self._evicted_since(identity, job.epoch)
+                self._unreserve(pending)
+                for (index, slot), digest in zip(pending, digests, strict=True):
+                    parent_of = slot.record.parent
+                    if cancelled or (
+                        parent_of is not None
+                        and not (
+                            blocks.holds(parent_of) or parent_of in self._reserved or self._on_disk(parent_of)
+                        )
+                    ):
+                        blocks.abort(slot)  # evicted meanwhile, or a hole before it
+                        skipped += 1
+                        continue
+                    if blocks.commit(slot, digest, durable=to_disk and not held_back):
+                        stored += 1
+                        nbytes += sizes[index]
+                        committed.append(slot.record.key)
+                    else:
+                        present += 1
+                blocks.touch(job.bound)
+            durability = "none"
+            if held_back:
+                admitted, nbytes_to_disk = self._admit(job.space, job.bound)
+                if admitted:
+                    assert self.writer is not None
+                    durability = self.writer.submit(
+                        admitted, identity, seq, nbytes_to_disk, sync=False, timeout=self._sync_timeout
+                    )
+            elif to_disk and self.writer is not None:
+                durability = self.writer.submit(
+                    committed, identity, seq, nbytes, sync=durable == "sync", timeout=self._sync_timeout
+                )
+            self._count(
+                block_puts=1, block_put_offered=len(job.bound), block_put_stored=stored,
+                block_put_present=present, block_bytes_offered=sum(sizes), block_bytes_written=nbytes,
+            )  # fmt: skip
+            return PutOutcome(stored, present, skipped, nbytes, durability)
+        finally:
+            self._end_put(job)
+
+    def _abandon_put(self, job: PutJob) -> None:
+        """Gives back every slot a put reserved, nothing copied (its connection's copy was never run)."""
+        try:
+            with self.l2.lock:
+                self._unreserve(job.pending)
+                for _, slot in job.pending:
+                    self.l2.blocks.abort(slot)
+        finally:
+            self._end_put(job)
+
+    def _end_put(self, job: PutJob) -> None:
+        try:
+            with self.l2.lock:
+                self.l2.blocks.fill_ended()
+        finally:
+            if self.writer is not None:
+                self.writer.end(job.seq)
+
+    def _unreserve(self, pending: list[tuple[int, Pending]]) -> None:
+        reserved = self._reserved
+        for _, slot in pending:
+            key = slot.record.key
+            left = reserved.get(key, 0) - 1
+            if left > 0:
+                reserved[key] = left
+            else:
+                reserved.pop(key, None)
+
+    def _evicted_since(self, identity: bytes, epoch: int) -> bool:
+        """An explicit eviction of ``identity``'s blocks (or of everything) came after ``epoch``."""
+        marks = self._evict_marks
+        return marks.get(None, 0) > epoch or marks.get(identity, 0) > epoch
+
+    def _mark_evicted(self, identity: bytes | None) -> None:
+        with self.l2.lock:
+            self._evict_epoch += 1
+            self._evict_marks[identity] = self._evict_epoch
 
     def _admit(self, space: BlockSpaceId, bound: Sequence[bytes]) -> tuple[list[bytes], int]:
         """Counts every block of a put that only L2 holds toward L3 admission (one call for the put, in
@@ -555,6 +734,7 @@ class BlockRules:
     def evict_identity(self, identity_digest: str) -> int:
         """Every block of an identity, from both tiers (queued durable writes of it are dropped)."""
         identity = bytes.fromhex(identity_digest)
+        self._mark_evicted(identity)
         if self.writer is not None:
             self.writer.forget(identity)
         with self.l2.lock:
@@ -565,6 +745,7 @@ class BlockRules:
         return removed
 
     def clear(self) -> int:
+        self._mark_evicted(None)
         if self.writer is not None:
             self.writer.forget(None)
         with self.l2.lock:

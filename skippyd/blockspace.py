@@ -52,7 +52,13 @@ _PAGE = mmap.PAGESIZE
 @dataclass(frozen=True, slots=True)
 class BlocksPut:
     """What a put did: ``stored`` blocks newly written (``nbytes`` of them), ``present`` already held
-    (not rewritten), ``skipped`` neither (held when asked but gone when sent, or a hole before them)."""
+    (not rewritten), ``skipped`` neither (held when asked but gone when sent, or a hole before them).
+
+    A put returns once skippyd holds its bytes; the daemon's copy out of its staging buffer and the
+    commit may follow (docs/protocol.md, "Staging halves"): ``durability`` is then ``"pending"`` for a
+    durable put (its L3 copy is queued once the commit is done; any later call on this client sees the
+    blocks, and a clean stop keeps them, but a kill -9 within the copy's milliseconds does not: use
+    ``durable="sync"`` for a put that must survive one)."""
 
     stored: int
     present: int
@@ -775,7 +781,7 @@ def _check_durable(durable: Any) -> bool | str:
 
 def _sum_puts(parts: list[dict[str, Any]]) -> BlocksPut:
     durabilities = [str(p.get("durability", "none")) for p in parts]
-    order = ("deferred", "queued", "written", "none")
+    order = ("deferred", "pending", "queued", "written", "none")
     durability = next((d for d in order if d in durabilities), "none")
     return BlocksPut(
         stored=sum(int(p["stored"]) for p in parts),

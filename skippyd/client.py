@@ -283,6 +283,45 @@ def _staging_size(current: _Staging | None, needed: int, info: dict[str, Any]) -
     return min(want, limit) if limit >= needed else needed
 
 
+_HALVES_FEATURE = "staging_halves"  # hello's feature: the daemon takes staged requests in two halves
+
+
+def _halves(size: int, info: dict[str, Any]) -> bool:
+    """Whether a staged request of ``size`` bytes goes in one half of the staging buffer: the daemon
+    says it takes halves and two halves of that size fit what it lends (docs/protocol.md, "Staging
+    halves"); else the request has the whole buffer and its reply waits for the daemon's copy."""
+    if _HALVES_FEATURE not in info.get("features", ()):
+        return False
+    return 2 * _pages(size) <= int(info.get("staging_max", 1 << 62))
+
+
+def _pages(size: int) -> int:
+    return -(-max(size, 1) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _staging_need(size: int, info: dict[str, Any]) -> int:
+    """The staging buffer a staged request of ``size`` bytes needs: two halves of it, or itself."""
+    return 2 * _pages(size) if _halves(size, info) else max(size, 1)
+
+
+#: The most one staged put request carries where the daemon takes halves: a larger put goes as several
+#: requests, the client filling one half while the daemon copies the other out of the half before.
+_PUT_CHUNK = 64 << 20
+
+
+def _staged_limit(info: dict[str, Any]) -> int:
+    """The most one staged put request carries: a half of what the daemon lends (at most
+    :data:`_PUT_CHUNK`) where it takes halves, else all of it."""
+    limit = int(info.get("staging_max", info.get("max_entry", 1 << 30)))
+    if _HALVES_FEATURE in info.get("features", ()):
+        return min(_PUT_CHUNK, limit // 2 // mmap.PAGESIZE * mmap.PAGESIZE)
+    return limit
+
+
+def _with_half(body: dict[str, Any], half: int | None) -> dict[str, Any]:
+    return body if half is None else {**body, "half": half}
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -308,13 +347,41 @@ class _Staging:
         finally:
             os.close(fd)
         self.size = size
+        self.half_len = size // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+        self.next_half = 0  # the half the next staged request writes (the other one may still be read)
+        # used in halves or whole (None: not yet). One buffer is never used both ways: a device copy
+        # registers the region it writes (cudaHostRegister), and a whole-buffer region overlapping a
+        # registered second half could not be registered again
+        self.halved: bool | None = None
+
+    def fits(self, need: int, halves: bool) -> bool:
+        return self.size >= need and self.halved in (None, halves)
 
     def region(self, length: int) -> memoryview:
         return memoryview(self.mapping)[:length]
 
+    def take(self, length: int, halves: bool) -> tuple[memoryview, int | None]:
+        """Where the next staged request of ``length`` bytes is written, and the half it names: the
+        half the last reply freed (the daemon answers a staged request only once its copy of the one
+        before, which read the other half, has ended), or the whole buffer (None)."""
+        self.halved = halves
+        if not halves:
+            return self.region(length), None
+        half = self.next_half
+        start = half * self.half_len
+        return memoryview(self.mapping)[start : start + length], half
+
+    def answered(self, half: int | None) -> None:
+        """The daemon answered the request that wrote ``half``: the next one writes the other half."""
+        if half is not None:
+            self.next_half = 1 - half
+
     def close(self) -> None:
         with contextlib.suppress(TypeError, ValueError):  # registered by a capture from CUDA: unregister
-            forget_host(ctypes.addressof(ctypes.c_char.from_buffer(self.mapping)))
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
+            forget_host(base)
+            if self.half_len:
+                forget_host(base + self.half_len)  # (each half is registered as its own region)
         with contextlib.suppress(BufferError):
             self.mapping.close()
 
@@ -443,8 +510,10 @@ class _Conn:
                 raise ConnectionLost("skippyd closed the connection")
             self.decoder.feed(data, fds)
 
-    def ensure_staging(self, size: int, timeout: float) -> _Staging:
-        if self.staging is not None and self.staging.size >= size:
+    def ensure_staging(self, size: int, timeout: float, halves: bool = False) -> _Staging:
+        """A staging buffer of at least ``size`` bytes, to be used in halves or whole (a new one when the
+        one held is smaller or was used the other way)."""
+        if self.staging is not None and self.staging.fits(size, halves):
             return self.staging
         want = _staging_size(self.staging, size, self.info)
         if self.staging is not None:
@@ -563,13 +632,20 @@ class Client:
             for attempt in range(_ATTEMPTS):
                 try:
                     conn = self._connection()
-                    staging = conn.ensure_staging(max(size, 1), self.timeout)
-                    region = staging.region(size)
+                    halves = _halves(size, conn.info)
+                    staging = conn.ensure_staging(_staging_need(size, conn.info), self.timeout, halves)
+                    region, half = staging.take(size, halves)
                     try:
                         write(region)
                     finally:
                         region.release()
-                    reply, fds = conn.request(body, self.timeout)
+                    try:
+                        reply, fds = conn.request(_with_half(body, half), self.timeout)
+                    except SkippydError as exc:
+                        if _answered(exc):
+                            staging.answered(half)
+                        raise
+                    staging.answered(half)
                     _close_all(fds)
                     return reply
                 except _RECONNECT as exc:
@@ -582,9 +658,9 @@ class Client:
             raise AssertionError("unreachable")
 
     def _staging_max(self) -> int:
+        """The most one staged request may carry (half of what the daemon lends, where it takes halves)."""
         with self._lock:
-            info = self._connection().info
-            return int(info.get("staging_max", info.get("max_entry", 1 << 30)))
+            return _staged_limit(self._connection().info)
 
     def blocks(self, *, model: str, state: str, namespace: str = "", block_tokens: int) -> BlockSpace:
         """The blocks of one identity and block size (see :class:`~skippyd.blockspace.BlockSpace`)."""
@@ -757,9 +833,9 @@ class _AsyncConn:
             raise error_from_wire(frame.body)
         return frame.body, frame.fds
 
-    async def ensure_staging(self, size: int, timeout: float) -> _Staging:
+    async def ensure_staging(self, size: int, timeout: float, halves: bool = False) -> _Staging:
         """As :meth:`_Conn.ensure_staging`."""
-        if self.staging is not None and self.staging.size >= size:
+        if self.staging is not None and self.staging.fits(size, halves):
             return self.staging
         want = _staging_size(self.staging, size, self.info)
         if self.staging is not None:
@@ -884,8 +960,9 @@ class AsyncClient:
                 conn: _AsyncConn | None = None
                 try:
                     conn = await self._connection()
-                    staging = await conn.ensure_staging(max(size, 1), self.timeout)
-                    region = staging.region(size)
+                    halves = _halves(size, conn.info)
+                    staging = await conn.ensure_staging(_staging_need(size, conn.info), self.timeout, halves)
+                    region, half = staging.take(size, halves)
                     copy = asyncio.ensure_future(asyncio.to_thread(in_callers_streams(write), region))
                     try:
                         await asyncio.shield(copy)
@@ -894,7 +971,13 @@ class AsyncClient:
                             with contextlib.suppress(asyncio.CancelledError):
                                 await asyncio.wait([copy])
                         region.release()
-                    reply, fds = await conn.request(body, self.timeout)
+                    try:
+                        reply, fds = await conn.request(_with_half(body, half), self.timeout)
+                    except SkippydError as exc:
+                        if _answered(exc):
+                            staging.answered(half)
+                        raise
+                    staging.answered(half)
                     _close_all(fds)
                     return reply
                 except (ConnectionLost, BadFrame) as exc:
@@ -912,8 +995,8 @@ class AsyncClient:
             raise AssertionError("unreachable")
 
     async def _staging_max(self) -> int:
-        info = (await self._connection()).info
-        return int(info.get("staging_max", info.get("max_entry", 1 << 30)))
+        """As :meth:`Client._staging_max`."""
+        return _staged_limit((await self._connection()).info)
 
     def blocks(self, *, model: str, state: str, namespace: str = "", block_tokens: int) -> AsyncBlockSpace:
         """As :meth:`Client.blocks`, with coroutines."""

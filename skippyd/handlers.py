@@ -19,6 +19,7 @@ continuation goes on from where the handler stopped, with what it already resolv
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import os
 import threading
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeGuard
 
 from . import __version__
-from .blocks import Served
+from .blocks import PutOutcome, Served
 from .config import FIELDS, Config, config_values, derived_settings
 from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMismatch, describe
 from .fills import FillStats
@@ -41,9 +42,11 @@ from .tiers import Opened, Tiers
 from .workers import Health
 
 __all__ = [
+    "COPY_GATE_ENV",
     "INLINE",
     "OPERATIONS",
     "WORKER",
+    "Behind",
     "Deferred",
     "Handlers",
     "Operation",
@@ -57,6 +60,17 @@ _MAX_TOKENS_BYTES = 8 << 20  # 2M tokens
 _INLINE_TOKEN_BYTES = 32 * 1024  # prompts above 8k tokens are hashed off the event loop
 
 INLINE, WORKER, BY_PROMPT = "inline", "worker", "by_prompt"
+
+#: TEST HOOK, not a setting: while the file this environment variable names exists, every copy that runs
+#: behind a put's reply waits before it starts (at most a minute), so a test can hold a copy in flight.
+COPY_GATE_ENV = "SKIPPYD_TEST_COPY_GATE"
+_COPY_GATE_MAX_S = 60.0
+
+#: Operations whose request may name a staging half (``"half": 0 | 1``), see docs/protocol.md.
+STAGED_OPS = frozenset({"blocks_put", "capture"})
+
+#: In hello's features: this daemon understands staging halves (and answers a put before its copy).
+HALVES_FEATURE = "staging_halves"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +120,16 @@ class Staging:
     def view(self, length: int) -> memoryview:
         return memoryview(self.mapping)[:length]
 
+    def half(self, half: int | None) -> memoryview:
+        """The whole buffer (``half`` None), or one of its two halves (each ``size // 2`` rounded down
+        to pages: a request naming a half reads only there, see docs/protocol.md, "Staging halves")."""
+        if half is None:
+            return self.view(self.size)
+        length = self.size // 2 // PAGE * PAGE
+        if not length:
+            raise InvalidArgument(f"a staging buffer of {self.size} bytes has no halves; stage more")
+        return memoryview(self.mapping)[half * length : (half + 1) * length]
+
     def close(self) -> None:
         with contextlib.suppress(BufferError):
             self.mapping.close()
@@ -124,9 +148,20 @@ class Session:
 
 
 @dataclass(slots=True)
+class Behind:
+    """The rest of a request that its reply does not wait for: the copy of a staged put out of its
+    staging half into the slots it reserved, and the commit (``run``, on a copy thread), or, when it
+    never gets to run (its connection's daemon stopping), giving those slots back (``abandon``)."""
+
+    run: Callable[[], object]
+    abandon: Callable[[], None]
+
+
+@dataclass(slots=True)
 class Reply:
     body: dict[str, Any]
     fds: list[int] = field(default_factory=list)
+    behind: Behind | None = None  # sent before this work ends (the server runs it, in order, per connection)
 
 
 @dataclass(slots=True)
@@ -160,6 +195,7 @@ class Handlers:
         self._staging_lock = threading.Lock()
         self._staging_bytes = 0
         self._handlers: dict[str, Handler] = {name: getattr(self, f"op_{name}") for name in OPERATIONS}
+        self._copy_gate = os.environ.get(COPY_GATE_ENV) or None  # a test hook (see COPY_GATE_ENV)
 
     # ----------------------------------------------------------------- dispatch
     def route(self, session: Session, body: dict[str, Any]) -> tuple[str, Handler, bool]:
@@ -200,7 +236,7 @@ class Handlers:
                 "max_entry": self.config.entry_limit,
                 "staging_max": min(self.config.entry_limit, self.config.staging_budget),
                 "align": 4096,
-                "features": [op.name for op in OPERATIONS.values() if op.advertised],
+                "features": [op.name for op in OPERATIONS.values() if op.advertised] + [HALVES_FEATURE],
             }
         )
 
@@ -254,10 +290,14 @@ class Handlers:
         staging = session.staging
         if staging is None:
             raise InvalidArgument("no staging buffer on this connection: send stage first")
-        outcome = self.tiers.capture(
-            identity=ident, tokens=tokens, tensors=decls, source=staging.view(staging.size), kind=kind,
-            meta=meta, durable=durable,
-        )  # fmt: skip
+        source = staging.half(_half(body))
+        try:
+            outcome = self.tiers.capture(
+                identity=ident, tokens=tokens, tensors=decls, source=source, kind=kind, meta=meta,
+                durable=durable,
+            )  # fmt: skip
+        finally:
+            source.release()
         return Reply(
             {
                 "digest": outcome.digest,
@@ -373,25 +413,24 @@ class Handlers:
         ):
             raise InvalidArgument(f"parent must be a block key of 1 to {MAX_BLOCK_KEY_BYTES} bytes")
         durable = _durable(body)
+        half = _half(body)
         staging = session.staging
         if staging is None and any(offset >= 0 for offset in offsets):
             raise InvalidArgument("no staging buffer on this connection: send stage first")
-        source = staging.view(staging.size) if staging is not None else memoryview(b"")
+        source = staging.half(half) if staging is not None else memoryview(b"")
         try:
-            outcome = self.tiers.blocks.put(
+            job = self.tiers.blocks.begin_put(
                 space, keys, sizes, offsets, source, parent=parent, durable=durable
             )
-        finally:
+        except BaseException:
             source.release()
-        return Reply(
-            {
-                "stored": outcome.stored,
-                "present": outcome.present,
-                "skipped": outcome.skipped,
-                "nbytes": outcome.nbytes,
-                "durability": outcome.durability,
-            }
+            raise
+        if half is None or durable == "sync" or not job.pending:  # answered once stored, as before halves
+            return _put_reply(job.finish())
+        run = (
+            job.finish if self._copy_gate is None else functools.partial(_gated, self._copy_gate, job.finish)
         )
+        return Reply(_put_reply(job.promised()).body, behind=Behind(run, job.abandon))
 
     def op_ls(self, session: Session, body: dict[str, Any]) -> Reply:
         if _bool(body, "blocks", False):  # the blocks held per identity instead of the entries
@@ -433,6 +472,26 @@ class Handlers:
         raise InvalidArgument("evict takes a digest (or a prefix of at least 8 hex digits), a key "
                               "(model, state, namespace, tokens), an identity's blocks (model, state, "
                               "namespace, blocks=true), or all=true")  # fmt: skip
+
+
+def _put_reply(outcome: PutOutcome) -> Reply:
+    return Reply(
+        {
+            "stored": outcome.stored,
+            "present": outcome.present,
+            "skipped": outcome.skipped,
+            "nbytes": outcome.nbytes,
+            "durability": outcome.durability,
+        }
+    )
+
+
+def _gated(path: str, run: Callable[[], object]) -> object:
+    """The test hook of :data:`COPY_GATE_ENV`: waits while ``path`` exists (at most a minute), then runs."""
+    deadline = time.monotonic() + _COPY_GATE_MAX_S
+    while os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return run()
 
 
 def _blocks_reply(served: Served) -> Reply:
@@ -512,6 +571,16 @@ def _block_keys(body: dict[str, Any]) -> list[bytes]:
         if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BLOCK_KEY_BYTES:
             raise InvalidArgument(f"block key {index} must be 1 to {MAX_BLOCK_KEY_BYTES} bytes (msgpack bin)")
     return keys
+
+
+def _half(body: dict[str, Any]) -> int | None:
+    """The staging half a request reads (None: the whole buffer, a client that knows no halves)."""
+    half = body.get("half")
+    if half is None:
+        return None
+    if not _is_int(half) or half not in (0, 1):
+        raise InvalidArgument("half must be 0 or 1")
+    return half
 
 
 def _uint(body: dict[str, Any], name: str) -> int:

@@ -38,7 +38,7 @@ from typing import Any
 
 from .config import Config
 from .errors import Busy, PermissionDenied, ShuttingDown, SkippydError, StoreLocked, VersionMismatch
-from .handlers import Deferred, Handler, Handlers, Reply, Session
+from .handlers import STAGED_OPS, Behind, Deferred, Handler, Handlers, Reply, Session
 from .protocol import MAX_REQUEST_ITEMS, Frame, FrameDecoder, FrameType, encode_frame, send_frame
 from .stats import ServerState
 from .systemd import notify, watchdog_interval
@@ -193,6 +193,11 @@ class Connection:
         self.last_activity = time.monotonic()
         self.frame_started = 0.0
         self.counted = False  # in the server's per-uid connection count
+        # The copy behind this connection's last staged put (out of its staging half, then the commit),
+        # while it runs: the next staged request's reply waits for it (the client then writes the half
+        # it read), every other request waits for it before it runs (a client sees its own puts).
+        self.copy: Future[object] | None = None
+        self.held: Callable[[], None] | None = None  # a staged request's reply, waiting for self.copy
 
     # ------------------------------------------------------------- reading
     def start(self) -> None:
@@ -285,6 +290,8 @@ class Connection:
         server = self.server
         state = server.state
         while not self.running and self.queue and not self.closed:
+            if self.copy is not None and not _names_half(self.queue[0].body):
+                break  # it runs once this connection's copies have committed (_copied runs it)
             frame = self.queue.popleft()
             self.queued_bytes -= frame.size
             self._account_partial(self.decoder.buffered + self.queued_bytes)
@@ -303,7 +310,8 @@ class Connection:
             started = time.perf_counter()
             session = self.session
             if pooled:
-                self._submit(request_id, op, started, functools.partial(_run_pooled, handler, session, body))
+                work = functools.partial(_run_pooled, handler, session, body)
+                self._submit(request_id, op, started, work, staged=_names_half(body))
                 return
             try:
                 reply = handler(session, body)
@@ -318,20 +326,29 @@ class Connection:
         if not self.running and not self.reading:
             self._resume_reading_if_room()
 
-    def _submit(self, request_id: int, op: str, started: float, work: Callable[[], Reply]) -> None:
+    def _submit(
+        self, request_id: int, op: str, started: float, work: Callable[[], Reply], *, staged: bool = False
+    ) -> None:
         self.running = True
         self.server.state.inflight += 1
         future = self.server.pool.submit(work)
-        future.add_done_callback(self._done_callback(request_id, op, started))
+        future.add_done_callback(self._done_callback(request_id, op, started, staged))
 
-    def _done_callback(self, request_id: int, op: str, started: float) -> Callable[[Future[Reply]], None]:
+    def _done_callback(
+        self, request_id: int, op: str, started: float, staged: bool = False
+    ) -> Callable[[Future[Reply]], None]:
         def done(future: Future[Reply]) -> None:
             self.server.state.latency.observe(op, time.perf_counter() - started)
-            self.server.loop.call_soon_threadsafe(self._finished, request_id, future)
+            self.server.loop.call_soon_threadsafe(self._finished, request_id, future, staged)
 
         return done
 
-    def _finished(self, request_id: int, future: Future[Reply]) -> None:
+    def _finished(self, request_id: int, future: Future[Reply], staged: bool = False) -> None:
+        if staged and self.copy is not None:
+            # The copy of the previous staged request still reads the other half: this reply (which
+            # frees that half for the client) waits for it.
+            self.held = functools.partial(self._finished, request_id, future, staged)
+            return
         self.running = False
         self.server.state.inflight -= 1
         try:
@@ -339,11 +356,42 @@ class Connection:
         except Exception as exc:
             self._reply_failure(request_id, exc, "a request failed")
         else:
+            if reply.behind is not None:
+                self._start_copy(reply.behind)
             if self.closed:
                 _close_fds(reply.fds)
             else:
                 self._reply(request_id, reply)
-        if self.closed:
+        if self.closed and self.copy is None:
+            self.server.handlers.close_session(self.session)
+        self.server.maybe_stopped()
+        self._run_next()
+
+    def _start_copy(self, behind: Behind) -> None:
+        """Runs a put's copy and commit behind its reply, on the server's copy threads."""
+        server = self.server
+        try:
+            future: Future[object] = server.copier.submit(behind.run)
+        except RuntimeError:  # the copy threads are gone (the daemon stops): the put is not kept
+            behind.abandon()
+            return
+        self.copy = future
+        server.copying.add(self)
+        future.add_done_callback(lambda done: server.loop.call_soon_threadsafe(self._copied, done))
+
+    def _copied(self, future: Future[object]) -> None:
+        exc = future.exception()
+        if exc is not None:
+            self.server.state.errors += 1
+            log.error("the copy behind a put's reply failed on connection %d", self.session.id, exc_info=exc)
+        if self.copy is future:
+            self.copy = None
+            self.server.copying.discard(self)
+        held, self.held = self.held, None
+        if held is not None:
+            held()
+            return
+        if self.closed and not self.running:
             self.server.handlers.close_session(self.session)
         self.server.maybe_stopped()
         self._run_next()
@@ -437,7 +485,7 @@ class Connection:
     # ------------------------------------------------------------- closing
     @property
     def idle(self) -> bool:
-        return not self.running and not self.queue and not self.out
+        return not self.running and not self.queue and not self.out and self.copy is None
 
     def close(self) -> None:
         if self.closed:
@@ -457,8 +505,13 @@ class Connection:
         with contextlib.suppress(OSError):
             self.sock.close()
         self.server.forget(self)
-        if not self.running:
+        if not self.running and self.copy is None:  # else once the copy reading its staging has ended
             self.server.handlers.close_session(self.session)
+
+
+def _names_half(body: Any) -> bool:
+    """A staged request that names its staging half (answered only once the copy before it has ended)."""
+    return isinstance(body, dict) and body.get("op") in STAGED_OPS and body.get("half") is not None
 
 
 def _run_pooled(handler: Handler, session: Session, body: dict[str, Any]) -> Reply:
@@ -501,6 +554,12 @@ class Server:
         self._housekeeping_job = housekeeping
         self._before_forced_exit = before_forced_exit
         self.pool = ThreadPoolExecutor(max_workers=config.worker_threads, thread_name_prefix="skippyd-worker")
+        # the copies behind puts' replies (one at a time per connection); never cancelled: a stop runs
+        # every one already started, so no acknowledged put is lost
+        self.copier = ThreadPoolExecutor(
+            max_workers=max(2, config.worker_threads), thread_name_prefix="skippyd-copy"
+        )
+        self.copying: set[Connection] = set()  # connections with a copy in flight (closed ones too)
         self.connections: dict[int, Connection] = {}
         self._per_uid: collections.Counter[int] = collections.Counter()
         self.partial_bytes = 0
@@ -552,6 +611,8 @@ class Server:
                     self.loop.remove_signal_handler(signum)
             for conn in list(self.connections.values()):
                 conn.close()
+            await self._copies_ended()
+            self.copier.shutdown(wait=True)
             self.pool.shutdown(wait=True, cancel_futures=True)
             published.close()
             log.info("stopped")
@@ -594,6 +655,12 @@ class Server:
             "shutdown timeout: abandoning %d busy connection(s)",
             sum(not c.idle for c in self.connections.values()),
         )
+
+    async def _copies_ended(self) -> None:
+        """Waits for every copy behind a reply (and the staged replies held for them, whose copies then
+        start) to end: acknowledged puts are committed before the tiers close."""
+        while self.copying:
+            await asyncio.sleep(0.005)
 
     def maybe_stopped(self) -> None:
         if self.stopping:

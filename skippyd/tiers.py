@@ -33,7 +33,7 @@ from .errors import Busy, CorruptEntry, InvalidArgument, NotFound, TooLarge
 from .evictions import EvictionClock
 from .fills import PROMOTER, FillStats, FillTable, PromotionPolicy
 from .keys import Identity, cache_key, prefix_keys, token_count
-from .l2 import Held, L2Stats, L2Tier, copy_into
+from .l2 import Held, L2Stats, L2Tier, copy_and_hash, copy_into
 from .l2.digests import Digester
 from .l2.reserve import Reserve
 from .l3 import L3Ref, L3Stats, L3Store, Reconciliation
@@ -41,6 +41,7 @@ from .packer import BlockWriter, BlockWriterStats
 from .payload import Entry, EntryRef, TensorDecl, TensorSpec, plan_layout
 from .workers import Health
 
+_PIPELINED_BYTES = 8 << 20  # captures this large are copied and hashed overlapped (copy_and_hash)
 _EXPECTED_GROUPS = 4  # block groups (space, block size) of L3 the reserve stocks after a restart
 
 __all__ = [
@@ -319,6 +320,9 @@ class Tiers:
             with self.l2.reserve(
                 key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
             ) as reservation:
+                if reservation.entry.data_len >= _PIPELINED_BYTES:  # copy and hash overlapped, chunk by chunk
+                    digest = copy_and_hash(reservation.data, specs, source, threads=self._copy_threads)
+                    return reservation.commit(before_publish=before_publish, digest=digest)
                 for spec in specs:
                     view = source[spec.offset : spec.offset + spec.nbytes]
                     copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads)

@@ -110,7 +110,10 @@ def test_plain_durable_blocks_reach_l3_within_seconds_of_a_restart_after_kill_9(
         blocks = blocks_of(client)
         keys = blocks.keys(list(range(32 * BLOCK)))
         put = blocks.put(keys, block_data(32, seed=3))
-        assert put.stored == 32 and put.durability in ("queued", "written")
+        # answered before its copy (docs/protocol.md, "Staging halves"): the next request on the
+        # connection waits for the commit, whose records ask for the L3 copy: that survives kill -9
+        assert put.stored == 32 and put.durability == "pending"
+        assert blocks.contains(keys) == 32
     proc.kill9()
     proc.start()
     with proc.client() as client:
@@ -323,11 +326,12 @@ def test_with_second_put_admission_blocks_reach_l3_only_when_offered_again(make_
         blocks = blocks_of(client)
         keys = blocks.keys(list(range(6 * BLOCK)))
         data = block_data(6, seed=11)
-        first = blocks.put(keys[:4], data[:4])
-        assert (first.stored, first.durability) == (4, "none")  # offered once: L2 only
-        assert client.stats()["ops"]["block_admission_waits"] == 4
+        first = blocks.put(keys[:4], data[:4])  # (answered before its commit decides about L3)
+        assert (first.stored, first.durability) == (4, "pending")
+        stats = client.stats()  # the connection's next request sees the commit
+        assert stats["ops"]["block_admission_waits"] == 4 and stats["durable"]["block_jobs_queued"] == 0
         second = blocks.put(keys, data)  # the next turn: 4 offered again, 2 new
-        assert (second.stored, second.present, second.durability) == (2, 4, "queued")
+        assert (second.stored, second.present, second.durability) == (2, 4, "pending")
         eventually(lambda: client.stats()["l3"]["block_count"] == 4, timeout=20)
         stats = client.stats()["ops"]
         assert (stats["block_admissions"], stats["block_admission_waits"]) == (4, 6)
@@ -352,9 +356,10 @@ def test_second_put_admission_is_counted_across_daemons_sharing_redis(
     data = block_data(3, seed=12)
     with one.client() as client:
         keys = blocks_of(client).keys(list(range(3 * BLOCK)))
-        assert blocks_of(client).put(keys, data).durability == "none"
+        assert blocks_of(client).put(keys, data).durability == "pending"
+        assert client.stats()["ops"]["block_admission_waits"] == 3  # offered once: L2 only
     with two.client() as client:  # another host offers the same blocks: their second put in the scope
-        assert blocks_of(client).put(keys, data).durability == "queued"
+        assert blocks_of(client).put(keys, data).durability == "pending"  # admitted behind the reply
         eventually(lambda: client.stats()["l3"]["block_count"] == 3, timeout=20)
     with one.client() as client:
         assert client.stats()["l3"]["block_count"] == 0

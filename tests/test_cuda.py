@@ -131,6 +131,33 @@ def test_puts_and_captures_of_cuda_tensors_store_their_exact_bytes(proc: Any) ->
         assert all(_same_bytes(restored.tensors[n], t) for n, t in tensors.items())
 
 
+def test_a_cuda_put_larger_than_a_staging_half_alternates_halves_and_a_capture_after_it_is_exact(
+    make_daemon: Any,
+) -> None:
+    """Puts go as one request per staging half (docs/protocol.md, "Staging halves"): each half is its own
+    registration, the DMA into one overlaps the daemon's copy out of the other; a capture after them
+    (whole buffer when it does not fit a half: a fresh buffer) is still bit-exact."""
+    small = make_daemon("--redis-url", "none", "--l2-reserve", "0", "--staging-budget", "4MiB", budget="1GiB")
+    small.start()
+    with small.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        keys = blocks.keys(list(range(24 * BLOCK)))
+        pages = _random(torch.uint8, (24, 256 * 1024), 5).cuda()  # 6 MiB: three requests of 2 MiB halves
+        assert blocks.put(keys, list(pages.unbind(0)), durable=False).stored == 24
+        assert client.stats()["ops"]["block_puts"] == 3
+        out = torch.empty_like(pages)
+        assert blocks.get_into(keys, list(out.unbind(0))) == 24
+        torch.cuda.synchronize()
+        assert torch.equal(out, pages)
+        big = {"x": _random(torch.float16, (1536, 1024), 6).cuda()}  # 3 MiB: more than a half
+        client.capture(model=MODEL, state=STATE, tokens=[11], tensors=big, durable=False)
+        restored = client.restore(model=MODEL, state=STATE, tokens=[11])
+        assert restored is not None and _same_bytes(restored.tensors["x"], big["x"])
+        more = blocks.keys(list(range(1000, 1000 + 4 * BLOCK)))
+        assert blocks.put(more, list(pages[:4].unbind(0)), durable=False).stored == 4  # halves again
+        assert all(_same_bytes(g, p) for g, p in zip(blocks.get(more), pages[:4].unbind(0), strict=True))
+
+
 def test_a_restore_on_a_side_stream_is_ordered_before_that_streams_work(proc: Any) -> None:
     tensor = _random(torch.float32, (1 << 22,), 4)  # 16 MiB
     with proc.client() as client:

@@ -583,3 +583,27 @@ def test_populate_write_faults_a_writable_shared_mapping_and_refuses_a_closed_or
         readonly.close()
     finally:
         os.close(fd)
+
+
+def test_copy_and_hash_gives_the_payload_digest_of_the_copy_across_chunks() -> None:
+    import numpy as np
+
+    from skippyd.l2.tier import copy_and_hash
+    from skippyd.payload import payload_digest, plan_layout
+
+    decls = [
+        TensorDecl("a", "uint8", (40 << 20,)),  # three chunks of 16 MiB, the last partial
+        TensorDecl("b", "float32", (0,)),
+        TensorDecl("c", "int64", (1000,)),
+    ]
+    specs, data_len = plan_layout(decls)
+    source = np.random.default_rng(5).integers(0, 255, data_len, dtype=np.uint8)
+    target = np.zeros(data_len, dtype=np.uint8)
+    region = memoryview(target.data)
+    digest = copy_and_hash(region, specs, source.data, threads=2)
+    assert digest == payload_digest(source.data, specs)
+    assert digest == payload_digest(region, specs)
+    for spec in specs:
+        assert np.array_equal(
+            target[spec.offset : spec.offset + spec.nbytes], source[spec.offset : spec.offset + spec.nbytes]
+        )

@@ -184,3 +184,51 @@ def test_the_reserve_waits_out_a_puts_quiet_window_exactly_not_a_poll(
             tier.blocks.fill_ended()
         again = reserve.job()
         assert again is not None and 0 < again <= 0.2  # a new window, from this put's end
+
+
+def test_a_put_in_a_full_tier_waits_for_a_slot_the_reserve_is_faulting_in_instead_of_no_space(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    with L2Tier.open(shm_dir, 2 << 20) as tier:
+        rules = BlockRules(tier)
+        space = block_space(MODEL, STATE, "", 16)
+        raw = bytes(64 * SLOT)
+        probe = rules.put(space, [b"p%d" % i for i in range(64)], [SLOT] * 64, [i * SLOT for i in range(64)],
+                          memoryview(raw), durable=False)  # fmt: skip
+        fits = probe.stored  # every slot the budget holds (the rest found no room)
+        assert 0 < fits < 64
+        rules.clear()  # every slot given back (and the group with its last slab)
+        with tier.lock:
+            tier.blocks.expect(bytes.fromhex(space.digest), SLOT)  # the reserve stocks the group again
+        time.sleep(0.01)  # the put's quiet window
+        go = threading.Event()
+        real = Prefault.fault
+
+        def slow_fault(self: Prefault) -> None:
+            assert go.wait(30)
+            real(self)
+
+        monkeypatch.setattr(Prefault, "fault", slow_fault)
+        faulting = threading.Thread(target=tier.prefault_step, args=(1 << 30,))
+        faulting.start()
+        deadline = time.monotonic() + 10
+        while tier._faults_in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert tier._faults_in_flight == 1  # one slot charged, neither free nor evictable
+        outcome: list[int] = []
+        keys = [b"q%d" % i for i in range(fits)]
+        offsets = [i * SLOT for i in range(fits)]
+        putting = threading.Thread(
+            target=lambda: outcome.append(
+                rules.put(space, keys, [SLOT] * fits, offsets, memoryview(raw), durable=False).stored
+            )
+        )
+        putting.start()
+        putting.join(0.3)
+        assert putting.is_alive(), "the put waits for the fault (without it: no_space for the last block)"
+        go.set()
+        faulting.join(10)
+        putting.join(10)
+        assert outcome == [fits]

@@ -337,6 +337,35 @@ def test_get_into_a_vllm_paged_layout_goes_by_dma_one_run_per_consecutive_pages_
     assert transfer.in_flight == 0
 
 
+def test_device_copies_into_both_staging_halves_register_apart_and_both_are_forgotten(
+    sim: dict[str, Any],
+) -> None:
+    """A put writes the half the daemon's last reply freed (docs/protocol.md, "Staging halves"): each half
+    is registered on its own, never overlapping the other, and the client's ``_Staging.close`` forgets
+    both (the mapping's base and its second half's)."""
+    import mmap
+
+    transfer, rec = sim["transfer"], sim["rec"]
+    half = 256 * 1024
+    mapping = mmap.mmap(-1, 2 * half)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    data = _random(2 * 100_000, 4)
+    for index in (0, 1, 0, 1):  # alternating puts: each half registered once, then reused
+        region = memoryview(mapping)[index * half : (index + 1) * half]
+        transfer.to_host(region, [(0, data[index * 100_000 : (index + 1) * 100_000])])
+        region.release()
+    got = torch.frombuffer(mapping, dtype=torch.uint8)
+    assert torch.equal(got[:100_000], data[:100_000]) and torch.equal(
+        got[half : half + 100_000], data[100_000:]
+    )
+    del got
+    spans = sorted((c[1], c[1] + c[2]) for c in rec.calls if c[0] == "register")
+    assert len(spans) == 2 and spans[0][1] <= spans[1][0] and spans[0][0] >= base
+    transfer.forget_host(base)
+    transfer.forget_host(base + half)
+    assert transfer.book.stats.registered_bytes == 0
+
+
 def test_strided_device_pieces_land_in_a_staging_buffer_then_one_copy_each_in_put_order(
     through_sim: dict[str, Any], make_daemon: Any
 ) -> None:

@@ -4,6 +4,17 @@ recovery at start (:mod:`.adopt`)."""
 from __future__ import annotations
 
 from .pool import File, FilePool, PoolStats
-from .tier import Held, L2Stats, L2Tier, Listed, Reservation, copy_into
+from .tier import Held, L2Stats, L2Tier, Listed, Reservation, copy_and_hash, copy_into
 
-__all__ = ["File", "FilePool", "Held", "L2Stats", "L2Tier", "Listed", "PoolStats", "Reservation", "copy_into"]
+__all__ = [
+    "File",
+    "FilePool",
+    "Held",
+    "L2Stats",
+    "L2Tier",
+    "Listed",
+    "PoolStats",
+    "Reservation",
+    "copy_and_hash",
+    "copy_into",
+]

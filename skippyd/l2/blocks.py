@@ -603,6 +603,12 @@ class L2Blocks:
                 return True
         return False
 
+    def free_slots_read(self) -> bool:
+        """Whether some free slot is still read under a lease (so neither reused nor given back yet)."""
+        return any(
+            home.slab.has_readers(index) for group in self._groups.values() for home, index in group.free
+        )
+
     def _punch(self, group: _Group, home: _SlabState, index: int) -> None:
         home.slab.punch(index)
         home.state[index] = _HOLE

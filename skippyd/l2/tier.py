@@ -21,9 +21,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from blake3 import blake3
 
 from skippyd.errors import DigestMismatch, InvalidArgument, NoSpace, SkippydError, TooLarge
 from skippyd.files import private_dirs, release_owner_lock, remove, take_owner_lock
@@ -40,7 +43,7 @@ from skippyd.payload import (
     payload_digest,
     plan_layout,
 )
-from skippyd.shm import copy_bytes, has_readers, open_reader, size_class, zero
+from skippyd.shm import _copy_pool, copy_bytes, has_readers, open_reader, size_class, zero
 
 from . import adopt as adoption
 from .blocks import L2Blocks, L2BlockStats, Prefault
@@ -161,14 +164,20 @@ class Reservation:
         return open_reader(self._file.path)
 
     def commit(
-        self, expected_digest: str | None = None, *, before_publish: Callable[[str], None] | None = None
+        self,
+        expected_digest: str | None = None,
+        *,
+        before_publish: Callable[[str], None] | None = None,
+        digest: str | None = None,
     ) -> Entry:
         """Hashes the bytes, writes the header and publishes the entry atomically under its key.
 
         ``before_publish`` is called with the payload digest after hashing and before the entry becomes
         visible (the tier rules use it to retire a stale durable copy and record a durable intent).
+        ``digest``: the payload digest the caller computed over :attr:`data` itself, as it wrote it (a
+        capture hashes each chunk of its copy while it copies the next); not hashed again.
         """
-        entry = self._finish(expected_digest, before_publish, only_if_absent=False)
+        entry = self._finish(expected_digest, before_publish, only_if_absent=False, digest=digest)
         assert entry is not None
         return entry
 
@@ -182,6 +191,7 @@ class Reservation:
         before_publish: Callable[[str], None] | None,
         *,
         only_if_absent: bool,
+        digest: str | None = None,
     ) -> Entry | None:
         if self._done:
             raise InvalidArgument("reservation already committed or aborted")
@@ -190,7 +200,7 @@ class Reservation:
         try:
             entry = self._tier._commit(
                 self._file, self.entry, self.data_offset, expected_digest, before_publish,
-                only_if_absent=only_if_absent,
+                only_if_absent=only_if_absent, computed=digest,
             )  # fmt: skip
         except BaseException:
             self._tier._abort(self._file)
@@ -228,6 +238,10 @@ class L2Tier:
         self.budget_bytes = int(budget_bytes)
         self._hash_threads = max(1, hash_threads)
         self._lock = threading.RLock()
+        # slots and files the reserve faults in outside the lock (charged, neither free nor evictable): a
+        # put that finds no other room waits for them (the lock released) instead of failing NoSpace
+        self._faults_in_flight = 0
+        self._fault_done = threading.Condition(self._lock)
         self._index: PrefixIndex[_Slot] = PrefixIndex()
         self._bytes = 0  # file bytes of committed entries
         self._reserved = 0
@@ -440,6 +454,7 @@ class L2Tier:
         """Frees budget for ``size`` bytes: free entry files first, then free block slots, then the least
         recently used entry or block, whichever is older. With ``claim``, an evicted entry's file of
         exactly ``size`` bytes is returned for reuse instead of being unlinked."""
+        deadline = read_deadline = 0.0
         while self._room() < size:
             if self._pool.drop_one() or self.blocks.release_free():
                 continue
@@ -448,6 +463,17 @@ class L2Tier:
                 continue
             victim = self._index.oldest()
             if victim is None:
+                if self._faults_in_flight:  # the reserve faults a slot or file in: it is free memory soon
+                    deadline = deadline or time.monotonic() + _FAULT_WAIT_S
+                    left = deadline - time.monotonic()
+                    if left > 0:
+                        self._fault_done.wait(left)  # (the lock is released meanwhile)
+                        continue
+                if self.blocks.free_slots_read():  # read by a lease (the digester's, a get's): soon free
+                    read_deadline = read_deadline or time.monotonic() + _READ_WAIT_S
+                    if time.monotonic() < read_deadline:
+                        self._fault_done.wait(0.005)  # (the lock is released meanwhile)
+                        continue
                 raise NoSpace("the L2 budget is held by captures still in flight; retry shortly")
             self._detach(victim)
             self._stats.evictions += 1
@@ -478,6 +504,7 @@ class L2Tier:
         before_publish: Callable[[str], None] | None,
         *,
         only_if_absent: bool,
+        computed: str | None = None,
     ) -> Entry | None:
         mapping = file.ensure_mapped()
         view = memoryview(mapping)
@@ -485,7 +512,7 @@ class L2Tier:
             if not file.fresh:
                 _zero_gaps(view, entry.tensors, data_offset, file.size)
             threads = self._hash_threads if entry.data_len >= _THREADED_HASH_BYTES else 1
-            digest = payload_digest(view, entry.tensors, base=data_offset, threads=threads)
+            digest = computed or payload_digest(view, entry.tensors, base=data_offset, threads=threads)
             if expected is not None and digest != expected:
                 with self._lock:
                     self._stats.admission_rejects += 1
@@ -714,6 +741,7 @@ class L2Tier:
                 self._reserved += size  # held while the file is faulted in outside the lock
             else:
                 return 0
+            self._faults_in_flight += 1
         if slot is not None:  # faulted in without the lock: lookups, gets and puts go on meanwhile
             faulted = False
             try:
@@ -724,25 +752,34 @@ class L2Tier:
             finally:  # (on any other error too: the slot goes back to being a hole)
                 with self._lock:
                     added = self.blocks.prefault_done(slot, faulted=faulted)
+                    self._fault_ended()
             return added
         file = None
         try:
             file = self._pool.fresh(size)
             file.prefault()
-        except Exception:
+        except BaseException:
             if file is not None:
                 self._pool.unlink(file)
             with self._lock:
                 self._reserved -= size
+                self._fault_ended()
             raise
         with self._lock:
             self._reserved -= size
+            self._fault_ended()
             if self._closed_meanwhile():  # close gave the free files back while this one was faulted
                 self._pool.unlink(file)  # in: it goes too, not left in free/ past a clean stop
                 return 0
             self._pool.recycle(file, room=self._room())
             self._stats.prefaulted_files += 1  # (not fresh_files: no capture waited for this one)
             return size
+
+    def _fault_ended(self) -> None:
+        """A fault of the reserve ended (its slot or file is free now, or given back): waiting puts look
+        again. Under the lock."""
+        self._faults_in_flight -= 1
+        self._fault_done.notify_all()
 
     def _closed_meanwhile(self) -> bool:
         """Whether :meth:`close` ran since this thread last looked (read again: mypy would keep the
@@ -787,6 +824,44 @@ class L2Tier:
         self._stats.evictions += 1
         self._pool.discard(victim.file)
         return True
+
+
+_FAULT_WAIT_S = 5.0  # the longest a put waits for the reserve's faults in flight before NoSpace
+_READ_WAIT_S = 1.0  # the longest it waits for free slots still read under a lease
+_PIPELINE_CHUNK = 16 << 20  # a large capture is copied and hashed in chunks of this, overlapped
+
+
+def copy_and_hash(
+    region: memoryview, specs: Sequence[TensorSpec], source: memoryview, *, threads: int = 1
+) -> str:
+    """Copies each tensor's bytes from ``source`` into ``region`` at its offset and returns the payload
+    digest of the COPY (:func:`skippyd.payload.payload_digest` of ``region``): chunk by chunk, hashing
+    one chunk of the copy (BLAKE3 on ``threads`` threads) while the next is copied (``threads`` too),
+    so a large capture takes about the longer of the two, not their sum. The digest is of what the
+    daemon holds: whatever the client writes to ``source`` meanwhile cannot make them differ."""
+    hasher = blake3(max_threads=max(1, threads))
+    pool = _copy_pool()
+    hashing: Future[Any] | None = None
+    pieces: list[memoryview] = []
+    try:
+        for spec in specs:
+            end = spec.offset + spec.nbytes
+            for start in range(spec.offset, end, _PIPELINE_CHUNK):
+                stop = min(end, start + _PIPELINE_CHUNK)
+                copy_into(region, start, stop - start, source[start:stop], threads=threads)
+                if hashing is not None:
+                    hashing.result()
+                piece = region[start:stop]
+                pieces.append(piece)
+                hashing = pool.submit(hasher.update, piece)
+        if hashing is not None:
+            hashing.result()
+    finally:
+        if hashing is not None:
+            wait([hashing])
+        for piece in pieces:
+            piece.release()
+    return str(hasher.hexdigest())
 
 
 def copy_into(region: memoryview, offset: int, nbytes: int, source: Any, *, threads: int = 1) -> None:

@@ -1,0 +1,399 @@
+"""Puts answered before the daemon's copy out of staging (docs/protocol.md, "Staging halves"), over a real
+daemon: the reply comes first, the connection's next request sees the put, other connections see the
+blocks absent or whole, the client's next write goes to the other half, disconnects, evictions, stops.
+
+The daemon's test hook (``SKIPPYD_TEST_COPY_GATE``) holds every copy behind a reply while a file exists,
+so "the reply came before the copy" is a fact the test arranges, not a race it hopes to win."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from blake3 import blake3
+from daemonutil import DaemonProcess, eventually
+
+import skippyd
+from skippyd.handlers import COPY_GATE_ENV
+
+MODEL, STATE = "behind-model@sha256:0", "paged-kv-v1"
+BLOCK = 16
+BLOCK_BYTES = 64 * 1024
+_STILL = 0.5  # how long a call held at the gate is watched to stay held (the gate holds for a minute)
+
+
+def block_data(count: int, seed: int, nbytes: int = BLOCK_BYTES) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen) for _ in range(count)]
+
+
+def space(client: skippyd.Client, **overrides: Any) -> skippyd.BlockSpace:
+    args = {"model": MODEL, "state": STATE, "namespace": "", "block_tokens": BLOCK, **overrides}
+    return client.blocks(**args)
+
+
+def same(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def without_halves(client: skippyd.Client) -> skippyd.Client:
+    """The client as one that predates staging halves (its requests name none)."""
+    info = client._connection().info
+    info["features"] = [f for f in info["features"] if f != "staging_halves"]
+    return client
+
+
+class Background:
+    """A call on a thread whose result (or error) is kept."""
+
+    def __init__(self, call: Any) -> None:
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(call,), daemon=True)
+        self.thread.start()
+
+    def _run(self, call: Any) -> None:
+        try:
+            self.result = call()
+        except BaseException as exc:
+            self.error = exc
+
+    def held(self) -> bool:
+        self.thread.join(_STILL)
+        return self.thread.is_alive()
+
+    def value(self) -> Any:
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+@pytest.fixture
+def gate(tmp_short: Path) -> Path:
+    path = tmp_short / "copy-gate"
+    path.touch()
+    return path
+
+
+@pytest.fixture
+def gated(make_daemon: Any, gate: Path) -> DaemonProcess:
+    proc: DaemonProcess = make_daemon(env={COPY_GATE_ENV: str(gate)}).start()
+    return proc
+
+
+def test_a_put_is_answered_before_its_copy_and_its_own_next_request_sees_it(
+    gated: DaemonProcess, gate: Path
+) -> None:
+    with gated.client() as writer, gated.client() as other:
+        blocks = space(writer)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        data = block_data(4, seed=1)
+        put = blocks.put(keys, data)  # answered while its copy waits at the gate
+        assert (put.stored, put.present, put.nbytes, put.durability) == (4, 0, 4 * BLOCK_BYTES, "pending")
+        assert space(other).contains(keys) == 0  # another connection: a miss, for now
+        assert space(other).get(keys) == []
+        assert other.stats()["l2"]["block_count"] == 0
+        seen = Background(lambda: blocks.contains(keys))  # the writer's own next request waits
+        assert seen.held()
+        gate.unlink()
+        assert seen.value() == 4
+        assert same(space(other).get(keys), data)
+
+
+def test_another_connection_sees_blocks_absent_or_whole_never_partial(daemon: DaemonProcess) -> None:
+    batches = 24
+    keys_of: list[list[bytes]] = []
+    data_of: list[list[torch.Tensor]] = []
+    with daemon.client() as writer, daemon.client() as reader:
+        blocks, look = space(writer), space(reader)
+        tokens: list[int] = []
+        for batch in range(batches):
+            tokens += list(range(batch * 1000, batch * 1000 + 4 * BLOCK))
+            keys_of.append(blocks.keys(tokens)[-4:])
+            data_of.append(block_data(4, seed=100 + batch))
+        want = {k: d for ks, ds in zip(keys_of, data_of, strict=True) for k, d in zip(ks, ds, strict=True)}
+        every = [k for ks in keys_of for k in ks]
+        done = threading.Event()
+        checked = [0]
+
+        def read() -> None:
+            while not done.is_set():
+                got = look.get(every)
+                for key, tensor in zip(every, got, strict=False):
+                    assert torch.equal(tensor, want[key]), "a block served before its copy ended"
+                checked[0] += len(got)
+
+        reading = Background(read)
+        for batch in range(batches):
+            parent = keys_of[batch - 1][-1] if batch else None
+            assert blocks.put(keys_of[batch], data_of[batch], parent=parent).stored == 4
+        done.set()
+        reading.value()
+        assert same(look.get(every), [want[k] for k in every])
+
+
+def test_the_half_the_reply_frees_may_be_rewritten_and_the_next_staged_reply_waits_for_the_copy(
+    gated: DaemonProcess, gate: Path
+) -> None:
+    with gated.client() as writer, gated.client() as other:
+        blocks = space(writer)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        data = block_data(4, seed=2)
+        blocks.put(keys[:3], data[:3])  # half 0; its copy waits at the gate
+        staging = writer._connection().staging
+        assert staging is not None and staging.next_half == 1
+        free, half = staging.take(staging.half_len, True)
+        assert half == 1
+        np.frombuffer(free, dtype=np.uint8)[:] = 0xFF  # the protocol lets the client write half 1 now
+        free.release()
+        # the next staged put (one block: no contains first) writes half 1; its reply waits for the copy
+        # of half 0, so the client cannot write half 0 again before the daemon has read it
+        nxt = Background(lambda: blocks.put(keys[3:], data[3:], parent=keys[2]))
+        assert nxt.held()
+        gate.unlink()
+        assert nxt.value().stored == 1
+        assert staging.next_half == 0
+        assert same(space(other).get(keys), data)
+
+
+def test_a_client_that_writes_the_half_being_copied_breaks_only_its_own_blocks(
+    gated: DaemonProcess, gate: Path
+) -> None:
+    with gated.client() as writer, gated.client() as other:
+        blocks = space(writer)
+        keys = blocks.keys(list(range(2 * BLOCK)))
+        blocks.put(keys, block_data(2, seed=3))
+        staging = writer._connection().staging
+        assert staging is not None
+        busy = staging.region(staging.half_len)  # half 0, which the daemon is still to copy: misbehaving
+        np.frombuffer(busy, dtype=np.uint8)[:] = 7
+        busy.release()
+        gate.unlink()
+        assert eventually(lambda: space(other).contains(keys) == 2)
+        got = space(other).get(keys)
+        assert len(got) == 2 and all(bool((t == 7).all()) for t in got)  # what was there when copied
+        assert other.ping() and other.health()["healthy"]
+
+
+def test_a_client_gone_during_its_copy_leaves_whole_blocks_and_a_healthy_daemon(
+    gated: DaemonProcess, gate: Path
+) -> None:
+    data = block_data(6, seed=4)
+    with gated.client() as writer:
+        keys = space(writer).keys(list(range(6 * BLOCK)))
+        assert space(writer).put(keys, data).stored == 6
+    # the writer is gone (its staging buffer with it, on its side); the daemon's mapping stays for the copy
+    gate.unlink()
+    with gated.client() as other:
+        assert eventually(lambda: space(other).contains(keys) == 6)
+        assert same(space(other).get(keys), data)
+        assert other.health()["healthy"] and other.stats()["staging_bytes"] == 0
+    assert "Traceback" not in gated.log_text()
+
+
+def test_an_eviction_during_a_copy_keeps_the_put_out_and_never_hands_its_slots_to_another(
+    gated: DaemonProcess, gate: Path
+) -> None:
+    with gated.client() as writer, gated.client() as admin:
+        blocks = space(writer)
+        keys = blocks.keys(list(range(8 * BLOCK)))
+        assert blocks.put(keys, block_data(8, seed=5), durable=False).stored == 8  # its copy is held
+        assert admin.evict(all=True) == 0  # nothing committed yet, the put's slots are reserved
+        mine = space(without_halves(admin), namespace="admin")  # answered after its copy: not gated
+        other_keys = mine.keys(list(range(8 * BLOCK)))
+        other_data = block_data(8, seed=6)
+        assert mine.put(other_keys, other_data, durable=False).stored == 8
+        gate.unlink()
+        assert blocks.contains(keys) == 0  # an eviction after the reservation: the put never commits
+        assert same(mine.get(other_keys), other_data)  # its slots were never the held put's
+        stats = admin.stats()["l2"]
+        assert stats["block_count"] == 8 and stats["block_bytes"] == 8 * BLOCK_BYTES
+        assert blocks.put(keys, block_data(8, seed=5), durable=False).stored == 8  # and it can come again
+
+
+def test_one_key_put_by_two_connections_at_once_is_stored_once(gated: DaemonProcess, gate: Path) -> None:
+    data = block_data(4, seed=7)
+    with gated.client() as one, gated.client() as two:
+        keys = space(one).keys(list(range(4 * BLOCK)))
+        assert space(one).put(keys, data).stored == 4
+        assert space(two).put(keys, data).stored == 4  # neither is committed: both reserve
+        gate.unlink()
+        assert space(one).contains(keys) == 4 and space(two).contains(keys) == 4
+        stats = one.stats()
+        assert stats["l2"]["block_count"] == 4 and stats["l2"]["block_bytes"] == 4 * BLOCK_BYTES
+        assert stats["ops"]["block_put_stored"] == 4 and stats["ops"]["block_put_present"] == 4
+        assert same(space(two).get(keys), data)
+
+
+def test_a_client_without_halves_is_answered_after_its_copy(gated: DaemonProcess) -> None:
+    with gated.client() as old, gated.client() as other:
+        blocks = space(without_halves(old))
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        data = block_data(4, seed=8)
+        put = blocks.put(keys, data)  # the gate holds only copies behind replies: this one is not
+        assert (put.stored, put.durability) == (4, "queued")
+        assert same(space(other).get(keys), data)  # committed before the reply
+
+
+def test_a_put_larger_than_a_half_goes_as_one_request_per_half(make_daemon: Any) -> None:
+    proc = make_daemon("--staging-budget", "1MiB").start()  # halves of 512 KiB: 8 blocks each
+    with proc.client() as client, proc.client() as other:
+        blocks = space(client)
+        keys = blocks.keys(list(range(40 * BLOCK)))
+        data = block_data(40, seed=9)
+        put = blocks.put(keys, data)
+        assert (put.stored, put.nbytes) == (40, 40 * BLOCK_BYTES)
+        assert client.stats()["ops"]["block_puts"] == 5
+        assert same(space(other).get(keys), data)
+
+
+def test_a_stage_that_grows_the_buffer_waits_for_the_copy_reading_the_old_one(
+    gated: DaemonProcess, gate: Path
+) -> None:
+    with gated.client() as writer, gated.client() as other:
+        blocks = space(writer)
+        keys = blocks.keys(list(range(2 * BLOCK)))
+        small, large = block_data(1, seed=10, nbytes=4096), block_data(1, seed=11, nbytes=4 << 20)
+        blocks.put(keys[:1], small)
+        before = writer._connection().staging
+        grow = Background(lambda: blocks.put(keys[1:], large, parent=keys[0]))  # needs a larger buffer
+        assert grow.held()  # its stage waits for the copy out of the old buffer
+        gate.unlink()
+        assert grow.value().stored == 1
+        assert writer._connection().staging is not before
+        assert same(space(other).get(keys), small + large)
+
+
+def test_a_clean_stop_right_after_puts_keeps_every_acknowledged_block(
+    gated: DaemonProcess, gate: Path
+) -> None:
+    data = block_data(32, seed=12)
+    with gated.client() as writer:
+        blocks = space(writer)
+        keys = blocks.keys(list(range(32 * BLOCK)))
+        gate.unlink()
+        for start in range(0, 32, 4):
+            if start == 28:
+                assert blocks.contains(keys[:28]) == 28  # (returns once the copies so far committed)
+                gate.touch()
+            parent = keys[start - 1] if start else None
+            blocks.put(keys[start : start + 4], data[start : start + 4], durable=False, parent=parent)
+        # the last put's copy waits at the gate: stop the daemon now
+        gated.send(15)  # SIGTERM
+        threading.Timer(_STILL, gate.unlink).start()
+        assert gated.proc is not None and gated.proc.wait(30) == 0
+        gated.proc = None
+    gated.start()
+    with gated.client() as client:
+        assert space(client).contains(keys) == 32
+        assert same(space(client).get(keys), data)
+
+
+def test_a_sync_put_survives_kill_9_right_after_its_reply(make_daemon: Any) -> None:
+    proc = make_daemon().start()
+    data = block_data(6, seed=13)
+    with proc.client() as client:
+        keys = space(client).keys(list(range(6 * BLOCK)))
+        put = space(client).put(keys, data, durable="sync")
+        assert (put.stored, put.durability) == (6, "written")
+    proc.kill9()
+    shutil.rmtree(proc.shm_dir)  # and a reboot: only L3 is left
+    proc.shm_dir.mkdir()
+    proc.start()
+    with proc.client() as client:
+        assert space(client).contains(keys) == 6
+        assert same(space(client).get(keys), data)
+
+
+def test_async_puts_alternate_halves_and_see_their_own_blocks(daemon: DaemonProcess) -> None:
+    async def run() -> None:
+        async with skippyd.AsyncClient(daemon.socket) as client:
+            blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+            keys = blocks.keys(list(range(12 * BLOCK)))
+            data = block_data(12, seed=14)
+            for start in range(0, 12, 3):
+                parent = keys[start - 1] if start else None
+                assert (
+                    await blocks.put(keys[start : start + 3], data[start : start + 3], parent=parent)
+                ).stored == 3
+            assert await blocks.contains(keys) == 12
+            assert same(await blocks.get(keys), data)
+
+    asyncio.run(run())
+
+
+def test_a_capture_digest_is_blake3_of_what_a_restore_returns(daemon: DaemonProcess) -> None:
+    tensors = {"k": torch.randn(3, 1000), "v": torch.arange(5000, dtype=torch.int64)}
+    with daemon.client() as client:
+        for tokens in ([1, 2, 3], [1, 2, 3, 4]):  # two staged captures: two halves
+            result = client.capture(model=MODEL, state=STATE, tokens=tokens, tensors=tensors)
+            restored = client.restore(model=MODEL, state=STATE, tokens=tokens)
+            assert restored is not None
+            hasher = blake3()
+            for name in ("k", "v"):
+                hasher.update(restored.tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+            assert hasher.hexdigest() == result.digest
+
+
+def test_a_client_scribbling_over_its_staging_during_captures_never_gets_an_entry_that_misses_its_digest(
+    daemon: DaemonProcess,
+) -> None:
+    tensors = {"x": torch.zeros(24 << 20, dtype=torch.uint8)}  # copied and hashed overlapped, in chunks
+    with daemon.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[9], tensors=tensors)  # the staging buffer exists
+        staging = client._connection().staging
+        assert staging is not None
+        region = np.frombuffer(staging.region(staging.size), dtype=np.uint8)
+        stop = threading.Event()
+
+        def scribble() -> None:
+            value = 0
+            while not stop.is_set():
+                value = (value + 1) % 251
+                region[:] = value
+
+        scribbler = Background(scribble)
+        try:
+            digests = [
+                client.capture(model=MODEL, state=STATE, tokens=[10, n], tensors=tensors).digest
+                for n in range(4)
+            ]
+        finally:
+            stop.set()
+            scribbler.value()
+        for n, digest in enumerate(digests):
+            restored = client.restore(model=MODEL, state=STATE, tokens=[10, n])
+            assert restored is not None and restored.digest == digest
+            data = restored.tensors["x"].numpy()
+            assert blake3(data.tobytes()).hexdigest() == digest
+
+
+def test_a_capture_too_large_for_a_half_gets_a_buffer_of_its_own_and_puts_go_back_to_halves(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--staging-budget", "1MiB").start()  # halves of 512 KiB
+    with proc.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(2 * BLOCK)))
+        data = block_data(2, seed=15)
+        blocks.put(keys[:1], data[:1])
+        halved = client._connection().staging
+        assert halved is not None and halved.halved is True
+        big = {"x": torch.arange(768 * 1024 // 8, dtype=torch.int64)}  # 768 KiB: only whole fits
+        result = client.capture(model=MODEL, state=STATE, tokens=[1, 2], tensors=big)
+        whole = client._connection().staging
+        assert whole is not halved and whole is not None and whole.halved is False
+        blocks.put(keys[1:], data[1:], parent=keys[0])
+        assert client._connection().staging is not whole  # used one way only: halves again
+        restored = client.restore(model=MODEL, state=STATE, tokens=[1, 2])
+        assert restored is not None and restored.digest == result.digest
+        assert torch.equal(restored.tensors["x"], big["x"])
+        assert same(blocks.get(keys), data)
