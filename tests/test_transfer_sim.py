@@ -1,5 +1,6 @@
 """The device transfer's own logic on the CPU, against a real daemon: CUDA's streams and events are
-replaced by stand-ins that record what was asked, the "device" tensors are CPU tensors, and the batched
+replaced by stand-ins that record what was asked
+(skippyd.transfer.sim, which bench.gpu_host uses too), the "device" tensors are CPU tensors, and the batched
 copy is a stand-in that moves bytes by address with ``memmove`` (so the addresses the batch call would
 get are checked byte for byte). What this cannot check is CUDA itself: tests/test_cuda.py does that on a
 GPU. Both copy paths (one batch call, one ``copy_`` per run) run here."""
@@ -20,47 +21,10 @@ from skippyd.keys import encode_tokens
 from skippyd.payload import TensorSpec
 from skippyd.tensors import device_views
 from skippyd.transfer import device as dev
+from skippyd.transfer.sim import FakeEvent, FakeStream, Recorder
 
 MODEL, STATE = "sim-model@sha256:0", "paged-kv-v1"
 BLOCK = 16
-
-
-class FakeEvent:
-    def __init__(self) -> None:
-        self.recorded_on: Any = None
-
-    def record(self, stream: Any) -> None:
-        self.recorded_on = stream
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class FakeStream:
-    def __init__(self, device: Any = None) -> None:
-        self.waited: list[Any] = []
-        self.cuda_stream = 0x5EED
-
-    def wait_stream(self, other: Any) -> None:
-        self.waited.append(("stream", other))
-
-    def wait_event(self, event: Any) -> None:
-        self.waited.append(("event", event))
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def register(self, address: int, nbytes: int, flags: int) -> bool:
-        self.calls.append(("register", address, nbytes, flags))
-        return True
-
-    def unregister(self, address: int) -> None:
-        self.calls.append(("unregister", address))
 
 
 def _memmove_batch(dsts: Any, srcs: Any, sizes: Any, count: int, *rest: Any) -> int:

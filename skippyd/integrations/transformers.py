@@ -619,6 +619,10 @@ class _Store:
         )
 
 
+#: The CUDA simulator only (skippyd.transfer.sim): blocks restored to the CPU go the way CUDA ones do.
+_CPU_AS_DEVICE = False
+
+
 def _leading_blocks(  # noqa: PLR0917 - the restore's parts, passed through
     store: _Store,
     layout: _Layout,
@@ -638,7 +642,7 @@ def _leading_blocks(  # noqa: PLR0917 - the restore's parts, passed through
         if not limit:
             break
         keys = space.keys(seq[: limit * layout.block_tokens])
-        if target is not None and target.type == "cuda":
+        if target is not None and (target.type == "cuda" or (_CPU_AS_DEVICE and target.type == "cpu")):
             assert prof is not None and events is not None
             got = _blocks_on_device(space, keys, group, layout, prof, target, events)
         else:
