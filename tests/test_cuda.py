@@ -84,8 +84,8 @@ def test_a_restore_after_the_entry_file_was_given_to_other_bytes_reads_the_new_b
         changes = _transfer().book.stats.generation_changes
         got = client.restore(model=MODEL, state=STATE, tokens=[2], device="cuda")
         assert got is not None and _same_bytes(got.tensors["kv"], second["kv"])
-        if client.stats()["l2"]["reused_files"]:
-            assert _transfer().book.stats.generation_changes == changes + 1
+        # a recycled file keeps its pages and so its generation and registration: nothing changes
+        assert _transfer().book.stats.generation_changes == changes
 
 
 def test_get_into_cuda_pages_is_bit_exact_merges_consecutive_blocks_and_survives_slot_reuse(

@@ -260,7 +260,11 @@ def test_a_slab_whose_slot_was_punched_and_filled_again_shows_a_new_generation_a
     assert rec.calls[-1][0] == "unregister" and book.stats.registered_bytes == 0
 
 
-def test_an_entry_file_given_to_a_new_entry_carries_a_new_generation(make_daemon: Any) -> None:
+def test_an_entry_file_recycled_for_a_new_entry_keeps_its_generation_and_a_new_file_gets_another(
+    make_daemon: Any,
+) -> None:
+    """A recycled file is renamed and rewritten through the same pages (never punched or truncated): a
+    client's registration of it stays good, so its generation stays. A file made anew gets a new one."""
     # no reserve: its decay or a file it faults in could otherwise take the evicted file's place
     proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
     tensor = torch.ones(1 << 20, dtype=torch.float32)  # 4 MiB
@@ -278,7 +282,14 @@ def test_an_entry_file_given_to_a_new_entry_carries_a_new_generation(make_daemon
         second = (os.fstat(fds[0]).st_ino, reply["generation"])
         for fd in fds:
             os.close(fd)
-        assert second[0] == first[0] and second[1] != first[1]
+        assert second == first  # the same file, the same pages: the same generation
+        # a file of another size class is a new file: a generation never given before
+        client.capture(model=MODEL, state=STATE, tokens=[3], tensors={"kv": tensor[:1000]}, durable=False)
+        reply, fds = client._call({"op": "restore", **_ident([3])})
+        third = (os.fstat(fds[0]).st_ino, reply["generation"])
+        for fd in fds:
+            os.close(fd)
+        assert third[0] != first[0] and third[1] not in (0, first[1])
 
 
 def _ident(tokens: list[int]) -> dict[str, Any]:

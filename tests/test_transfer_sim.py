@@ -563,3 +563,59 @@ def test_unregistering_one_range_waits_only_for_the_copies_that_read_it() -> Non
     assert waited.wait(5)
     thread.join(5)
     assert len(leases) == 0
+
+
+def _entry_to_device(transfer: Any, client: Any, tokens: list[int]) -> torch.Tensor:
+    reply, fds = client._call({"op": "restore", **_ident(tokens)})
+    try:
+        data = transfer.entry_to_device(
+            fds[0], reply["generation"], reply["data_offset"], reply["data_len"], torch.device("cpu")
+        )
+    finally:
+        os.close(fds[0])
+    assert data is not None
+    return views_of(data, reply)
+
+
+def views_of(data: torch.Tensor, reply: dict[str, Any]) -> torch.Tensor:
+    specs = [TensorSpec.from_wire(t) for t in reply["tensors"]]
+    return device_views(data, specs)["x"]
+
+
+def test_a_recycled_entry_file_keeps_its_registration_and_a_punched_slot_does_not(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    """The daemon recycles an evicted entry's file for the next entry of its size class: the same pages,
+    rewritten, the same generation, so the registration made for the first entry serves the second (no
+    unregister, no register) and the copy shows the second entry's bytes. A slab slot punched and filled
+    again is new memory: its registration goes and comes back."""
+    transfer, rec = sim["transfer"], sim["rec"]
+    # no reserve for the entries (its decay could give the evicted file back before it is recycled)
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    first, second = _random(4 << 20, 31), _random(4 << 20, 32)
+    with proc.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[1], tensors={"x": first}, durable=False)
+        assert torch.equal(_entry_to_device(transfer, client, [1]), first)
+        assert [c[0] for c in rec.calls] == ["register"]
+        transfer.drain()  # the copy's lease is given back: the daemon may recycle the file
+        client.evict(model=MODEL, state=STATE, tokens=[1])
+        reused = client.stats()["l2"]["reused_files"]
+        client.capture(model=MODEL, state=STATE, tokens=[2], tensors={"x": second}, durable=False)
+        assert client.stats()["l2"]["reused_files"] == reused + 1  # the first entry's file
+        assert torch.equal(_entry_to_device(transfer, client, [2]), second)  # its new bytes
+        assert [c[0] for c in rec.calls] == ["register"]  # kept: nothing unregistered or registered
+        assert transfer.book.stats.generation_changes == 0
+    with make_daemon(*_DECAYING, budget="64MiB").start().client() as client:
+        # a slot: punched (its block evicted, the reserve's decay) and filled again
+        _, other, _, _, old = _kept_and_other(client, 1, 600, 64 * 1024)
+        out = torch.zeros(64 * 1024, dtype=torch.uint8)
+        _get_to_device(transfer, client, other, old, [out])
+        transfer.drain()
+        client.evict(model="sim-other@sha256:0", state=STATE, namespace="", blocks=True)
+        _until_free_slots_are_punched(client)
+        new = other.keys(list(range(3000, 3000 + BLOCK)))
+        fresh = _random(64 * 1024, 601)
+        other.put(new, [fresh], durable=False)
+        rec.calls.clear()
+        _get_to_device(transfer, client, other, new, [out])
+        assert [c[0] for c in rec.calls] == ["unregister", "register"] and torch.equal(out, fresh)
