@@ -183,14 +183,14 @@ def test_a_layered_get_issues_every_blocks_first_layer_before_any_second_and_giv
     transfer, current = sim["transfer"], sim["current"]
     proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
     nbytes, half = 64 * 1024, 40 * 1024
-    issued: list[int] = []
-    issue = transfer._issue
+    issued: list[int] = []  # each run's destination address
+    issue = transfer._issue_flat
 
     def recording(runs: Any, *args: Any) -> None:
-        issued.extend(r.dst_offset % nbytes for r in runs)
+        issued.extend(int(d) for d in runs[1])
         issue(runs, *args)
 
-    transfer._issue = recording
+    transfer._issue_flat = recording
     with proc.client() as client:
         blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
         keys = blocks.keys(list(range(6 * BLOCK)))
@@ -210,7 +210,8 @@ def test_a_layered_get_issues_every_blocks_first_layer_before_any_second_and_giv
             assert transfer.copies == 0 and not pages.any()  # only collected so far
         assert len(copies.events) == 2
         assert all(torch.equal(pages[i], data[i]) for i in range(6))
-        assert issued == [0] * 6 + [half] * 6  # every block's first span, then every block's second
+        # every block's first span, then every block's second
+        assert [(d - pages.data_ptr()) % nbytes for d in issued] == [0] * 6 + [half] * 6
         assert not [w for w in current.waited if w[0] == "event"]  # the caller waits per layer, not here
         transfer.drain()
         assert transfer.in_flight == 0
@@ -315,13 +316,13 @@ def test_strided_device_pieces_land_in_a_staging_buffer_then_one_copy_each_in_pu
         assert blocks.put(keys, [hf_block(source, b) for b in range(2)], durable=False).stored == 2
         engine = hf_layers(2, 512)
         issued: list[Any] = []
-        issue = transfer._issue
+        issue = transfer._issue_flat
 
         def recording(runs: Any, *args: Any) -> None:
-            issued.append(list(runs))
+            issued.append(list(runs[0]))
             issue(runs, *args)
 
-        transfer._issue = recording
+        transfer._issue_flat = recording
         assert blocks.get_into(keys, [hf_block(engine, b) for b in range(2)]) == 2
         assert all(
             torch.equal(e.view(torch.uint8), s.view(torch.uint8))

@@ -315,7 +315,7 @@ def test_a_restore_the_cuda_way_holds_one_view_per_layer_and_continues_exactly(
         assert count == 3 * B + 32
         layers = [layer for layer in cache.layers if isinstance(layer, skt._JoinedKV)]
         assert layers and all(pieces_held(layer) == 2 for layer in layers)  # the 3 blocks' view + the tail
-        assert all(isinstance(layer._pieces[0][0], skt._Stacked) for layer in layers)
+        assert all(isinstance(layer.__dict__["_pieces"][0][0], skt._Stacked) for layer in layers)
         assert sim.batch is not None and sim.batch.calls == len(layers) + 1  # one a layer, one the tail
         assert sim.rec.count("register") >= 1 and sum(sim.host) == 0  # by "DMA", nothing through the host
         logits = continued(model, cache, tokens[count:])

@@ -274,11 +274,11 @@ class _Stacked:
     def into(self, out: torch.Tensor) -> None:
         """Copies the blocks, in token order, into ``out`` (``[batch, heads, tokens, dim]``)."""
         n, width = int(self.blocks.shape[0]), int(self.blocks.shape[-2])
-        out.unflatten(-2, (n, width)).copy_(self.blocks.movedim(0, -3))
+        out.unflatten(-2, (n, width)).copy_(self.blocks.movedim(0, -3))  # type: ignore[no-untyped-call]
 
 
 def _first_piece(piece: Any) -> torch.Tensor:
-    return piece.first() if isinstance(piece, _Stacked) else piece  # type: ignore[no-any-return]
+    return piece.first() if isinstance(piece, _Stacked) else piece
 
 
 def _cat_stacked(pieces: list[Any], device: torch.device | None) -> torch.Tensor:
