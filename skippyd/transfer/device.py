@@ -587,44 +587,6 @@ class DeviceTransfer:
                 if found is None:
                     return False
                 sources[index] = found
-            copies: list[_Piece] = []
-            dests: dict[Any, torch.Tensor] = {}
-            strided: list[tuple[torch.Tensor, int, int, int, int]] = []  # tensor, src key index, offset...
-            staged = 0
-            keys = {index: key for index, (key, _) in sources.items()}
-            storages: dict[int, int] = {}  # id of a view's base tensor -> its storage's address (one look-up)
-            for block, at, take, tensor in pieces:
-                index, offset, nbytes = placements[block]
-                if at < 0 or take < 0 or at + take > nbytes or take > tensor.nbytes:
-                    raise Mismatch(f"a piece of {take} bytes at {at} does not fit its block of {nbytes}")
-                if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
-                    root = tensor._base if tensor._base is not None else tensor
-                    base = storages.get(id(root))
-                    if base is None:  # (views of one tensor share its device: checked once)
-                        if tensor.device != device:
-                            raise InvalidArgument(
-                                "the CUDA destinations of one get_into must be on one device"
-                            )
-                        base = storages[id(root)] = tensor.untyped_storage().data_ptr()
-                        if base not in dests:
-                            dests[base] = _storage_bytes(tensor)
-                    copies.append((keys[index], offset + at, base, tensor.data_ptr() - base, take, at))
-                    continue
-                if tensor.device != device:
-                    raise InvalidArgument("the CUDA destinations of one get_into must be on one device")
-                staged = -(-staged // tensor.element_size()) * tensor.element_size()
-                strided.append((tensor, block, at, take, staged))
-                copies.append((sources[index][0], offset + at, "staging", staged, take, at))
-                staged += _bytes_of(tensor)
-            scatters: list[_Scatter] = []
-            if strided:
-                staging = torch.empty(staged, dtype=torch.uint8, device=device)
-                key = ("staging", staging.data_ptr())
-                dests[key] = staging
-                copies = [(*c[:2], key, *c[3:]) if c[2] == "staging" else c for c in copies]
-                for n, (tensor, _, at, take, where) in enumerate(strided):
-                    dests[("scatter", n, key)] = tensor  # (kept alive, and recorded on skippyd's stream)
-                    scatters.append((tensor, key, where, take, at))
             if slot_generations is not None and len(slot_generations) != len(placements):
                 raise BadFrame("a blocks_get reply's slot generations do not match its blocks")
             if slot_generations is not None and not all(slot_generations):  # (a slot lent for this reply)
@@ -640,19 +602,22 @@ class DeviceTransfer:
                  slots_of[index] if slot_generations is not None else None)
                 for index, (source, mapped) in sources.items()
             ]  # fmt: skip
+            keys = {index: key for index, (key, _) in sources.items()}
+            hosts = dict(sources.values())
+            leases = [fds[i] for i in sources]
             if collecting is not None:  # issued layer by layer when the collection ends
-                used = [key for key, _ in sources.values()]
+                copies, dests, scatters = _prepare(pieces, placements, keys, device)
+                used = list(keys.values())
                 self.maps.pinned.update(used)
                 collecting.pinned.extend(used)
-                collecting.add(
-                    copies, dict(sources.values()), dests, needs, [fds[i] for i in sources], device, scatters
-                )
+                collecting.add(copies, hosts, dests, needs, leases, device, scatters)
                 return True
             cuts = self._register(needs)
-            hosts = dict(sources.values())
-            flat, reads, buffers = self._flatten(copies, hosts, dests, cuts)
-            leases = [fds[i] for i in sources]
-            self._to_device_flat(flat, reads, buffers, dests, device, leases, scatters, hosts)
+            # Issued a chunk at a time, so the first bytes move while the next pieces are planned.
+            for chunk in _chunks(pieces):
+                copies, dests, scatters = _prepare(chunk, placements, keys, device)
+                flat, reads, buffers = self._flatten(copies, hosts, dests, cuts)
+                self._to_device_flat(flat, reads, buffers, dests, device, leases, scatters, hosts)
             return True
 
     @contextlib.contextmanager
@@ -1006,6 +971,69 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over the whole storage of ``tensor`` (so runs that span tensors are one view)."""
     storage = tensor.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+_CHUNK_BYTES = 64 << 20  # a get_into's copies are issued this many bytes at a time
+
+
+def _chunks(
+    pieces: Sequence[tuple[int, int, int, torch.Tensor]],
+) -> Iterator[Sequence[tuple[int, int, int, torch.Tensor]]]:
+    """``pieces`` in runs of about ``_CHUNK_BYTES`` (the last may be more: never a chunk of a few pieces)."""
+    start, total = 0, 0
+    for n, piece in enumerate(pieces):
+        total += piece[2]
+        if total >= _CHUNK_BYTES and len(pieces) - n > 16:
+            yield pieces[start : n + 1]
+            start, total = n + 1, 0
+    if start < len(pieces):
+        yield pieces[start:]
+
+
+def _prepare(
+    pieces: Sequence[tuple[int, int, int, torch.Tensor]],
+    placements: Sequence[tuple[int, int, int]],
+    keys: dict[int, Hashable],
+    device: torch.device,
+) -> tuple[list[_Piece], dict[Any, torch.Tensor], list[_Scatter]]:
+    """The copies of ``pieces`` (see :meth:`DeviceTransfer.pieces_to_device`), the destination buffers they
+    name and the strided pieces to lay out from a device staging buffer."""
+    copies: list[_Piece] = []
+    dests: dict[Any, torch.Tensor] = {}
+    strided: list[tuple[torch.Tensor, int, int, int, int]] = []  # tensor, src key index, offset...
+    staged = 0
+    storages: dict[int, int] = {}  # id of a view's base tensor -> its storage's address (one look-up)
+    for block, at, take, tensor in pieces:
+        index, offset, nbytes = placements[block]
+        if at < 0 or take < 0 or at + take > nbytes or take > tensor.nbytes:
+            raise Mismatch(f"a piece of {take} bytes at {at} does not fit its block of {nbytes}")
+        if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+            root = tensor._base if tensor._base is not None else tensor
+            base = storages.get(id(root))
+            if base is None:  # (views of one tensor share its device: checked once)
+                if tensor.device != device:
+                    raise InvalidArgument("the CUDA destinations of one get_into must be on one device")
+                base = storages[id(root)] = tensor.untyped_storage().data_ptr()
+                if base not in dests:
+                    dests[base] = _storage_bytes(tensor)
+            copies.append((keys[index], offset + at, base, tensor.data_ptr() - base, take, at))
+            continue
+        if tensor.device != device:
+            raise InvalidArgument("the CUDA destinations of one get_into must be on one device")
+        staged = -(-staged // tensor.element_size()) * tensor.element_size()
+        strided.append((tensor, block, at, take, staged))
+        copies.append((keys[index], offset + at, "staging", staged, take, at))
+        staged += _bytes_of(tensor)
+    scatters: list[_Scatter] = []
+    if strided:
+        staging = torch.empty(staged, dtype=torch.uint8, device=device)
+        key = ("staging", staging.data_ptr())
+        dests[key] = staging
+        copies = [(*c[:2], key, *c[3:]) if c[2] == "staging" else c for c in copies]
+        for n, (tensor, _, at, take, where) in enumerate(strided):
+            dests[("scatter", n, key)] = tensor  # (kept alive, and recorded on skippyd's stream)
+            scatters.append((tensor, key, where, take, at))
+    return copies, dests, scatters
 
 
 _transfer: list[DeviceTransfer] = []
