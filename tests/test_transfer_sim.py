@@ -1,9 +1,9 @@
 """The device transfer's own logic on the CPU, against a real daemon: CUDA's streams and events are
-replaced by stand-ins that record what was asked
-(skippyd.transfer.sim, which bench.gpu_host uses too), the "device" tensors are CPU tensors, and the batched
-copy is a stand-in that moves bytes by address with ``memmove`` (so the addresses the batch call would
-get are checked byte for byte). What this cannot check is CUDA itself: tests/test_cuda.py does that on a
-GPU. Both copy paths (one batch call, one ``copy_`` per run) run here."""
+replaced by stand-ins that record what was asked (skippyd.transfer.sim, which bench.gpu_host uses too),
+the "device" tensors are CPU tensors, and the batched copy is a stand-in that moves bytes by address
+with ``memmove`` (so the addresses the batch call would get are checked byte for byte). What this cannot
+check is CUDA itself: tests/test_cuda.py does that on a GPU. Both copy paths (one batch call, one
+``copy_`` per run) run here."""
 
 from __future__ import annotations
 
