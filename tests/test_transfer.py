@@ -405,3 +405,35 @@ def test_the_callers_streams_wrapper_is_the_function_itself_where_cuda_was_never
     assert not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     assert in_callers_streams(work) is work
     assert in_callers_streams(work)(1) == 2
+
+
+def test_a_transfers_pieces_merge_within_one_registration_and_one_across_a_boundary_is_cut_there() -> None:
+    """The planning of a get_into's copies as arrays: pieces that continue each other merge into one run,
+    never across a registration boundary (a piece that crosses one is cut there), never into another
+    destination buffer, and a span picks the same bytes of every block."""
+    from types import SimpleNamespace
+
+    from skippyd.transfer.device import DeviceTransfer
+
+    rec = Recorder()
+    transfer = DeviceTransfer(register=rec.register, unregister=rec.unregister)
+    hosts: Any = {"slab": SimpleNamespace(base=1 << 30)}
+    pages, other = torch.zeros(4 * 8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8)
+    dests: Any = {"pages": pages, "other": other}
+    # four 8 KiB blocks in consecutive slots into consecutive pages; a fifth into another buffer
+    pieces = [("slab", 8192 * i, "pages", 8192 * i, 8192, 0) for i in range(4)]
+    pieces.append(("slab", 4 * 8192, "other", 0, 8192, 0))
+    for cuts in ({"slab": [0, 5 * 8192]}, {"slab": [0, 8192 + 4096, 5 * 8192]}):  # one registration; two
+        flat, _, _ = transfer._flatten(pieces, hosts, dests, cuts)
+        src, _, size, _, _ = flat.runs()
+        got = sorted(zip((src - (1 << 30)).tolist(), size.tolist(), strict=True))
+        if len(cuts["slab"]) == 2:
+            assert got == [(0, 4 * 8192), (4 * 8192, 8192)]  # the pages merge; the other buffer apart
+            assert transfer._flatten_arrays(pieces, hosts, dests, cuts) is not None
+        else:  # block 1 crosses the boundary at 12 KiB: cut there, and no run spans it
+            assert got == [(0, 8192 + 4096), (8192 + 4096, 3 * 8192 - 4096), (4 * 8192, 8192)]
+            assert transfer._flatten_arrays(pieces, hosts, dests, cuts) is None
+        src, _, size, _, _ = flat.runs(0, 4096)  # the first 4 KiB of every block
+        assert sorted((src - (1 << 30)).tolist()) == [0, 8192, 16384, 24576, 32768]
+        assert set(size.tolist()) == {4096}
+    transfer.close()

@@ -681,6 +681,9 @@ class DeviceTransfer:
         destination buffer, so no run spans two registrations: a piece that does is cut at the boundary),
         the addresses of the registrations they read, and the buffers the group and source numbers name
         (``(source keys, destination keys)``)."""
+        fast = self._flatten_arrays(pieces, hosts, dests, cuts)
+        if fast is not None:
+            return fast
         src_keys: dict[Hashable, int] = {}
         dst_keys: dict[Any, int] = {}
         columns: list[list[int]] = [[], [], [], [], [], []]
@@ -726,6 +729,52 @@ class DeviceTransfer:
             if address is not None:
                 reads.add(address)
         return Flat.of(columns), reads, (list(src_keys), list(dst_keys))
+
+    def _flatten_arrays(
+        self,
+        pieces: Sequence[_Piece],
+        hosts: dict[Hashable, _Mapped],
+        dests: dict[Any, torch.Tensor],
+        cuts: dict[Hashable, list[int]],
+    ) -> tuple[Flat, set[int], tuple[list[Any], list[Any]]] | None:
+        """:meth:`_flatten` with array operations where no piece crosses a registration boundary (None
+        where one does: the loop there cuts it)."""
+        if not pieces:
+            return None
+        keys, offsets, dests_col, ats, sizes, rels = zip(*pieces, strict=True)
+        src_keys = list(dict.fromkeys(keys))
+        dst_keys = list(dict.fromkeys(dests_col))
+        s_of = {key: n for n, key in enumerate(src_keys)}
+        d_of = {key: n for n, key in enumerate(dst_keys)}
+        s = np.fromiter((s_of[k] for k in keys), dtype=np.int64, count=len(keys))
+        d = np.fromiter((d_of[k] for k in dests_col), dtype=np.int64, count=len(keys))
+        offset = np.asarray(offsets, dtype=np.int64)
+        size = np.asarray(sizes, dtype=np.int64)
+        seg = np.zeros(len(keys), dtype=np.int64)
+        where: dict[int, tuple[Hashable, int]] = {}
+        for n, key in enumerate(src_keys):
+            bounds = cuts.get(key)
+            if not bounds:
+                continue
+            mine = np.flatnonzero(s == n) if len(src_keys) > 1 else np.arange(len(keys))
+            edges = np.asarray(bounds, dtype=np.int64)
+            at = np.searchsorted(edges, offset[mine], side="right")
+            if (np.searchsorted(edges, offset[mine] + size[mine], side="left") > at).any():
+                return None  # (a piece across a registration boundary: the loop cuts it)
+            seg[mine] = at
+            for value, first in zip(*np.unique(at, return_index=True), strict=True):
+                where[(n << 16) | int(value)] = (key, int(offset[mine[first]]))
+        src_base = np.asarray([hosts[key].base for key in src_keys], dtype=np.int64)
+        dst_base = np.asarray([int(dests[key].data_ptr()) for key in dst_keys], dtype=np.int64)
+        group = (((s << 16) | seg) << 32) | d
+        reads: set[int] = set()
+        for key, at_offset in where.values():
+            address = self.book.registration_at(key, at_offset)
+            if address is not None:
+                reads.add(address)
+        flat = Flat.of([src_base[s] + offset, dst_base[d] + np.asarray(ats, dtype=np.int64), size,
+                        np.asarray(rels, dtype=np.int64), group, s])  # fmt: skip
+        return flat, reads, (src_keys, dst_keys)
 
     def _issue_flat(
         self,
@@ -973,17 +1022,19 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
-_CHUNK_BYTES = 64 << 20  # a get_into's copies are issued this many bytes at a time
+_CHUNK_BYTES = 64 << 20  # a get_into's copies are issued this many bytes (and pieces) at a time
+_CHUNK_PIECES = 256
 
 
 def _chunks(
     pieces: Sequence[tuple[int, int, int, torch.Tensor]],
 ) -> Iterator[Sequence[tuple[int, int, int, torch.Tensor]]]:
-    """``pieces`` in runs of about ``_CHUNK_BYTES`` (the last may be more: never a chunk of a few pieces)."""
+    """``pieces`` in runs of at least ``_CHUNK_BYTES`` and ``_CHUNK_PIECES`` (where planning them takes
+    long enough for an early start to pay for a chunk's own cost; the last may be more)."""
     start, total = 0, 0
     for n, piece in enumerate(pieces):
         total += piece[2]
-        if total >= _CHUNK_BYTES and len(pieces) - n > 16:
+        if total >= _CHUNK_BYTES and n + 1 - start >= _CHUNK_PIECES and len(pieces) - n > _CHUNK_PIECES:
             yield pieces[start : n + 1]
             start, total = n + 1, 0
     if start < len(pieces):

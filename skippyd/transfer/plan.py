@@ -118,8 +118,8 @@ class Flat:
     source: Any
 
     @classmethod
-    def of(cls, columns: Sequence[Sequence[int]]) -> Flat:
-        """From six equal columns: src, dst, size, rel, group, source."""
+    def of(cls, columns: Sequence[Any]) -> Flat:
+        """From six equal columns (lists or arrays): src, dst, size, rel, group, source."""
         import numpy as np
 
         src, dst, size, rel, group, source = (np.asarray(c, dtype=np.int64) for c in columns)
