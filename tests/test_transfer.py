@@ -423,7 +423,8 @@ def test_a_transfers_pieces_merge_within_one_registration_and_one_across_a_bound
     # four 8 KiB blocks in consecutive slots into consecutive pages; a fifth into another buffer
     pieces = [("slab", 8192 * i, "pages", 8192 * i, 8192, 0) for i in range(4)]
     pieces.append(("slab", 4 * 8192, "other", 0, 8192, 0))
-    for cuts in ({"slab": [0, 5 * 8192]}, {"slab": [0, 8192 + 4096, 5 * 8192]}):  # one registration; two
+    both: list[Any] = [{"slab": [0, 5 * 8192]}, {"slab": [0, 8192 + 4096, 5 * 8192]}]  # one registration; two
+    for cuts in both:
         flat, _, _ = transfer._flatten(pieces, hosts, dests, cuts)
         src, _, size, _, _ = flat.runs()
         got = sorted(zip((src - (1 << 30)).tolist(), size.tolist(), strict=True))
