@@ -750,12 +750,18 @@ class DeviceTransfer:
         d = np.fromiter((d_of[k] for k in dests_col), dtype=np.int64, count=len(keys))
         offset = np.asarray(offsets, dtype=np.int64)
         size = np.asarray(sizes, dtype=np.int64)
-        seg = np.zeros(len(keys), dtype=np.int64)
         where: dict[int, tuple[Hashable, int]] = {}
+        single = np.zeros(len(src_keys), dtype=np.int64)  # a source read through one registration: 1
+        several = []
         for n, key in enumerate(src_keys):
             bounds = cuts.get(key)
-            if not bounds:
-                continue
+            if bounds and len(bounds) == 2:  # (every piece of it lies in that registration)
+                single[n] = 1
+                where[(n << 16) | 1] = (key, bounds[0])
+            elif bounds:
+                several.append((n, key, bounds))
+        seg = single[s]
+        for n, key, bounds in several:
             mine = np.flatnonzero(s == n) if len(src_keys) > 1 else np.arange(len(keys))
             edges = np.asarray(bounds, dtype=np.int64)
             at = np.searchsorted(edges, offset[mine], side="right")
