@@ -10,7 +10,8 @@ where there is no GPU: its numbers mean nothing.
 1. **Bit-exact** for every dtype skippyd knows: a capture restored to the device, a capture *of* device
    tensors restored to the host, blocks read into device pages with ``get_into``, blocks ``put`` from
    (strided) device tensors; and a restore after the memory was given to other bytes: an entry file
-   recycled for another entry, and slab slots punched and filled again (a new generation each).
+   recycled for another entry (the same pages: its registration is kept), and slab slots punched and
+   filled again (a new generation each).
 2. **Bandwidth** beside a pinned host↔device copy of the same bytes, timed in this run: restore to
    CUDA and capture from CUDA of entries of 64 MiB, 512 MiB and 2 GiB (first restore, which registers
    the file, and warm); ``get_into`` device pages and ``put`` from device pages of 512 MiB in blocks of

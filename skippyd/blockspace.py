@@ -409,7 +409,9 @@ def _destination(  # noqa: PLR0917 - one block's destination and where its piece
             ):
                 raw.append((block, at, take, piece.data_ptr()))
             else:
-                if any(s == 0 and n > 1 for s, n in zip(piece.stride(), piece.shape, strict=True)):
+                if not piece.is_contiguous() and any(
+                    s == 0 and n > 1 for s, n in zip(piece.stride(), piece.shape, strict=True)
+                ):  # (a contiguous piece has none: the common case, a page, skips the look)
                     raise InvalidArgument(
                         f"out[{index}] has a piece whose elements share memory (a 0 stride)"
                     )

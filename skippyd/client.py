@@ -386,6 +386,10 @@ class _Staging:
             self.mapping.close()
 
 
+#: The CUDA simulator only (skippyd.transfer.sim): a restore to the CPU goes the way one to CUDA does.
+_CPU_AS_DEVICE = False
+
+
 def _finish_restore(
     reply: dict[str, Any], fds: list[int], device: torch.device, stager: skt.DeviceStager | None
 ) -> Restored:
@@ -398,9 +402,9 @@ def _finish_restore(
     try:
         specs = [TensorSpec.from_wire(item) for item in reply["tensors"]]
         offset, length = int(reply["data_offset"]), int(reply["data_len"])
-        if device.type == "cpu":
+        if device.type == "cpu" and not _CPU_AS_DEVICE:
             tensors = skt.map_entry(fd, offset, length, specs)
-        elif device.type == "cuda":
+        elif device.type in ("cuda", "cpu"):
             tensors = _to_cuda(reply, fd, offset, length, specs, device, stager)
         else:
             tensors = {k: v.to(device) for k, v in skt.copy_entry(fd, offset, length, specs).items()}
@@ -432,11 +436,16 @@ def _to_cuda(  # noqa: PLR0917 - the restore's parts, passed through
     stream waits for it); an entry served once (generation 0: an L3 read) goes through pinned buffers."""
     from .transfer.device import transfer
 
-    if length:
-        data = transfer().entry_to_device(fd, int(reply.get("generation") or 0), offset, length, device)
-        if data is not None:
-            views: dict[str, torch.Tensor] = _skt().device_views(data, specs)
-            return views
+    views: dict[str, torch.Tensor]
+    if not length:  # (a tail of no tokens: nothing to copy)
+        import torch
+
+        views = _skt().device_views(torch.empty(0, dtype=torch.uint8, device=device), specs)
+        return views
+    data = transfer().entry_to_device(fd, int(reply.get("generation") or 0), offset, length, device)
+    if data is not None:
+        views = _skt().device_views(data, specs)
+        return views
     assert stager is not None
     return stager.to_device(fd, offset, length, specs, device)
 

@@ -260,7 +260,11 @@ def test_a_slab_whose_slot_was_punched_and_filled_again_shows_a_new_generation_a
     assert rec.calls[-1][0] == "unregister" and book.stats.registered_bytes == 0
 
 
-def test_an_entry_file_given_to_a_new_entry_carries_a_new_generation(make_daemon: Any) -> None:
+def test_an_entry_file_recycled_for_a_new_entry_keeps_its_generation_and_a_new_file_gets_another(
+    make_daemon: Any,
+) -> None:
+    """A recycled file is renamed and rewritten through the same pages (never punched or truncated): a
+    client's registration of it stays good, so its generation stays. A file made anew gets a new one."""
     # no reserve: its decay or a file it faults in could otherwise take the evicted file's place
     proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
     tensor = torch.ones(1 << 20, dtype=torch.float32)  # 4 MiB
@@ -278,7 +282,14 @@ def test_an_entry_file_given_to_a_new_entry_carries_a_new_generation(make_daemon
         second = (os.fstat(fds[0]).st_ino, reply["generation"])
         for fd in fds:
             os.close(fd)
-        assert second[0] == first[0] and second[1] != first[1]
+        assert second == first  # the same file, the same pages: the same generation
+        # a file of another size class is a new file: a generation never given before
+        client.capture(model=MODEL, state=STATE, tokens=[3], tensors={"kv": tensor[:1000]}, durable=False)
+        reply, fds = client._call({"op": "restore", **_ident([3])})
+        third = (os.fstat(fds[0]).st_ino, reply["generation"])
+        for fd in fds:
+            os.close(fd)
+        assert third[0] != first[0] and third[1] not in (0, first[1])
 
 
 def _ident(tokens: list[int]) -> dict[str, Any]:
@@ -394,3 +405,36 @@ def test_the_callers_streams_wrapper_is_the_function_itself_where_cuda_was_never
     assert not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     assert in_callers_streams(work) is work
     assert in_callers_streams(work)(1) == 2
+
+
+def test_a_transfers_pieces_merge_within_one_registration_and_one_across_a_boundary_is_cut_there() -> None:
+    """The planning of a get_into's copies as arrays: pieces that continue each other merge into one run,
+    never across a registration boundary (a piece that crosses one is cut there), never into another
+    destination buffer, and a span picks the same bytes of every block."""
+    from types import SimpleNamespace
+
+    from skippyd.transfer.device import DeviceTransfer
+
+    rec = Recorder()
+    transfer = DeviceTransfer(register=rec.register, unregister=rec.unregister)
+    hosts: Any = {"slab": SimpleNamespace(base=1 << 30)}
+    pages, other = torch.zeros(4 * 8192, dtype=torch.uint8), torch.zeros(8192, dtype=torch.uint8)
+    dests: Any = {"pages": pages, "other": other}
+    # four 8 KiB blocks in consecutive slots into consecutive pages; a fifth into another buffer
+    pieces = [("slab", 8192 * i, "pages", 8192 * i, 8192, 0) for i in range(4)]
+    pieces.append(("slab", 4 * 8192, "other", 0, 8192, 0))
+    both: list[Any] = [{"slab": [0, 5 * 8192]}, {"slab": [0, 8192 + 4096, 5 * 8192]}]  # one registration; two
+    for cuts in both:
+        flat, _, _ = transfer._flatten(pieces, hosts, dests, cuts)
+        src, _, size, _, _ = flat.runs()
+        got = sorted(zip((src - (1 << 30)).tolist(), size.tolist(), strict=True))
+        if len(cuts["slab"]) == 2:
+            assert got == [(0, 4 * 8192), (4 * 8192, 8192)]  # the pages merge; the other buffer apart
+            assert transfer._flatten_arrays(pieces, hosts, dests, cuts) is not None
+        else:  # block 1 crosses the boundary at 12 KiB: cut there, and no run spans it
+            assert got == [(0, 8192 + 4096), (8192 + 4096, 3 * 8192 - 4096), (4 * 8192, 8192)]
+            assert transfer._flatten_arrays(pieces, hosts, dests, cuts) is None
+        src, _, size, _, _ = flat.runs(0, 4096)  # the first 4 KiB of every block
+        assert sorted((src - (1 << 30)).tolist()) == [0, 8192, 16384, 24576, 32768]
+        assert set(size.tolist()) == {4096}
+    transfer.close()

@@ -1,8 +1,9 @@
 """The device transfer's own logic on the CPU, against a real daemon: CUDA's streams and events are
-replaced by stand-ins that record what was asked, the "device" tensors are CPU tensors, and the batched
-copy is a stand-in that moves bytes by address with ``memmove`` (so the addresses the batch call would
-get are checked byte for byte). What this cannot check is CUDA itself: tests/test_cuda.py does that on a
-GPU. Both copy paths (one batch call, one ``copy_`` per run) run here."""
+replaced by stand-ins that record what was asked (skippyd.transfer.sim, which bench.gpu_host uses too),
+the "device" tensors are CPU tensors, and the batched copy is a stand-in that moves bytes by address
+with ``memmove`` (so the addresses the batch call would get are checked byte for byte). What this cannot
+check is CUDA itself: tests/test_cuda.py does that on a GPU. Both copy paths (one batch call, one
+``copy_`` per run) run here."""
 
 from __future__ import annotations
 
@@ -20,47 +21,10 @@ from skippyd.keys import encode_tokens
 from skippyd.payload import TensorSpec
 from skippyd.tensors import device_views
 from skippyd.transfer import device as dev
+from skippyd.transfer.sim import FakeEvent, FakeStream, Recorder
 
 MODEL, STATE = "sim-model@sha256:0", "paged-kv-v1"
 BLOCK = 16
-
-
-class FakeEvent:
-    def __init__(self) -> None:
-        self.recorded_on: Any = None
-
-    def record(self, stream: Any) -> None:
-        self.recorded_on = stream
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class FakeStream:
-    def __init__(self, device: Any = None) -> None:
-        self.waited: list[Any] = []
-        self.cuda_stream = 0x5EED
-
-    def wait_stream(self, other: Any) -> None:
-        self.waited.append(("stream", other))
-
-    def wait_event(self, event: Any) -> None:
-        self.waited.append(("event", event))
-
-
-class Recorder:
-    def __init__(self) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-
-    def register(self, address: int, nbytes: int, flags: int) -> bool:
-        self.calls.append(("register", address, nbytes, flags))
-        return True
-
-    def unregister(self, address: int) -> None:
-        self.calls.append(("unregister", address))
 
 
 def _memmove_batch(dsts: Any, srcs: Any, sizes: Any, count: int, *rest: Any) -> int:
@@ -219,14 +183,14 @@ def test_a_layered_get_issues_every_blocks_first_layer_before_any_second_and_giv
     transfer, current = sim["transfer"], sim["current"]
     proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
     nbytes, half = 64 * 1024, 40 * 1024
-    issued: list[int] = []
-    issue = transfer._issue
+    issued: list[int] = []  # each run's destination address
+    issue = transfer._issue_flat
 
     def recording(runs: Any, *args: Any) -> None:
-        issued.extend(r.dst_offset % nbytes for r in runs)
+        issued.extend(int(d) for d in runs[1])
         issue(runs, *args)
 
-    transfer._issue = recording
+    transfer._issue_flat = recording
     with proc.client() as client:
         blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
         keys = blocks.keys(list(range(6 * BLOCK)))
@@ -246,7 +210,8 @@ def test_a_layered_get_issues_every_blocks_first_layer_before_any_second_and_giv
             assert transfer.copies == 0 and not pages.any()  # only collected so far
         assert len(copies.events) == 2
         assert all(torch.equal(pages[i], data[i]) for i in range(6))
-        assert issued == [0] * 6 + [half] * 6  # every block's first span, then every block's second
+        # every block's first span, then every block's second
+        assert [(d - pages.data_ptr()) % nbytes for d in issued] == [0] * 6 + [half] * 6
         assert not [w for w in current.waited if w[0] == "event"]  # the caller waits per layer, not here
         transfer.drain()
         assert transfer.in_flight == 0
@@ -380,13 +345,13 @@ def test_strided_device_pieces_land_in_a_staging_buffer_then_one_copy_each_in_pu
         assert blocks.put(keys, [hf_block(source, b) for b in range(2)], durable=False).stored == 2
         engine = hf_layers(2, 512)
         issued: list[Any] = []
-        issue = transfer._issue
+        issue = transfer._issue_flat
 
         def recording(runs: Any, *args: Any) -> None:
-            issued.append(list(runs))
+            issued.append(list(runs[0]))
             issue(runs, *args)
 
-        transfer._issue = recording
+        transfer._issue_flat = recording
         assert blocks.get_into(keys, [hf_block(engine, b) for b in range(2)]) == 2
         assert all(
             torch.equal(e.view(torch.uint8), s.view(torch.uint8))
@@ -628,3 +593,59 @@ def test_unregistering_one_range_waits_only_for_the_copies_that_read_it() -> Non
     assert waited.wait(5)
     thread.join(5)
     assert len(leases) == 0
+
+
+def _entry_to_device(transfer: Any, client: Any, tokens: list[int]) -> torch.Tensor:
+    reply, fds = client._call({"op": "restore", **_ident(tokens)})
+    try:
+        data = transfer.entry_to_device(
+            fds[0], reply["generation"], reply["data_offset"], reply["data_len"], torch.device("cpu")
+        )
+    finally:
+        os.close(fds[0])
+    assert data is not None
+    return views_of(data, reply)
+
+
+def views_of(data: torch.Tensor, reply: dict[str, Any]) -> torch.Tensor:
+    specs = [TensorSpec.from_wire(t) for t in reply["tensors"]]
+    return device_views(data, specs)["x"]
+
+
+def test_a_recycled_entry_file_keeps_its_registration_and_a_punched_slot_does_not(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    """The daemon recycles an evicted entry's file for the next entry of its size class: the same pages,
+    rewritten, the same generation, so the registration made for the first entry serves the second (no
+    unregister, no register) and the copy shows the second entry's bytes. A slab slot punched and filled
+    again is new memory: its registration goes and comes back."""
+    transfer, rec = sim["transfer"], sim["rec"]
+    # no reserve for the entries (its decay could give the evicted file back before it is recycled)
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    first, second = _random(4 << 20, 31), _random(4 << 20, 32)
+    with proc.client() as client:
+        client.capture(model=MODEL, state=STATE, tokens=[1], tensors={"x": first}, durable=False)
+        assert torch.equal(_entry_to_device(transfer, client, [1]), first)
+        assert [c[0] for c in rec.calls] == ["register"]
+        transfer.drain()  # the copy's lease is given back: the daemon may recycle the file
+        client.evict(model=MODEL, state=STATE, tokens=[1])
+        reused = client.stats()["l2"]["reused_files"]
+        client.capture(model=MODEL, state=STATE, tokens=[2], tensors={"x": second}, durable=False)
+        assert client.stats()["l2"]["reused_files"] == reused + 1  # the first entry's file
+        assert torch.equal(_entry_to_device(transfer, client, [2]), second)  # its new bytes
+        assert [c[0] for c in rec.calls] == ["register"]  # kept: nothing unregistered or registered
+        assert transfer.book.stats.generation_changes == 0
+    with make_daemon(*_DECAYING, budget="64MiB").start().client() as client:
+        # a slot: punched (its block evicted, the reserve's decay) and filled again
+        _, other, _, _, old = _kept_and_other(client, 1, 600, 64 * 1024)
+        out = torch.zeros(64 * 1024, dtype=torch.uint8)
+        _get_to_device(transfer, client, other, old, [out])
+        transfer.drain()
+        client.evict(model="sim-other@sha256:0", state=STATE, namespace="", blocks=True)
+        _until_free_slots_are_punched(client)
+        new = other.keys(list(range(3000, 3000 + BLOCK)))
+        fresh = _random(64 * 1024, 601)
+        other.put(new, [fresh], durable=False)
+        rec.calls.clear()
+        _get_to_device(transfer, client, other, new, [out])
+        assert [c[0] for c in rec.calls] == ["unregister", "register"] and torch.equal(out, fresh)

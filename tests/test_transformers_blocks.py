@@ -288,3 +288,36 @@ def test_block_tokens_out_of_range_is_refused_with_one_clear_line(
             skt.capture(
                 client, model, prefilled(model, tokens), tokens=tokens, namespace=namespace, block_tokens=bad
             )
+
+
+def test_a_restore_the_cuda_way_holds_one_view_per_layer_and_continues_exactly(
+    client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    """Through the CUDA simulator (skippyd.transfer.sim: CPU tensors sent the way CUDA ones go), a
+    restore copies the blocks into one buffer layer by layer, each layer holds ONE view of its keys in
+    every block (not one per block) and an event, and the first forward joins it: the continuation's
+    logits equal those on the cache that never left the process, bit for bit."""
+    from skippyd.transfer.sim import simulated
+
+    model = built("llama")
+    tokens = hfmodels.prompt(3 * B + 40)
+    skt.capture(
+        client,
+        model,
+        prefilled(model, tokens[: 3 * B + 32]),
+        tokens=tokens[: 3 * B + 32],
+        namespace=namespace,
+    )
+    with simulated() as sim:
+        hit = skt.restore(client, model, tokens=tokens, namespace=namespace, device="cpu")
+        assert hit is not None
+        cache, count = hit
+        assert count == 3 * B + 32
+        layers = [layer for layer in cache.layers if isinstance(layer, skt._JoinedKV)]
+        assert layers and all(pieces_held(layer) == 2 for layer in layers)  # the 3 blocks' view + the tail
+        assert all(isinstance(layer.__dict__["_pieces"][0][0], skt._Stacked) for layer in layers)
+        assert sim.batch is not None and sim.batch.calls == len(layers) + 1  # one a layer, one the tail
+        assert sim.rec.count("register") >= 1 and sum(sim.host) == 0  # by "DMA", nothing through the host
+        logits = continued(model, cache, tokens[count:])
+        sim.transfer.drain()
+    assert torch.equal(logits, recomputed(model, tokens, count))

@@ -212,11 +212,9 @@ class _JoinedKV:
     a plain layer's update copies anyway), any other read joins them alone. The joined tensors are the
     same bytes a plain layer holds, so a continuation computes exactly what it would have."""
 
-    _pieces: tuple[list[torch.Tensor], list[torch.Tensor], int] | None = None  # until a layer holds some
+    _pieces: tuple[list[Any], list[Any], int] | None = None  # until a layer holds some (tensors, _Stacked)
 
-    def _hold(
-        self, keys: list[torch.Tensor], values: list[torch.Tensor], length: int, event: Any = None
-    ) -> None:
+    def _hold(self, keys: list[Any], values: list[Any], length: int, event: Any = None) -> None:
         self.__dict__["_keys"] = self.__dict__["_values"] = None
         self.__dict__["_pieces"] = (keys, values, length)
         self.__dict__["_event"] = event  # on a CUDA device: passes once this layer's blocks have landed
@@ -249,12 +247,65 @@ class _JoinedKV:
 _RAW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # same bytes, a numpy dtype
 
 
-def _cat_tokens(pieces: list[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class _Stacked:
+    """One layer's keys (or values) in consecutive blocks of one device buffer, as ONE view: ``blocks[i]``
+    is block ``i``'s ``[batch, heads, block_tokens, dim]`` piece (the rows of the buffer a restore to a
+    device copies its blocks into). A layer holds one of these instead of a view per block: a restore
+    builds a view per layer, not per layer and block, and the first forward joins it in one copy."""
+
+    blocks: torch.Tensor  # [n, batch, heads, block_tokens, dim]
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.blocks.dtype
+
+    @property
+    def tokens(self) -> int:
+        return int(self.blocks.shape[0]) * int(self.blocks.shape[-2])
+
+    def first(self) -> torch.Tensor:
+        return self.blocks[0]
+
+    def into(self, out: torch.Tensor) -> None:
+        """Copies the blocks, in token order, into ``out`` (``[batch, heads, tokens, dim]``)."""
+        n, width = int(self.blocks.shape[0]), int(self.blocks.shape[-2])
+        out.unflatten(-2, (n, width)).copy_(self.blocks.movedim(0, -3))  # type: ignore[no-untyped-call]
+
+
+def _first_piece(piece: Any) -> torch.Tensor:
+    return piece.first() if isinstance(piece, _Stacked) else piece
+
+
+def _cat_stacked(pieces: list[Any], device: torch.device | None) -> torch.Tensor:
+    """``_cat_tokens`` of pieces some of which are :class:`_Stacked`: one copy each into the result."""
+    first = _first_piece(pieces[0])
+    shape = list(first.shape)
+    widths = [p.tokens if isinstance(p, _Stacked) else int(p.shape[-2]) for p in pieces]
+    shape[-2] = sum(widths)
+    out = torch.empty(shape, dtype=first.dtype, device=first.device if device is None else device)
+    at = 0
+    for piece, width in zip(pieces, widths, strict=True):
+        if isinstance(piece, _Stacked):
+            piece.into(out[..., at : at + width, :])
+        elif width:
+            out[..., at : at + width, :].copy_(piece)
+        at += width
+    return out
+
+
+def _cat_tokens(pieces: list[Any], device: torch.device | None = None) -> torch.Tensor:
     """``torch.cat(pieces, dim=-2)``, the same bytes, in one tensor on ``device`` (default: the first
     piece's). On the CPU the pieces are copied by numpy, split over two threads: torch.cat gathering many
     block-sized pieces out of shared memory measured 2-3x slower than these copies on the test machines;
     pieces already on ``device`` (blocks copied there by DMA) are gathered by one ``torch.cat``; elsewhere
     each piece is copied into its place once (a block view goes to the device directly)."""
+    if any(isinstance(p, _Stacked) for p in pieces):
+        return _cat_stacked(pieces, device)
     first = pieces[0]
     device = first.device if device is None else device
     if device.type != "cpu" and all(p.device == device for p in pieces):
@@ -619,6 +670,10 @@ class _Store:
         )
 
 
+#: The CUDA simulator only (skippyd.transfer.sim): blocks restored to the CPU go the way CUDA ones do.
+_CPU_AS_DEVICE = False
+
+
 def _leading_blocks(  # noqa: PLR0917 - the restore's parts, passed through
     store: _Store,
     layout: _Layout,
@@ -638,7 +693,7 @@ def _leading_blocks(  # noqa: PLR0917 - the restore's parts, passed through
         if not limit:
             break
         keys = space.keys(seq[: limit * layout.block_tokens])
-        if target is not None and target.type == "cuda":
+        if target is not None and (target.type == "cuda" or (_CPU_AS_DEVICE and target.type == "cpu")):
             assert prof is not None and events is not None
             got = _blocks_on_device(space, keys, group, layout, prof, target, events)
         else:
@@ -687,20 +742,52 @@ def _blocks_on_device(  # noqa: PLR0917 - the restore's parts, passed through
 
 def _block_pieces(
     prof: ModelProfile, layout: _Layout, views: list[list[torch.Tensor]]
-) -> dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]:
-    """Per attention layer, its keys and values over the blocks: ``[1, heads, block_tokens, dim]`` views."""
-    pieces: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {i: ([], []) for i in layout.layers}
+) -> dict[int, tuple[list[Any], list[Any]]]:
+    """Per attention layer, its keys and values over the blocks: ``[1, heads, block_tokens, dim]`` views,
+    or, where a group's blocks are equally spaced rows of one buffer (a restore to a device copies them
+    into one), one :class:`_Stacked` view per layer for all of them. Each layer's geometry in a block is
+    worked out once, not per block (a 32k restore of a 32-layer model has 8192 such pieces)."""
+    pieces: dict[int, tuple[list[Any], list[Any]]] = {i: ([], []) for i in layout.layers}
     for group, blocks in zip(layout.groups, views, strict=True):
+        if not blocks:
+            continue
+        geometry = []
+        offset = 0
+        for index in group.layers:
+            for which, t in enumerate(prof.layers[index].tensors[:2]):
+                shape = list(t.shape)
+                shape[t.seq_dim] = layout.block_tokens
+                size = _tensor_bytes(t, layout.block_tokens)
+                geometry.append((pieces[index][which], offset, size, t.dtype, shape))
+                offset += size
+        rows = _rows(blocks)
+        if rows is not None:
+            for into, offset, size, dtype, shape in geometry:
+                into.append(_Stacked(rows[:, offset : offset + size].view(dtype).view(len(blocks), *shape)))
+            continue
         for block in blocks:
-            offset = 0
-            for index in group.layers:
-                for which, t in enumerate(prof.layers[index].tensors[:2]):
-                    shape = list(t.shape)
-                    shape[t.seq_dim] = layout.block_tokens
-                    size = _tensor_bytes(t, layout.block_tokens)
-                    pieces[index][which].append(block[offset : offset + size].view(t.dtype).view(shape))
-                    offset += size
+            for into, offset, size, dtype, shape in geometry:
+                into.append(block[offset : offset + size].view(dtype).view(shape))
     return pieces
+
+
+def _rows(blocks: list[torch.Tensor]) -> torch.Tensor | None:
+    """``blocks`` as one ``[n, nbytes]`` view when they are equally spaced rows of one CUDA buffer (what
+    a restore to a device copies them into), else None."""
+    first = blocks[0]
+    if len(blocks) < 2 or not (first.is_cuda or _CPU_AS_DEVICE) or first.dim() != 1 or first.stride(0) != 1:
+        return None
+    base, nbytes = first.data_ptr(), first.numel()
+    step = blocks[1].data_ptr() - base
+    if step < nbytes:
+        return None
+    storage = first.untyped_storage().data_ptr()
+    for i, block in enumerate(blocks):
+        if block.numel() != nbytes or block.data_ptr() != base + i * step or block.stride(0) != 1:
+            return None
+        if block.untyped_storage().data_ptr() != storage:
+            return None
+    return first.as_strided((len(blocks), nbytes), (step, 1))
 
 
 # ----------------------------------------------------------------------------------------- tokens
@@ -917,7 +1004,7 @@ class _Found:
     tail: Mapping[str, torch.Tensor]
     layout: _Layout | None
     blocks: int
-    pieces: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]
+    pieces: dict[int, tuple[list[Any], list[Any]]]  # per layer: block views, or one _Stacked
     events: dict[int, Any] = dataclasses.field(default_factory=dict)  # per layer, on a CUDA device
 
 
@@ -962,7 +1049,7 @@ def _find(
         if run is not None and (alone is None or run.count > alone.count):
             alone = run
         if views and len(views[0]) >= count:
-            pieces = _block_pieces(prof, layout, views)
+            pieces = run.pieces if run is not None else _block_pieces(prof, layout, views)  # (built once)
             found = _Found(hit.token_count, hit.tensors, layout, count, pieces, events)
             break
         if hit.token_count <= 1:  # its blocks have gone: a shorter entry may still be whole
@@ -1035,7 +1122,7 @@ def restore(
             if found.tail and count > span:
                 keys.append(found.tail[f"{index}.k"])
                 values.append(found.tail[f"{index}.v"])
-            layer.lazy_initialization(keys[0], values[0])
+            layer.lazy_initialization(_first_piece(keys[0]), _first_piece(values[0]))
             if target.type not in ("cpu", "cuda"):  # (pieces copied there one by one)
                 layer.keys, layer.values = _cat_tokens(keys, target), _cat_tokens(values, target)
         elif spec.kind in _ATTN_KINDS:

@@ -38,7 +38,9 @@ class File:
     mapping: mmap.mmap | None = None
     fresh: bool = False  # its pages were never written: no stale bytes to zero
     freed_at: float = 0.0
-    #: Changes each time the file is given to a new entry (docs/protocol.md, "Generations").
+    #: Names the file's pages (docs/protocol.md, "Generations"): new for a new or adopted file, kept when
+    #: the file is recycled for another entry (a recycled file is renamed and rewritten through its
+    #: pages, never punched, truncated or re-allocated), so a client's CUDA registration of it stays good.
     generation: int = field(default_factory=next_generation)
 
     def ensure_mapped(self) -> mmap.mmap:
@@ -115,8 +117,7 @@ class FilePool:
             self.unlink(file)
             return None
         file.path = target
-        file.fresh = False
-        file.generation = next_generation()
+        file.fresh = False  # (its generation stays: the same pages, rewritten in place)
         self._reused += 1
         return file
 

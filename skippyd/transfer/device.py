@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import logging
@@ -28,18 +29,20 @@ import mmap
 import os
 import stat
 import threading
+import time
 import warnings
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from skippyd.errors import BadFrame, InvalidArgument, Mismatch, NoDevice
 
 from .book import RegistrationBook
-from .plan import Run, plan_runs, split_runs
+from .plan import Flat, Run, plan_runs, split_runs
 
 __all__ = [
     "DeviceTransfer",
@@ -172,6 +175,13 @@ def _address_of(buffer: Any) -> tuple[int, torch.Tensor]:
     return host.data_ptr(), host
 
 
+def _linked(fd: int) -> bool:
+    try:
+        return os.fstat(fd).st_nlink > 0
+    except OSError:
+        return False
+
+
 class FileMaps:
     """Shared mappings of the daemon's linked files (slabs, entry files), kept across calls by (device,
     inode): the ``limit`` most recently used. Made through ``/proc/self/fd`` (a fresh description: no
@@ -184,17 +194,20 @@ class FileMaps:
         self._on_drop = on_drop
         self._maps: OrderedDict[Hashable, _Mapped] = OrderedDict()
         self.pinned: Counter[Hashable] = Counter()
+        self._swept = 0.0
 
     def get(self, fd: int, end: int, needed: Collection[Hashable] = ()) -> tuple[Hashable, _Mapped] | None:
         """The mapping of the file open as ``fd`` covering ``[0, end)``; None for a descriptor that is not
         a linked regular file (a memfd: served once) or that this process cannot open again (the caller
-        copies another way). Mappings in ``needed`` (and pinned ones) are not dropped to make room."""
+        copies another way). Mappings in ``needed`` (and pinned ones) are not dropped to make room. A kept
+        mapping is used only while its own file is still linked (so never for another file that took its
+        inode number)."""
         info = os.fstat(fd)
         if info.st_nlink == 0 or not stat.S_ISREG(info.st_mode) or info.st_size < end:
             return None
         key = (info.st_dev, info.st_ino)
         found = self._maps.get(key)
-        if found is not None and found.size == info.st_size:
+        if found is not None and found.size == info.st_size and _linked(found.keep):
             self._maps.move_to_end(key)
             return key, found
         if found is not None:
@@ -217,9 +230,14 @@ class FileMaps:
                     break
         return key, self._maps[key]
 
-    def sweep(self) -> None:
+    def sweep(self, *, every: float = 0.0) -> None:
         """Drops mappings of files the daemon removed (their pages would stay alive through us), and the
-        least recently used past the limit."""
+        least recently used past the limit; with ``every``, only if the last sweep is that many seconds
+        old (a call's own mappings are checked by :meth:`get` either way)."""
+        now = time.monotonic()
+        if every and now - self._swept < every and len(self._maps) <= self.limit:
+            return
+        self._swept = now
         for key, mapped in list(self._maps.items()):
             if self.pinned[key]:
                 continue
@@ -554,7 +572,8 @@ class DeviceTransfer:
             return True
         device = pieces[0][3].device
         with self._lock:
-            self.maps.sweep()
+            collecting: Layered | None = getattr(self._local, "layered", None)
+            self.maps.sweep(every=0.1 if collecting is not None else 0.0)  # (a long get: not per reply)
             sources: dict[int, tuple[Hashable, _Mapped]] = {}
             ends: dict[int, int] = {}
             for index, offset, nbytes in placements:
@@ -568,57 +587,37 @@ class DeviceTransfer:
                 if found is None:
                     return False
                 sources[index] = found
-            copies: list[_Piece] = []
-            dests: dict[Any, torch.Tensor] = {}
-            strided: list[tuple[torch.Tensor, int, int, int, int]] = []  # tensor, src key index, offset...
-            staged = 0
-            for block, at, take, tensor in pieces:
-                if tensor.device != device:
-                    raise InvalidArgument("the CUDA destinations of one get_into must be on one device")
-                index, offset, nbytes = placements[block]
-                if at < 0 or take < 0 or at + take > nbytes or take > _bytes_of(tensor):
-                    raise Mismatch(f"a piece of {take} bytes at {at} does not fit its block of {nbytes}")
-                if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
-                    base, pos = _storage_base(tensor)
-                    if base not in dests:
-                        dests[base] = _storage_bytes(tensor)
-                    copies.append((sources[index][0], offset + at, base, pos, take, at))
-                else:
-                    staged = -(-staged // tensor.element_size()) * tensor.element_size()
-                    strided.append((tensor, block, at, take, staged))
-                    copies.append((sources[index][0], offset + at, "staging", staged, take, at))
-                    staged += _bytes_of(tensor)
-            scatters: list[_Scatter] = []
-            if strided:
-                staging = torch.empty(staged, dtype=torch.uint8, device=device)
-                key = ("staging", staging.data_ptr())
-                dests[key] = staging
-                copies = [(*c[:2], key, *c[3:]) if c[2] == "staging" else c for c in copies]
-                for n, (tensor, _, at, take, where) in enumerate(strided):
-                    dests[("scatter", n, key)] = tensor  # (kept alive, and recorded on skippyd's stream)
-                    scatters.append((tensor, key, where, take, at))
             if slot_generations is not None and len(slot_generations) != len(placements):
                 raise BadFrame("a blocks_get reply's slot generations do not match its blocks")
-            needs: list[_Need] = []
-            for index, (source, mapped) in sources.items():
-                mine = [n for n, placement in enumerate(placements) if placement[0] == index]
-                spans = [(placements[n][1], placements[n][1] + placements[n][2]) for n in mine]
-                slots = [int(slot_generations[n]) for n in mine] if slot_generations is not None else None
-                if slots is not None and not all(slots):  # (a slot lent for this reply alone)
-                    return False
-                needs.append((source, generations[index], mapped.base, spans, slots))
-            collecting: Layered | None = getattr(self._local, "layered", None)
+            if slot_generations is not None and not all(slot_generations):  # (a slot lent for this reply)
+                return False
+            spans_of: dict[int, list[tuple[int, int]]] = {index: [] for index in sources}
+            slots_of: dict[int, list[int]] = {index: [] for index in sources}
+            for n, (index, offset, nbytes) in enumerate(placements):  # one pass, grouped by descriptor
+                spans_of[index].append((offset, offset + nbytes))
+                if slot_generations is not None:
+                    slots_of[index].append(int(slot_generations[n]))
+            needs: list[_Need] = [
+                (source, generations[index], mapped.base, spans_of[index],
+                 slots_of[index] if slot_generations is not None else None)
+                for index, (source, mapped) in sources.items()
+            ]  # fmt: skip
+            keys = {index: key for index, (key, _) in sources.items()}
+            hosts = dict(sources.values())
+            leases = [fds[i] for i in sources]
             if collecting is not None:  # issued layer by layer when the collection ends
-                keys = [key for key, _ in sources.values()]
-                self.maps.pinned.update(keys)
-                collecting.pinned.extend(keys)
-                collecting.add(
-                    copies, dict(sources.values()), dests, needs, [fds[i] for i in sources], device, scatters
-                )
+                copies, dests, scatters = _prepare(pieces, placements, keys, device)
+                used = list(keys.values())
+                self.maps.pinned.update(used)
+                collecting.pinned.extend(used)
+                collecting.add(copies, hosts, dests, needs, leases, device, scatters)
                 return True
             cuts = self._register(needs)
-            runs = split_runs(plan_runs(c[:5] for c in copies), cuts)
-            self._to_device(runs, dict(sources.values()), dests, device, [fds[i] for i in sources], scatters)
+            # Issued a chunk at a time, so the first bytes move while the next pieces are planned.
+            for chunk in _chunks(pieces):
+                copies, dests, scatters = _prepare(chunk, placements, keys, device)
+                flat, reads, buffers = self._flatten(copies, hosts, dests, cuts)
+                self._to_device_flat(flat, reads, buffers, dests, device, leases, scatters, hosts)
             return True
 
     @contextlib.contextmanager
@@ -671,6 +670,161 @@ class DeviceTransfer:
                     found.add(address)
         return found
 
+    def _flatten(
+        self,
+        pieces: Sequence[_Piece],
+        hosts: dict[Hashable, _Mapped],
+        dests: dict[Any, torch.Tensor],
+        cuts: dict[Hashable, list[int]],
+    ) -> tuple[Flat, set[int], tuple[list[Any], list[Any]]]:
+        """The pieces as a :class:`Flat` (absolute addresses; a group per registration of a source and
+        destination buffer, so no run spans two registrations: a piece that does is cut at the boundary),
+        the addresses of the registrations they read, and the buffers the group and source numbers name
+        (``(source keys, destination keys)``)."""
+        fast = self._flatten_arrays(pieces, hosts, dests, cuts)
+        if fast is not None:
+            return fast
+        src_keys: dict[Hashable, int] = {}
+        dst_keys: dict[Any, int] = {}
+        columns: list[list[int]] = [[], [], [], [], [], []]
+        src_c, dst_c, size_c, rel_c, group_c, source_c = columns
+        where: dict[
+            int, tuple[Hashable, int]
+        ] = {}  # group of a registered segment -> (source, an offset in it)
+        bases = {key: int(tensor.data_ptr()) for key, tensor in dests.items()}
+        for key, offset, dest, at, nbytes, rel in pieces:
+            s = src_keys.get(key)
+            if s is None:
+                s = src_keys[key] = len(src_keys)
+            d = dst_keys.get(dest)
+            if d is None:
+                d = dst_keys[dest] = len(dst_keys)
+            bounds = cuts.get(key)
+            parts = [(offset, at, nbytes, rel)]
+            if bounds:
+                seg = bisect.bisect_right(bounds, offset)
+                if seg < len(bounds) and bounds[seg] < offset + nbytes:  # (rare) it crosses a boundary
+                    parts = []
+                    at_, done = offset, 0
+                    for cut in [*(c for c in bounds[seg:] if c < offset + nbytes), offset + nbytes]:
+                        parts.append((at_, at + done, cut - at_, rel + done))
+                        done += cut - at_
+                        at_ = cut
+            base, dbase = hosts[key].base, bases[dest]
+            for o, a, n, r in parts:
+                seg = bisect.bisect_right(bounds, o) if bounds else 0
+                segment = (s << 16) | seg  # (a source's registrations: at most 2 a slot, 256 slots)
+                if bounds and segment not in where:
+                    where[segment] = (key, o)
+                group = (segment << 32) | d
+                src_c.append(base + o)
+                dst_c.append(dbase + a)
+                size_c.append(n)
+                rel_c.append(r)
+                group_c.append(group)
+                source_c.append(s)
+        reads: set[int] = set()
+        for key, offset in where.values():
+            address = self.book.registration_at(key, offset)
+            if address is not None:
+                reads.add(address)
+        return Flat.of(columns), reads, (list(src_keys), list(dst_keys))
+
+    def _flatten_arrays(
+        self,
+        pieces: Sequence[_Piece],
+        hosts: dict[Hashable, _Mapped],
+        dests: dict[Any, torch.Tensor],
+        cuts: dict[Hashable, list[int]],
+    ) -> tuple[Flat, set[int], tuple[list[Any], list[Any]]] | None:
+        """:meth:`_flatten` with array operations where no piece crosses a registration boundary (None
+        where one does: the loop there cuts it)."""
+        if not pieces:
+            return None
+        keys, offsets, dests_col, ats, sizes, rels = zip(*pieces, strict=True)
+        src_keys = list(dict.fromkeys(keys))
+        dst_keys = list(dict.fromkeys(dests_col))
+        s_of = {key: n for n, key in enumerate(src_keys)}
+        d_of = {key: n for n, key in enumerate(dst_keys)}
+        s = np.fromiter((s_of[k] for k in keys), dtype=np.int64, count=len(keys))
+        d = np.fromiter((d_of[k] for k in dests_col), dtype=np.int64, count=len(keys))
+        offset = np.asarray(offsets, dtype=np.int64)
+        size = np.asarray(sizes, dtype=np.int64)
+        where: dict[int, tuple[Hashable, int]] = {}
+        single = np.zeros(len(src_keys), dtype=np.int64)  # a source read through one registration: 1
+        several = []
+        for n, key in enumerate(src_keys):
+            bounds = cuts.get(key)
+            if bounds and len(bounds) == 2:  # (every piece of it lies in that registration)
+                single[n] = 1
+                where[(n << 16) | 1] = (key, bounds[0])
+            elif bounds:
+                several.append((n, key, bounds))
+        seg = single[s]
+        for n, key, bounds in several:
+            mine = np.flatnonzero(s == n) if len(src_keys) > 1 else np.arange(len(keys))
+            edges = np.asarray(bounds, dtype=np.int64)
+            at = np.searchsorted(edges, offset[mine], side="right")
+            if (np.searchsorted(edges, offset[mine] + size[mine], side="left") > at).any():
+                return None  # (a piece across a registration boundary: the loop cuts it)
+            seg[mine] = at
+            for value, first in zip(*np.unique(at, return_index=True), strict=True):
+                where[(n << 16) | int(value)] = (key, int(offset[mine[first]]))
+        src_base = np.asarray([hosts[key].base for key in src_keys], dtype=np.int64)
+        dst_base = np.asarray([int(dests[key].data_ptr()) for key in dst_keys], dtype=np.int64)
+        group = (((s << 16) | seg) << 32) | d
+        reads: set[int] = set()
+        for key, at_offset in where.values():
+            address = self.book.registration_at(key, at_offset)
+            if address is not None:
+                reads.add(address)
+        flat = Flat.of([src_base[s] + offset, dst_base[d] + np.asarray(ats, dtype=np.int64), size,
+                        np.asarray(rels, dtype=np.int64), group, s])  # fmt: skip
+        return flat, reads, (src_keys, dst_keys)
+
+    def _issue_flat(
+        self,
+        runs: tuple[Any, Any, Any, Any, Any],
+        buffers: tuple[list[Any], list[Any]],
+        hosts: dict[Hashable, _Mapped],
+        dests: dict[Any, torch.Tensor],
+        stream: torch.cuda.Stream,
+    ) -> None:
+        """Issues merged runs (:meth:`Flat.runs`) on ``stream``: one batch call over the arrays as they
+        are, or one ``copy_`` per run."""
+        src, dst, size, group, source = runs
+        count = len(src)
+        if not count:
+            return
+        self.copies += count
+        function = _batch_function() if self._use_batch else None
+        if function is not None:
+            array = ctypes.c_uint64 * count  # (views of the numpy arrays: no copy, no Python object a run)
+            dsts = array.from_buffer(np.ascontiguousarray(dst, dtype=np.uint64).data)
+            srcs = array.from_buffer(np.ascontiguousarray(src, dtype=np.uint64).data)
+            sizes = array.from_buffer(np.ascontiguousarray(size, dtype=np.uint64).data)
+            attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+            index, failed = ctypes.c_size_t(0), ctypes.c_size_t(0)
+            err = function(
+                dsts, srcs, sizes, count, ctypes.addressof(attrs),
+                ctypes.byref(index), 1, ctypes.byref(failed), stream.cuda_stream,
+            )  # fmt: skip
+            self.calls += 1
+            if err == 0:
+                return
+            log.warning("cuMemcpyBatchAsync failed (CUresult %d at copy %d): one copy per run from now on",
+                        err, failed.value)  # fmt: skip
+            self._use_batch = False
+        src_keys, dst_keys = buffers
+        with torch.cuda.stream(stream):
+            for s, d, n, g, k in zip(src.tolist(), dst.tolist(), size.tolist(), group.tolist(),
+                                     source.tolist(), strict=True):  # fmt: skip
+                mapped = hosts[src_keys[k]]
+                into = dests[dst_keys[g & 0xFFFFFFFF]]
+                at = d - int(into.data_ptr())
+                into[at : at + n].copy_(mapped.host[s - mapped.base : s - mapped.base + n], non_blocking=True)
+                self.calls += 1
+
     def _issue_layered(self, collected: Layered) -> None:
         if not collected.parts:
             return
@@ -684,33 +838,18 @@ class DeviceTransfer:
         for part in collected.parts:
             hosts.update(part.hosts)
             dests.update(part.dests)
-        sorted_cuts = self._register([need for part in collected.parts for need in part.needs])
+        cuts = self._register([need for part in collected.parts for need in part.needs])
         for tensor in dests.values():  # freed before the copies land (a cache dropped unused): not reused
             if tensor.is_cuda:
                 tensor.record_stream(stream)
-
-        def address(buffer: Any, offset: int) -> int:
-            mapped = hosts.get(buffer)
-            return (mapped.base if mapped is not None else int(dests[buffer].data_ptr())) + offset
-
-        def view(buffer: Any, offset: int, nbytes: int) -> torch.Tensor:
-            mapped = hosts.get(buffer)
-            return (mapped.host if mapped is not None else dests[buffer])[offset : offset + nbytes]
-
         scatters = [s for part in collected.parts for s in part.scatters]
         reads: set[int] = set()
         try:
+            flat, reads, buffers = self._flatten([p for part in collected.parts for p in part.pieces], hosts,
+                                                 dests, cuts)  # fmt: skip
             _preload(scatters, dests, stream)
-            for start, stop in collected.spans:
-                pieces = [  # each piece's bytes within [start, stop) of its block
-                    (key, offset + lo - rel, base, at + lo - rel, hi - lo)
-                    for part in collected.parts
-                    for key, offset, base, at, nbytes, rel in part.pieces
-                    if (lo := max(start, rel)) < (hi := min(stop, rel + nbytes))
-                ]
-                runs = split_runs(plan_runs(pieces), sorted_cuts)
-                reads |= self._registrations(runs, hosts)
-                self._issue(runs, address, view, stream)
+            for start, stop in collected.spans:  # each piece's bytes within [start, stop) of its block
+                self._issue_flat(flat.runs(start, stop), buffers, hosts, dests, stream)
                 # a strided piece is laid out once its span's bytes are in (again for each span it reaches)
                 _scatter([s for s in scatters if s[4] < stop and start < s[4] + s[3]], dests, stream)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -720,6 +859,33 @@ class DeviceTransfer:
             last = torch.cuda.Event()  # type: ignore[no-untyped-call]
             last.record(stream)
             self._leases.hold(last, collected.take_leases(), reads)
+
+    def _to_device_flat(  # noqa: PLR0917 - one transfer's parts
+        self,
+        flat: Flat,
+        reads: set[int],
+        buffers: tuple[list[Any], list[Any]],
+        dests: dict[Any, torch.Tensor],
+        device: torch.device,
+        leases: Sequence[int],
+        scatters: Sequence[_Scatter],
+        hosts: dict[Hashable, _Mapped],
+    ) -> None:
+        current = torch.cuda.current_stream(device)
+        stream = self._stream(device, "h2d")
+        stream.wait_stream(current)  # whatever the caller queued on the destinations comes first
+        for tensor in dests.values():  # the allocator keeps the memory until skippyd's stream is past it
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
+        try:
+            _preload(scatters, dests, stream)
+            self._issue_flat(flat.runs(), buffers, hosts, dests, stream)
+            _scatter(scatters, dests, stream)
+        finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            self._hold(event, leases, reads)
+        current.wait_event(event)  # results are safe on the caller's stream, with no host sync
 
     def _to_device(  # noqa: PLR0917 - one transfer's parts
         self,
@@ -860,6 +1026,71 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over the whole storage of ``tensor`` (so runs that span tensors are one view)."""
     storage = tensor.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+_CHUNK_BYTES = 64 << 20  # a get_into's copies are issued this many bytes (and pieces) at a time
+_CHUNK_PIECES = 256
+
+
+def _chunks(
+    pieces: Sequence[tuple[int, int, int, torch.Tensor]],
+) -> Iterator[Sequence[tuple[int, int, int, torch.Tensor]]]:
+    """``pieces`` in runs of at least ``_CHUNK_BYTES`` and ``_CHUNK_PIECES`` (where planning them takes
+    long enough for an early start to pay for a chunk's own cost; the last may be more)."""
+    start, total = 0, 0
+    for n, piece in enumerate(pieces):
+        total += piece[2]
+        if total >= _CHUNK_BYTES and n + 1 - start >= _CHUNK_PIECES and len(pieces) - n > _CHUNK_PIECES:
+            yield pieces[start : n + 1]
+            start, total = n + 1, 0
+    if start < len(pieces):
+        yield pieces[start:]
+
+
+def _prepare(
+    pieces: Sequence[tuple[int, int, int, torch.Tensor]],
+    placements: Sequence[tuple[int, int, int]],
+    keys: dict[int, Hashable],
+    device: torch.device,
+) -> tuple[list[_Piece], dict[Any, torch.Tensor], list[_Scatter]]:
+    """The copies of ``pieces`` (see :meth:`DeviceTransfer.pieces_to_device`), the destination buffers they
+    name and the strided pieces to lay out from a device staging buffer."""
+    copies: list[_Piece] = []
+    dests: dict[Any, torch.Tensor] = {}
+    strided: list[tuple[torch.Tensor, int, int, int, int]] = []  # tensor, src key index, offset...
+    staged = 0
+    storages: dict[int, int] = {}  # id of a view's base tensor -> its storage's address (one look-up)
+    for block, at, take, tensor in pieces:
+        index, offset, nbytes = placements[block]
+        if at < 0 or take < 0 or at + take > nbytes or take > tensor.nbytes:
+            raise Mismatch(f"a piece of {take} bytes at {at} does not fit its block of {nbytes}")
+        if tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+            root = tensor._base if tensor._base is not None else tensor
+            base = storages.get(id(root))
+            if base is None:  # (views of one tensor share its device: checked once)
+                if tensor.device != device:
+                    raise InvalidArgument("the CUDA destinations of one get_into must be on one device")
+                base = storages[id(root)] = tensor.untyped_storage().data_ptr()
+                if base not in dests:
+                    dests[base] = _storage_bytes(tensor)
+            copies.append((keys[index], offset + at, base, tensor.data_ptr() - base, take, at))
+            continue
+        if tensor.device != device:
+            raise InvalidArgument("the CUDA destinations of one get_into must be on one device")
+        staged = -(-staged // tensor.element_size()) * tensor.element_size()
+        strided.append((tensor, block, at, take, staged))
+        copies.append((keys[index], offset + at, "staging", staged, take, at))
+        staged += _bytes_of(tensor)
+    scatters: list[_Scatter] = []
+    if strided:
+        staging = torch.empty(staged, dtype=torch.uint8, device=device)
+        key = ("staging", staging.data_ptr())
+        dests[key] = staging
+        copies = [(*c[:2], key, *c[3:]) if c[2] == "staging" else c for c in copies]
+        for n, (tensor, _, at, take, where) in enumerate(strided):
+            dests[("scatter", n, key)] = tensor  # (kept alive, and recorded on skippyd's stream)
+            scatters.append((tensor, key, where, take, at))
+    return copies, dests, scatters
 
 
 _transfer: list[DeviceTransfer] = []

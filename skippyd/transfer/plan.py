@@ -97,3 +97,59 @@ def _part(run: Run, skip: int, nbytes: int) -> Run:
 
 def total_bytes(runs: Iterable[Run]) -> int:
     return sum(run.nbytes for run in runs)
+
+
+# ---------------------------------------------------------------- many pieces at once (numpy)
+
+
+@dataclass(frozen=True, slots=True)
+class Flat:
+    """The pieces of one transfer as arrays (int64), sorted so that pieces that may merge are adjacent:
+    absolute ``src``/``dst`` addresses, ``size``, ``rel`` (where the piece's bytes start in its block: a
+    span ``[start, stop)`` of every block picks the same bytes of each), ``group`` (pieces merge only
+    within one: one CUDA registration of one source, and one destination buffer) and ``source`` (an
+    index the caller maps back to its buffer)."""
+
+    src: Any
+    dst: Any
+    size: Any
+    rel: Any
+    group: Any
+    source: Any
+
+    @classmethod
+    def of(cls, columns: Sequence[Any]) -> Flat:
+        """From six equal columns (lists or arrays): src, dst, size, rel, group, source."""
+        import numpy as np
+
+        src, dst, size, rel, group, source = (np.asarray(c, dtype=np.int64) for c in columns)
+        order = np.lexsort((dst, src, group))
+        return cls(src[order], dst[order], size[order], rel[order], group[order], source[order])
+
+    def runs(self, start: int = 0, stop: int = 1 << 62) -> tuple[Any, Any, Any, Any, Any]:
+        """Bytes ``[start, stop)`` of every piece's block that the piece holds, merged into runs: arrays
+        ``(src, dst, size, group, source)``, one entry per run (a run never spans two groups)."""
+        import numpy as np
+
+        rel = self.rel
+        lo = np.maximum(rel, start)
+        hi = np.minimum(rel + self.size, stop)
+        keep = lo < hi
+        if not keep.all():
+            lo, hi, rel = lo[keep], hi[keep], rel[keep]
+            src, dst, group, source = self.src[keep], self.dst[keep], self.group[keep], self.source[keep]
+        else:
+            src, dst, group, source = self.src, self.dst, self.group, self.source
+        skip = lo - rel
+        src, dst, size = src + skip, dst + skip, hi - lo
+        if len(src) > 1:
+            join = (
+                (src[1:] == src[:-1] + size[:-1])
+                & (dst[1:] == dst[:-1] + size[:-1])
+                & (group[1:] == group[:-1])
+            )
+            if join.any():
+                starts = np.concatenate(([0], np.flatnonzero(~join) + 1))
+                size = np.add.reduceat(size, starts)
+                src, dst, group, source = src[starts], dst[starts], group[starts], source[starts]
+        return src, dst, size, group, source
