@@ -617,7 +617,7 @@ def put_measures(workdir: Path, reps: int) -> list[tuple[str, float, float, floa
 
     import skippyd
 
-    daemon = BenchDaemon(workdir, "--l3-dir", "none", budget="6GiB").start()
+    daemon = BenchDaemon(workdir, "--l3-dir", "off", budget="6GiB").start()
     out: list[tuple[str, float, float, float]] = []
     try:
         with skippyd.Client(daemon.socket, timeout=120) as client, skippyd.Client(daemon.socket) as other:
