@@ -161,6 +161,7 @@ def test_the_half_the_reply_frees_may_be_rewritten_and_the_next_staged_reply_wai
         gate.unlink()
         assert nxt.value().stored == 1
         assert staging.next_half == 0
+        assert blocks.contains(keys) == 4  # (returns once this connection's copies committed)
         assert same(space(other).get(keys), data)
 
 
@@ -251,7 +252,7 @@ def test_a_put_larger_than_a_half_goes_as_one_request_per_half(make_daemon: Any)
         data = block_data(40, seed=9)
         put = blocks.put(keys, data)
         assert (put.stored, put.nbytes) == (40, 40 * BLOCK_BYTES)
-        assert client.stats()["ops"]["block_puts"] == 5
+        assert client.stats()["ops"]["block_puts"] == 5  # (stats waits for this connection's copies)
         assert same(space(other).get(keys), data)
 
 
@@ -269,6 +270,7 @@ def test_a_stage_that_grows_the_buffer_waits_for_the_copy_reading_the_old_one(
         gate.unlink()
         assert grow.value().stored == 1
         assert writer._connection().staging is not before
+        assert blocks.contains(keys) == 2  # (returns once this connection's copies committed)
         assert same(space(other).get(keys), small + large)
 
 
