@@ -125,13 +125,13 @@ class _Batch:
 
 
 def _plan_batches(sizes: Sequence[int], held: Sequence[bool], limit: int) -> list[_Batch]:
-    """Splits a put into requests that each fit one staging buffer of ``limit`` bytes."""
+    """Splits a put into requests of at most ``limit`` bytes each (a staging half's worth); a block
+    larger than that goes as a request of its own, which the client stages whole (and the daemon
+    refuses as ``too_large`` past what it lends one connection)."""
     batches: list[_Batch] = []
     current = _Batch(0, 0, [], 0)
     for index, (size, have) in enumerate(zip(sizes, held, strict=True)):
         need = 0 if have else -(-size // _ALIGN) * _ALIGN
-        if need > limit:
-            raise InvalidArgument(f"block {index} of {size} bytes is larger than the daemon stages ({limit})")
         if current.stop > current.start and (
             current.size + need > limit or current.stop - current.start >= MAX_KEYS_PER_REQUEST
         ):

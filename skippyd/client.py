@@ -30,7 +30,15 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 from . import __version__
 from .blockspace import AsyncBlockSpace, BlockSpace, BlocksPut
-from .errors import BadFrame, ConnectionLost, InvalidArgument, SkippydError, Timeout, error_from_wire
+from .errors import (
+    BadFrame,
+    ConnectionLost,
+    InvalidArgument,
+    ShuttingDown,
+    SkippydError,
+    Timeout,
+    error_from_wire,
+)
 from .keys import encode_tokens
 from .locate import DEFAULT_SOCKET, resolve_socket_path
 from .payload import TensorSpec, plan_layout
@@ -329,8 +337,12 @@ def _close_all(fds: list[int]) -> None:
 
 
 def _answered(exc: BaseException) -> bool:
-    """True when ``exc`` is the daemon's own error reply: the request is over on its side too."""
-    return isinstance(exc, SkippydError) and not isinstance(exc, (Timeout, ConnectionLost, BadFrame))
+    """True when ``exc`` is the daemon's own error reply: the request is over on its side too.
+    ``shutting_down`` is not: a stopping daemon answers it at once, before a copy behind an earlier
+    reply may have read its staging half, so the connection (and its staging) is dropped."""
+    return isinstance(exc, SkippydError) and not isinstance(
+        exc, (Timeout, ConnectionLost, BadFrame, ShuttingDown)
+    )
 
 
 class _Staging:

@@ -244,6 +244,22 @@ def test_a_client_without_halves_is_answered_after_its_copy(gated: DaemonProcess
         assert same(space(other).get(keys), data)  # committed before the reply
 
 
+def test_a_block_larger_than_a_half_is_staged_whole_and_one_past_the_staging_limit_is_too_large(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--staging-budget", "1MiB").start()  # halves of 512 KiB
+    with proc.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(3 * BLOCK)))
+        small, big = block_data(1, seed=20), block_data(1, seed=21, nbytes=768 << 10)
+        put = blocks.put(keys[:2], small + big)  # the big block goes alone, in the whole buffer
+        assert (put.stored, put.nbytes) == (2, BLOCK_BYTES + (768 << 10))
+        assert same(blocks.get(keys[:2]), small + big)
+        with pytest.raises(skippyd.errors.TooLarge):
+            blocks.put(keys[2:], block_data(1, seed=22, nbytes=2 << 20), parent=keys[1])
+        assert blocks.contains(keys) == 2
+
+
 def test_a_put_larger_than_a_half_goes_as_one_request_per_half(make_daemon: Any) -> None:
     proc = make_daemon("--staging-budget", "1MiB").start()  # halves of 512 KiB: 8 blocks each
     with proc.client() as client, proc.client() as other:
