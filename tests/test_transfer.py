@@ -15,7 +15,7 @@ from daemonutil import DaemonProcess
 
 import skippyd
 from skippyd.errors import NoDevice
-from skippyd.transfer import RegistrationBook, Run, plan_runs, split_runs
+from skippyd.transfer import RegistrationBook, Run, plan_runs, sim, split_runs
 from skippyd.transfer.device import FileMaps, resolve_device
 
 MODEL, STATE = "transfer-model@sha256:0", "paged-kv-v1"
@@ -24,19 +24,8 @@ BLOCK_BYTES = 64 * 1024
 NO_CUDA = not torch.cuda.is_available()
 
 
-class Recorder:
-    """A register/unregister hook pair that records every call (and can refuse)."""
-
-    def __init__(self, refuse: bool = False) -> None:
-        self.calls: list[tuple[Any, ...]] = []
-        self.refuse = refuse
-
-    def register(self, address: int, nbytes: int, flags: int) -> bool:
-        self.calls.append(("register", address, nbytes, flags))
-        return not self.refuse
-
-    def unregister(self, address: int) -> None:
-        self.calls.append(("unregister", address))
+class Recorder(sim.Recorder):
+    """The simulator's recording register/unregister hooks, with a book over them."""
 
     def book(self, limit: int = 1 << 40) -> RegistrationBook:
         return RegistrationBook(self.register, self.unregister, limit_bytes=limit)
