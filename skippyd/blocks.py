@@ -11,6 +11,10 @@
   chain has a hole before it (its parent is held by no tier) is not stored: ``contains`` could never
   reach it.
 * **contains**: the leading run of keys held in L2 or L3, from memory.
+* **Acknowledged means visible.** A put may be answered once its slots are reserved, before its copy
+  (docs/protocol.md, "Staging halves"). A read on any connection that reaches a block such a copy is
+  still writing waits for it (on a worker thread, at most :data:`SETTLE_SECONDS`), so whatever a put's
+  reply called stored, every later ``contains`` or get sees whole.
 * **get**: the leading run held, leased for reading: descriptors of the slabs (one per slab, at most
   :data:`~skippyd.protocol.MAX_FDS` a reply) and where each block is; the client asks again for the
   rest of a longer run. Blocks only L3 holds are read and verified first (on a worker thread): into L2
@@ -32,6 +36,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -70,6 +75,9 @@ class MemoryBudget(Protocol):
 
 _PARALLEL_BYTES = 1 << 20  # puts smaller than this are copied and hashed on the calling thread
 _FILL_BYTES = 64 << 20  # what one get reads from L3 at most
+#: How long a read waits for a put's copy of a block it reaches (the copy takes milliseconds; past this
+#: the block counts as not held, as if the put had not come)
+SETTLE_SECONDS = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +165,7 @@ class Served:
 
     lease: Lease
     held: int
-    needs_disk: bool = False
+    needs_worker: bool = False  # the run needs the disk or a put's copy: nothing leased, ask on a worker
 
 
 @dataclass(slots=True)
@@ -206,6 +214,7 @@ class BlockRules:
         # bound keys that puts reserved slots for and have not committed yet (how many puts each): a
         # block whose parent is one of them is no hole (its parent's copy is behind its put's reply)
         self._reserved: dict[bytes, int] = {}
+        self._copies_done = threading.Condition(l2.lock)  # notified whenever reserved keys commit or go
         self._evict_epoch = 0  # explicit evictions so far; puts reserved before one never commit its blocks
         self._evict_marks: dict[bytes | None, int] = {}  # identity (None: all) -> the epoch of its last
 
@@ -230,11 +239,41 @@ class BlockRules:
 
     # ----------------------------------------------------------------- contains / get
     def contains(self, space: BlockSpaceId, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are held (L2 or L3)."""
+        """How many leading ``keys`` are held (L2 or L3); a run that stops at a block a put's copy is still
+        writing waits for it."""
+        count = self._contains(space, keys, may_wait=True)
+        assert count is not None
+        return count
+
+    def contains_now(self, space: BlockSpaceId, keys: Sequence[bytes]) -> int | None:
+        """:meth:`contains` without waiting (the event loop): None where it would wait; ask on a worker."""
+        return self._contains(space, keys, may_wait=False)
+
+    def _contains(self, space: BlockSpaceId, keys: Sequence[bytes], *, may_wait: bool) -> int | None:
         bound = bind_keys(space, keys)
-        self._count(block_contains=1)
         with self.l2.lock:
-            return self._run(bound)
+            held = self._run(bound)
+            if self._copying(bound, held):
+                if not may_wait:
+                    return None
+                self._settle(lambda: self._copying(bound, self._run(bound)))
+                held = self._run(bound)
+        self._count(block_contains=1)
+        return held
+
+    def _copying(self, bound: Sequence[bytes], held: int) -> bool:
+        """The run of ``held`` keys stops at a block a put reserved and has not committed (under the lock)."""
+        return held < len(bound) and bound[held] in self._reserved
+
+    def _settle(self, copying: Callable[[], bool]) -> None:
+        """Waits, the tier's lock released, while ``copying()`` (at most :data:`SETTLE_SECONDS`); under
+        the lock."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while copying():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._copies_done.wait(left)
 
     def _run(self, bound: Sequence[bytes], in_l2: int | None = None) -> int:
         """The leading run of ``bound`` either tier holds (``in_l2``: the leading run L2 holds, if known)."""
@@ -249,29 +288,51 @@ class BlockRules:
         return held
 
     def held(self, space: BlockSpaceId, keys: Sequence[bytes]) -> list[bool]:
-        """Which of ``keys`` are held, each (what a client asks before it copies a put's data)."""
+        """Which of ``keys`` are held, each (what a client asks before it copies a put's data); waits for
+        puts' copies of any of them."""
+        held = self._held(space, keys, may_wait=True)
+        assert held is not None
+        return held
+
+    def held_now(self, space: BlockSpaceId, keys: Sequence[bytes]) -> list[bool] | None:
+        """:meth:`held` without waiting (the event loop): None where it would wait; ask on a worker."""
+        return self._held(space, keys, may_wait=False)
+
+    def _held(self, space: BlockSpaceId, keys: Sequence[bytes], *, may_wait: bool) -> list[bool] | None:
         bound = bind_keys(space, keys)
+        reserved = self._reserved
         with self.l2.lock:
+            if reserved and any(key in reserved for key in bound):
+                if not may_wait:
+                    return None
+                self._settle(lambda: any(key in reserved for key in bound))
             return [self.l2.blocks.holds(key) or self._on_disk(key) for key in bound]
 
     def get(
         self, space: BlockSpaceId, keys: Sequence[bytes], *, max_fds: int, may_read: bool = True
     ) -> Served:
         """The leading held run, leased. Blocks only L3 holds are read (verified) first: into L2 when the
-        promotion rules say so, into a sealed memfd otherwise. With ``may_read=False`` (the event loop)
-        a run that needs the disk comes back with ``needs_disk`` set and nothing leased."""
+        promotion rules say so, into a sealed memfd otherwise; a run that stops at a block a put's copy
+        is still writing waits for it first. With ``may_read=False`` (the event loop) a run that needs
+        the disk or a copy comes back with ``needs_worker`` set and nothing leased."""
         bound = bind_keys(space, keys)
         blocks = self.l2.blocks
         with self.l2.lock:
             in_l2 = blocks.held(bound)
             held = self._run(bound, in_l2)
+            if self._copying(bound, held):
+                if not may_read:
+                    return Served(Lease(), held, needs_worker=True)
+                self._settle(lambda: self._copying(bound, self._run(bound)))
+                in_l2 = blocks.held(bound)
+                held = self._run(bound, in_l2)
             run = bound[:held]
             from_disk = [key for key in run[in_l2:] if not blocks.holds(key)]
             if not from_disk:
                 lease = blocks.lease(run, max_fds=max_fds)
                 return self._served(lease, held, len(bound))
         if not may_read:
-            return Served(Lease(), held, needs_disk=True)
+            return Served(Lease(), held, needs_worker=True)
         return self._get_with_disk(space, run, from_disk, held, len(bound), max_fds)
 
     def _served(self, lease: Lease, held: int, asked: int) -> Served:
@@ -655,7 +716,10 @@ class BlockRules:
                 self.writer.end(job.seq)
 
     def _unreserve(self, pending: list[tuple[int, Pending]]) -> None:
+        """The put's keys are no longer reserved (committed or given back): reads waiting go on. Under the
+        lock."""
         reserved = self._reserved
+        self._copies_done.notify_all()
         for _, slot in pending:
             key = slot.record.key
             left = reserved.get(key, 0) - 1

@@ -377,19 +377,28 @@ class Handlers:
         )
 
     # ----------------------------------------------------------------- blocks
-    def op_blocks_contains(self, session: Session, body: dict[str, Any]) -> Reply:
-        """How many leading keys are held; with ``each``, also which keys are (one byte per key)."""
+    def op_blocks_contains(self, session: Session, body: dict[str, Any]) -> Reply | Deferred:
+        """How many leading keys are held; with ``each``, also which keys are (one byte per key). A put's
+        copy still writing a block asked for is waited for on a worker (acknowledged means visible)."""
         space, keys = _space(body), _block_keys(body)
+        blocks = self.tiers.blocks
         if _bool(body, "each", False):
-            held = self.tiers.blocks.held(space, keys)
-            count = held.index(False) if False in held else len(held)
-            return Reply({"count": count, "held": bytes(held)})
-        return Reply({"count": self.tiers.blocks.contains(space, keys)})
+
+            def each(held: list[bool]) -> Reply:
+                count = held.index(False) if False in held else len(held)
+                return Reply({"count": count, "held": bytes(held)})
+
+            now = blocks.held_now(space, keys)
+            return each(now) if now is not None else Deferred(lambda: each(blocks.held(space, keys)))
+        count = blocks.contains_now(space, keys)
+        if count is None:
+            return Deferred(lambda: Reply({"count": blocks.contains(space, keys)}))
+        return Reply({"count": count})
 
     def op_blocks_get(self, session: Session, body: dict[str, Any]) -> Reply | Deferred:
         space, keys = _space(body), _block_keys(body)
         served = self.tiers.blocks.get(space, keys, max_fds=MAX_FDS, may_read=False)
-        if served.needs_disk:  # some of the run is only in L3: read (and verify) it on a worker
+        if served.needs_worker:  # the run needs L3 (read and verified) or a put's copy: on a worker
             return Deferred(lambda: _blocks_reply(self.tiers.blocks.get(space, keys, max_fds=MAX_FDS)))
         return _blocks_reply(served)
 

@@ -6,14 +6,18 @@ one by one (what its thread does on each wake-up), so every step can be checked.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from l2util import admit_bytes, size_of
 
 from skippyd.blocks import BlockRules
+from skippyd.errors import NoSpace
 from skippyd.keys import block_space
 from skippyd.l2 import L2Tier
 from skippyd.l2.blocks import Prefault
@@ -232,3 +236,78 @@ def test_a_put_in_a_full_tier_waits_for_a_slot_the_reserve_is_faulting_in_instea
         faulting.join(10)
         putting.join(10)
         assert outcome == [fits]
+
+
+def _fill_to_the_brim(rules: BlockRules) -> int:
+    """How many blocks the tier holds at most (a probe put, then everything given back)."""
+    probe = rules.put(*_blocks(b"p", 64), durable=False)
+    assert 0 < probe.stored < 64
+    rules.clear()
+    return probe.stored
+
+
+def _blocks(prefix: bytes, count: int) -> tuple[Any, list[bytes], list[int], list[int], memoryview]:
+    """A put's arguments: ``count`` blocks of one slot each, keys ``prefix`` + index."""
+    keys = [prefix + b"%d" % i for i in range(count)]
+    return (
+        block_space(MODEL, STATE, "", 16),
+        keys,
+        [SLOT] * count,
+        [i * SLOT for i in range(count)],
+        memoryview(bytes(count * SLOT)),
+    )
+
+
+def test_a_put_in_a_tier_full_of_another_puts_reserved_slots_waits_for_its_commit_instead_of_no_space(
+    shm_dir: Path,
+) -> None:
+    """A put answered before its copy holds its slots charged, neither free nor evictable, until it
+    commits: the next put (a tier of two puts' worth or less) waits for that commit, then evicts."""
+    with L2Tier.open(shm_dir, 2 << 20) as tier:
+        rules = BlockRules(tier)
+        fits = _fill_to_the_brim(rules)
+        first = rules.begin_put(*_blocks(b"a", fits), durable=False)
+        assert first.promised().stored == fits  # every slot of the tier reserved, copy still to come
+        outcome: list[int] = []
+        second = threading.Thread(
+            target=lambda: outcome.append(rules.put(*_blocks(b"b", fits), durable=False).stored)
+        )
+        second.start()
+        second.join(0.3)
+        assert second.is_alive(), "the second put waits (without it: no_space at once)"
+        assert first.finish().stored == fits
+        second.join(10)
+        assert outcome == [fits]  # the first put's blocks, committed, were evicted for it
+        space, keys, *_ = _blocks(b"b", fits)
+        assert rules.contains(space, keys) == fits
+
+
+def test_puts_waiting_for_another_puts_slots_go_on_within_moments_once_it_gives_them_back(
+    shm_dir: Path,
+) -> None:
+    """Two puts waiting for a third to commit or give its slots back: once it has, both are answered at
+    once (one stores, the other waits only for its copy or finds no room), neither sits out the wait.
+    (Fills wait only while some other fill is not waiting itself, so two never wait on each other.)"""
+    with L2Tier.open(shm_dir, 2 << 20) as tier:
+        rules = BlockRules(tier)
+        fits = _fill_to_the_brim(rules)
+        held = rules.begin_put(*_blocks(b"h", fits), durable=False)
+        ended: list[float] = []
+
+        def put(prefix: bytes) -> None:
+            with contextlib.suppress(NoSpace):  # an answer too: what is timed is that it comes
+                rules.put(*_blocks(prefix, fits), durable=False)
+            ended.append(time.monotonic())
+
+        threads = [threading.Thread(target=put, args=(p,)) for p in (b"x", b"y")]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 5
+        while tier._fills_waiting < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert tier._fills_waiting == 2  # both wait for the held put
+        held.abandon()  # its slots given back: room for one of them
+        gone = time.monotonic()
+        for thread in threads:
+            thread.join(10)
+        assert len(ended) == 2 and max(ended) - gone < 2.0, "a put sat out the wait for the other"

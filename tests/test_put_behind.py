@@ -1,6 +1,6 @@
 """Puts answered before the daemon's copy out of staging (docs/protocol.md, "Staging halves"), over a real
-daemon: the reply comes first, the connection's next request sees the put, other connections see the
-blocks absent or whole, the client's next write goes to the other half, disconnects, evictions, stops.
+daemon: the reply comes first, every later read (on any connection) waits for the copy and sees the
+blocks whole, the client's next write goes to the other half, disconnects, evictions, stops.
 
 The daemon's test hook (``SKIPPYD_TEST_COPY_GATE``) holds every copy behind a reply while a file exists,
 so "the reply came before the copy" is a fact the test arranges, not a race it hopes to win."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from blake3 import blake3
 from daemonutil import DaemonProcess, eventually
 
 import skippyd
+from skippyd.blocks import SETTLE_SECONDS
 from skippyd.handlers import COPY_GATE_ENV
 
 MODEL, STATE = "behind-model@sha256:0", "paged-kv-v1"
@@ -89,26 +91,45 @@ def gated(make_daemon: Any, gate: Path) -> DaemonProcess:
     return proc
 
 
-def test_a_put_is_answered_before_its_copy_and_its_own_next_request_sees_it(
+def test_a_put_is_answered_before_its_copy_and_every_later_read_waits_for_it(
     gated: DaemonProcess, gate: Path
 ) -> None:
-    with gated.client() as writer, gated.client() as other:
+    with gated.client() as writer, gated.client() as other, gated.client() as third:
         blocks = space(writer)
         keys = blocks.keys(list(range(4 * BLOCK)))
         data = block_data(4, seed=1)
         put = blocks.put(keys, data)  # answered while its copy waits at the gate
         assert (put.stored, put.present, put.nbytes, put.durability) == (4, 0, 4 * BLOCK_BYTES, "pending")
-        assert space(other).contains(keys) == 0  # another connection: a miss, for now
-        assert space(other).get(keys) == []
-        assert other.stats()["l2"]["block_count"] == 0
-        seen = Background(lambda: blocks.contains(keys))  # the writer's own next request waits
-        assert seen.held()
+        assert other.stats()["l2"]["block_count"] == 0  # nothing committed yet
+        # acknowledged means visible: the writer's own next request, and reads on other connections
+        # (the event loop stays free: they wait on workers), see the put once its copy committed
+        own = Background(lambda: blocks.contains(keys))
+        counted = Background(lambda: space(other).contains(keys))
+        got = Background(lambda: space(third).get(keys))
+        assert own.held() and counted.held() and got.held()
+        with gated.client() as fresh:  # the event loop is free: a new connection is answered meanwhile
+            assert fresh.ping()
         gate.unlink()
-        assert seen.value() == 4
-        assert same(space(other).get(keys), data)
+        assert own.value() == 4 and counted.value() == 4
+        assert same(got.value(), data)
 
 
-def test_another_connection_sees_blocks_absent_or_whole_never_partial(daemon: DaemonProcess) -> None:
+def test_a_read_waits_for_a_copy_that_does_not_come_at_most_the_settle_time(
+    gated: DaemonProcess, gate: Path
+) -> None:
+    with gated.client() as writer, gated.client() as other:
+        keys = space(writer).keys(list(range(2 * BLOCK)))
+        assert space(writer).put(keys, block_data(2, seed=9)).stored == 2  # its copy held at the gate
+        started = time.monotonic()
+        assert space(other).contains(keys) == 0  # the copy never came: not held, as if never put
+        waited = time.monotonic() - started
+        assert SETTLE_SECONDS - 0.1 <= waited < SETTLE_SECONDS + 5
+        assert other.health()["healthy"]
+        gate.unlink()
+        assert space(writer).contains(keys) == 2
+
+
+def test_another_connection_never_sees_a_block_partial(daemon: DaemonProcess) -> None:
     batches = 24
     keys_of: list[list[bytes]] = []
     data_of: list[list[torch.Tensor]] = []

@@ -218,8 +218,10 @@ class L2Blocks:
         room: Callable[[], int],
         evict_one: Callable[[], bool],
         tick: Callable[[int], int],
+        fill_ended: Callable[[], None] = lambda: None,
     ) -> None:
         self.directory = directory
+        self._fill_ended = fill_ended  # called (under the lock) whenever a fill ends
         self._lock = lock
         self._make_room = make_room
         self._room = room
@@ -301,6 +303,7 @@ class L2Blocks:
 
     def fill_ended(self) -> None:
         self._filling -= 1
+        self._fill_ended()
         self._demand_at = time.monotonic()
         if not self._filling:
             for hook in self.idle_hooks:
@@ -318,6 +321,11 @@ class L2Blocks:
         if self._filling:
             return None
         return max(0.0, self._demand_at + _QUIET_S - time.monotonic())
+
+    @property
+    def fills(self) -> int:
+        """How many puts and L3 reads fill slots now (under the lock)."""
+        return self._filling
 
     @property
     def filling(self) -> bool:

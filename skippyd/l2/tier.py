@@ -241,7 +241,10 @@ class L2Tier:
         # slots and files the reserve faults in outside the lock (charged, neither free nor evictable): a
         # put that finds no other room waits for them (the lock released) instead of failing NoSpace
         self._faults_in_flight = 0
-        self._fault_done = threading.Condition(self._lock)
+        self._fault_done = threading.Condition(self._lock)  # also notified whenever a fill ends
+        # puts and L3 reads (fills) that wait in _make_room for another fill to commit: a fill waits only
+        # while some other fill is not waiting itself, so two never wait for each other
+        self._fills_waiting = 0
         self._index: PrefixIndex[_Slot] = PrefixIndex()
         self._bytes = 0  # file bytes of committed entries
         self._reserved = 0
@@ -264,6 +267,7 @@ class L2Tier:
             self.blocks = L2Blocks(
                 self.directory / "blocks", self._lock, budget_bytes=self.budget_bytes,
                 make_room=self._free_room, room=self._room, evict_one=self._evict_one, tick=self._next_tick,
+                fill_ended=self._fault_done.notify_all,
             )  # fmt: skip
         except BaseException:
             release_owner_lock(self._lock_fd)
@@ -450,11 +454,14 @@ class L2Tier:
             self._pool.note_fresh()
         return file
 
-    def _make_room(self, size: int, *, claim: bool = True) -> File | None:
+    def _make_room(self, size: int, *, claim: bool = True, own_fills: int = 0) -> File | None:
         """Frees budget for ``size`` bytes: free entry files first, then free block slots, then the least
         recently used entry or block, whichever is older. With ``claim``, an evicted entry's file of
-        exactly ``size`` bytes is returned for reuse instead of being unlinked."""
-        deadline = read_deadline = 0.0
+        exactly ``size`` bytes is returned for reuse instead of being unlinked. Where nothing is left to
+        evict but memory that is about to be (slots the reserve faults in, free slots a lease still reads,
+        slots another put or L3 read is filling: ``own_fills`` of the fills are the caller's own), it
+        waits for that, the lock released, at most a few seconds, before :class:`NoSpace`."""
+        fault_deadline = read_deadline = fill_deadline = 0.0
         while self._room() < size:
             if self._pool.drop_one() or self.blocks.release_free():
                 continue
@@ -463,18 +470,27 @@ class L2Tier:
                 continue
             victim = self._index.oldest()
             if victim is None:
+                now = time.monotonic()
                 if self._faults_in_flight:  # the reserve faults a slot or file in: it is free memory soon
-                    deadline = deadline or time.monotonic() + _FAULT_WAIT_S
-                    left = deadline - time.monotonic()
-                    if left > 0:
-                        self._fault_done.wait(left)  # (the lock is released meanwhile)
+                    fault_deadline = fault_deadline or now + _FAULT_WAIT_S
+                    if now < fault_deadline:
+                        self._fault_done.wait(fault_deadline - now)  # (the lock is released meanwhile)
                         continue
                 if self.blocks.free_slots_read():  # read by a lease (the digester's, a get's): soon free
-                    read_deadline = read_deadline or time.monotonic() + _READ_WAIT_S
-                    if time.monotonic() < read_deadline:
+                    read_deadline = read_deadline or now + _READ_WAIT_S
+                    if now < read_deadline:
                         self._fault_done.wait(0.005)  # (the lock is released meanwhile)
                         continue
-                raise NoSpace("the L2 budget is held by captures still in flight; retry shortly")
+                if self.blocks.fills - own_fills > 0:  # another fill commits soon
+                    fill_deadline = fill_deadline or now + _FILL_WAIT_S
+                    if now < fill_deadline:
+                        self._fills_waiting += own_fills
+                        try:
+                            self._fault_done.wait(fill_deadline - now)  # (woken when a fill ends)
+                        finally:
+                            self._fills_waiting -= own_fills
+                        continue
+                raise NoSpace("the L2 budget is held by captures and puts still in flight; retry shortly")
             self._detach(victim)
             self._stats.evictions += 1
             if claim and victim.file.size == size and not has_readers(victim.file.path):
@@ -486,11 +502,12 @@ class L2Tier:
         return None
 
     def _free_room(self, size: int) -> None:
-        """Room for ``size`` bytes of block slots (called by :class:`L2Blocks` under the lock)."""
+        """Room for ``size`` bytes of block slots (called by :class:`L2Blocks` under the lock, for a put or
+        an L3 read that is a fill of its own)."""
         self._check_open()
         if size > self.budget_bytes:
             raise TooLarge(f"a block slot of {size} bytes is larger than the L2 budget ({self.budget_bytes})")
-        self._make_room(size, claim=False)
+        self._make_room(size, claim=False, own_fills=1)
 
     def _room(self) -> int:
         return self.budget_bytes - self._bytes - self._pool.free_bytes - self._reserved - self.blocks.charged
@@ -827,6 +844,7 @@ class L2Tier:
 
 
 _FAULT_WAIT_S = 5.0  # the longest a put waits for the reserve's faults in flight before NoSpace
+_FILL_WAIT_S = 5.0  # the longest a put waits for other puts' copies to commit (their slots then evictable)
 _READ_WAIT_S = 1.0  # the longest it waits for free slots still read under a lease
 _PIPELINE_CHUNK = 16 << 20  # a large capture is copied and hashed in chunks of this, overlapped
 
