@@ -659,23 +659,32 @@ class BlockRules:
             with self.l2.lock:
                 cancelled = self._evicted_since(identity, job.epoch)
                 self._unreserve(pending)
-                for (index, slot), digest in zip(pending, digests, strict=True):
-                    parent_of = slot.record.parent
-                    if cancelled or (
-                        parent_of is not None
-                        and not (
-                            blocks.holds(parent_of) or parent_of in self._reserved or self._on_disk(parent_of)
-                        )
-                    ):
-                        blocks.abort(slot)  # evicted meanwhile, or a hole before it
-                        skipped += 1
-                        continue
-                    if blocks.commit(slot, digest, durable=to_disk and not held_back):
-                        stored += 1
-                        nbytes += sizes[index]
-                        committed.append(slot.record.key)
-                    else:
-                        present += 1
+                done = 0
+                try:
+                    for (index, slot), digest in zip(pending, digests, strict=True):
+                        done += 1
+                        parent_of = slot.record.parent
+                        if cancelled or (
+                            parent_of is not None
+                            and not (
+                                blocks.holds(parent_of)
+                                or parent_of in self._reserved
+                                or self._on_disk(parent_of)
+                            )
+                        ):
+                            blocks.abort(slot)  # evicted meanwhile, or a hole before it
+                            skipped += 1
+                            continue
+                        if blocks.commit(slot, digest, durable=to_disk and not held_back):
+                            stored += 1
+                            nbytes += sizes[index]
+                            committed.append(slot.record.key)
+                        else:
+                            present += 1
+                except BaseException:
+                    for _, slot in pending[done:]:  # never left half written: the rest are given back
+                        blocks.abort(slot)
+                    raise
                 blocks.touch(job.bound)
             durability = "none"
             if held_back:
@@ -727,6 +736,8 @@ class BlockRules:
                 reserved[key] = left
             else:
                 reserved.pop(key, None)
+        if not reserved:  # no put holds reserved slots: no eviction mark can cancel one any more
+            self._evict_marks.clear()
 
     def _evicted_since(self, identity: bytes, epoch: int) -> bool:
         """An explicit eviction of ``identity``'s blocks (or of everything) came after ``epoch``."""

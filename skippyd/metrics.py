@@ -166,6 +166,7 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
     "server": (ServerStats, "skippyd_", _rows(
         ("connections", "connections", "clients connected", False),
         ("inflight", "requests_in_flight", "requests running", False),
+        ("copies_behind", "put_copies_behind", "puts answered, their copy still running", False),
         ("errors", "request_errors", "requests answered with an error", True),
         ("protocol_errors", "protocol_errors", "connections closed for a bad frame", True),
     )),

@@ -377,9 +377,11 @@ class Connection:
             return
         self.copy = future
         server.copying.add(self)
+        server.state.copies_behind += 1
         future.add_done_callback(lambda done: server.loop.call_soon_threadsafe(self._copied, done))
 
     def _copied(self, future: Future[object]) -> None:
+        self.server.state.copies_behind -= 1
         exc = future.exception()
         if exc is not None:
             self.server.state.errors += 1
@@ -557,7 +559,7 @@ class Server:
         # the copies behind puts' replies (one at a time per connection); never cancelled: a stop runs
         # every one already started, so no acknowledged put is lost
         self.copier = ThreadPoolExecutor(
-            max_workers=max(2, config.worker_threads), thread_name_prefix="skippyd-copy"
+            max_workers=max(2, config.worker_threads), thread_name_prefix="skippyd-put-copy"
         )
         self.copying: set[Connection] = set()  # connections with a copy in flight (closed ones too)
         self.connections: dict[int, Connection] = {}

@@ -66,6 +66,7 @@ class LatencySummary:
 class ServerStats:
     connections: int = 0
     inflight: int = 0
+    copies_behind: int = 0  # puts answered whose copy out of staging has not committed yet
     accepted: int = 0
     refused: int = 0
     errors: int = 0
@@ -92,6 +93,7 @@ class ServerState:
 
     connections: int = 0
     inflight: int = 0
+    copies_behind: int = 0
     accepted: int = 0
     refused: int = 0
     errors: int = 0
@@ -101,7 +103,8 @@ class ServerState:
 
     def stats(self) -> ServerStats:
         return ServerStats(
-            connections=self.connections, inflight=self.inflight, accepted=self.accepted,
+            connections=self.connections, inflight=self.inflight, copies_behind=self.copies_behind,
+            accepted=self.accepted,
             refused=self.refused, errors=self.errors, protocol_errors=self.protocol_errors,
             ops=dict(self.ops),
             latency={op: LatencySummary(**s) for op, s in self.latency.summaries().items()},  # type: ignore[arg-type]

@@ -311,3 +311,31 @@ def test_puts_waiting_for_another_puts_slots_go_on_within_moments_once_it_gives_
         for thread in threads:
             thread.join(10)
         assert len(ended) == 2 and max(ended) - gone < 2.0, "a put sat out the wait for the other"
+
+
+def test_a_commit_that_fails_midway_gives_back_the_slots_it_did_not_reach(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A put whose commit raises after some blocks leaves none of the rest reserved: the tier can be
+    filled to the brim again afterwards."""
+    with L2Tier.open(shm_dir, 2 << 20) as tier:
+        rules = BlockRules(tier)
+        fits = _fill_to_the_brim(rules)
+        real = type(tier.blocks).commit
+        calls = [0]
+
+        def failing(self: Any, pending: Any, digest: bytes | None, *, durable: bool) -> bool:
+            calls[0] += 1
+            if calls[0] == 2:
+                raise OSError("injected")
+            return real(self, pending, digest, durable=durable)
+
+        monkeypatch.setattr(type(tier.blocks), "commit", failing)
+        with pytest.raises(OSError, match="injected"):
+            rules.put(*_blocks(b"f", 4), durable=False)
+        monkeypatch.setattr(type(tier.blocks), "commit", real)
+        space, keys, *_ = _blocks(b"f", 4)
+        assert rules.contains(space, keys) == 1  # the first committed; the rest never will
+        # the two blocks after the failing one went back: a put of the tier's worth less the two that
+        # are held or stranded (the committed one is evicted for it, the failed one is lost to it)
+        assert rules.put(*_blocks(b"g", fits - 1), durable=False).stored == fits - 1

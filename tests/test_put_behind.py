@@ -100,7 +100,8 @@ def test_a_put_is_answered_before_its_copy_and_every_later_read_waits_for_it(
         data = block_data(4, seed=1)
         put = blocks.put(keys, data)  # answered while its copy waits at the gate
         assert (put.stored, put.present, put.nbytes, put.durability) == (4, 0, 4 * BLOCK_BYTES, "pending")
-        assert other.stats()["l2"]["block_count"] == 0  # nothing committed yet
+        stats = other.stats()
+        assert stats["l2"]["block_count"] == 0 and stats["server"]["copies_behind"] == 1  # not committed
         # acknowledged means visible: the writer's own next request, and reads on other connections
         # (the event loop stays free: they wait on workers), see the put once its copy committed
         own = Background(lambda: blocks.contains(keys))
@@ -112,6 +113,7 @@ def test_a_put_is_answered_before_its_copy_and_every_later_read_waits_for_it(
         gate.unlink()
         assert own.value() == 4 and counted.value() == 4
         assert same(got.value(), data)
+        assert other.stats()["server"]["copies_behind"] == 0
 
 
 def test_a_read_waits_for_a_copy_that_does_not_come_at_most_the_settle_time(
