@@ -380,13 +380,15 @@ def _destination(  # noqa: PLR0917 - one block's destination and where its piece
     index: int,
     block: int,
     tensor: Any,
-    lists: tuple[list[_Dest], list[_Dest], list[Any]],
+    lists: tuple[list[_Dest], list[_Dest], list[Any], list[_Dest]],
 ) -> None:
     """Where block ``index``'s ``nbytes`` go: ``target`` (one buffer or tensor, or a list or tuple of them
     that the block's bytes fill one after another, as ``put`` takes pieces; the last may be filled only
-    in part) split into memory to memcpy into (``raw``) and tensors to ``copy_`` into (``other``); what
-    keeps a buffer's address valid goes to ``keep``. Lean: an engine passes thousands of pieces."""
-    raw, other, keep = lists
+    in part) split into memory to memcpy into (``raw``), tensors to ``copy_`` into (``other``, detached)
+    and CUDA tensors for the device transfer (``cuda``, as they are: it reads their layout itself and
+    detaches them only if it falls back to ``copy_``); what keeps a buffer's address valid goes to
+    ``keep``. Lean: an engine passes thousands of pieces."""
+    raw, other, keep, cuda = lists
     pieces = target if isinstance(target, list | tuple) else (target,)
     at = 0
     plain = not _CPU_AS_DEVICE
@@ -400,21 +402,15 @@ def _destination(  # noqa: PLR0917 - one block's destination and where its piece
                 take = left
             elif not take:
                 continue
-            if (
-                piece.is_cpu
-                and piece.is_contiguous()
-                and not piece.is_conj()
-                and not piece.is_neg()
-                and plain
-            ):
+            if not plain or piece.is_cuda:
+                if not piece.is_contiguous():
+                    _no_zero_stride(piece, index)
+                cuda.append((block, at, take, piece))
+            elif piece.is_cpu and piece.is_contiguous() and not piece.is_conj() and not piece.is_neg():
                 raw.append((block, at, take, piece.data_ptr()))
             else:
-                if not piece.is_contiguous() and any(
-                    s == 0 and n > 1 for s, n in zip(piece.stride(), piece.shape, strict=True)
-                ):  # (a contiguous piece has none: the common case, a page, skips the look)
-                    raise InvalidArgument(
-                        f"out[{index}] has a piece whose elements share memory (a 0 stride)"
-                    )
+                if not piece.is_contiguous():  # (a contiguous piece has no 0 stride: pages skip the look)
+                    _no_zero_stride(piece, index)
                 other.append((block, at, take, piece.detach()))
             at += take
             continue
@@ -440,9 +436,9 @@ def _destination(  # noqa: PLR0917 - one block's destination and where its piece
         raise Mismatch(f"out[{index}] holds {at} bytes; block {index} has {nbytes}")
 
 
-def _is_cuda(tensor: Any) -> bool:
-    """Whether a piece goes through skippyd.transfer."""
-    return bool(tensor.is_cuda) or _CPU_AS_DEVICE
+def _no_zero_stride(piece: Any, index: int) -> None:
+    if any(s == 0 and n > 1 for s, n in zip(piece.stride(), piece.shape, strict=True)):
+        raise InvalidArgument(f"out[{index}] has a piece whose elements share memory (a 0 stride)")
 
 
 def _to_cuda(
@@ -476,20 +472,16 @@ def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], firs
     raw: list[_Dest] = []
     other: list[_Dest] = []
     keep: list[Any] = []
-    lists, tensor = (raw, other, keep), _tensor_type()
+    cuda: list[_Dest] = []
+    lists, tensor = (raw, other, keep, cuda), _tensor_type()
     copier = _HostCopies(fds, placements)
     try:
         for i, (_, _, nbytes) in enumerate(placements):
             start = len(raw)
             _destination(out[first + i], nbytes, first + i, i, tensor, lists)
             copier.add(raw, start)
-        if other:
-            cuda: list[Any] = []
-            rest: list[Any] = []
-            for piece in other:
-                (cuda if _is_cuda(piece[3]) else rest).append(piece)
-            if cuda and _to_cuda(reply, fds, placements, cuda):
-                other = rest
+        if cuda and not _to_cuda(reply, fds, placements, cuda):  # the host path copies them after all
+            other.extend((block, at, take, piece.detach()) for block, at, take, piece in cuda)
         copier.finish(other)
     finally:
         copier.close()

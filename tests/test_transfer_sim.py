@@ -302,6 +302,28 @@ def test_get_into_a_vllm_paged_layout_goes_by_dma_one_run_per_consecutive_pages_
     assert transfer.in_flight == 0
 
 
+def test_device_destinations_that_require_grad_are_filled_by_dma_and_by_copy(
+    through_sim: dict[str, Any], make_daemon: Any
+) -> None:
+    """Pages of a leaf tensor that requires grad (an engine's parameters-like buffer): a contiguous page
+    goes by DMA as it is, a strided one is laid out with copy_ on a detached view (an in-place copy_
+    into the view itself would raise), and the source tensor keeps requiring grad."""
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=16)
+        keys = blocks.keys(list(range(2 * 16)))
+        data = [_random(4096, seed=11), _random(4096, seed=12)]
+        assert blocks.put(keys, data, durable=False).stored == 2
+        pages = torch.zeros(2, 1024, dtype=torch.float32, requires_grad=True)
+        strided = torch.zeros(32, 32, dtype=torch.float32, requires_grad=True)
+        assert blocks.get_into(keys, [pages[0], strided.t()]) == 2
+        assert torch.equal(pages[0].detach().view(torch.uint8), data[0])
+        assert torch.equal(strided.detach().t().contiguous().view(torch.uint8).reshape(-1), data[1])
+        assert pages.requires_grad and strided.requires_grad
+        assert sum(through_sim["host"]) == 0
+    through_sim["transfer"].drain()
+
+
 def test_device_copies_into_both_staging_halves_register_apart_and_both_are_forgotten(
     sim: dict[str, Any],
 ) -> None:

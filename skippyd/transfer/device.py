@@ -1078,7 +1078,7 @@ def _prepare(
         if tensor.device != device:
             raise InvalidArgument("the CUDA destinations of one get_into must be on one device")
         staged = -(-staged // tensor.element_size()) * tensor.element_size()
-        strided.append((tensor, block, at, take, staged))
+        strided.append((tensor.detach(), block, at, take, staged))  # (laid out with copy_: no autograd)
         copies.append((keys[index], offset + at, "staging", staged, take, at))
         staged += _bytes_of(tensor)
     scatters: list[_Scatter] = []
