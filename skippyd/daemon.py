@@ -68,7 +68,7 @@ def run(
         # the tiers' constructors take their directories' locks and touch nothing else: recovery (adopt,
         # reconcile) waits until everything this daemon needs is known to be its own
         with _owned("L2 directory", "--shm-dir"):
-            l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=config.copy_threads)
+            l2 = L2Tier(config.shm_path, config.l2_budget, hash_threads=config.copy_thread_count)
         stack.callback(l2.close)  # idempotent: normally closed by the tiers first
         l3 = None
         if config.l3_path is not None:
@@ -142,7 +142,7 @@ def run(
             l3=l3,
             promotions=promotions,
             admission=admission,
-            copy_threads=config.copy_threads,
+            copy_threads=config.copy_thread_count,
             max_entry=config.entry_limit,
             l3_queue=config.l3_queue,
             fill_budget=config.fill_budget,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from skippyd.config import load_config, parse_duration, parse_size
+from skippyd.config import derived_settings, load_config, parse_duration, parse_size
 from skippyd.errors import ConfigError
 
 
@@ -92,6 +92,16 @@ def test_the_reserves_pacing_takes_a_rate_per_second_and_a_share_as_a_fraction_o
     assert (config.l2_reserve_rate, config.l2_reserve_share, config.l2_reserve_window) == (64 << 20, 0.1, 2.0)
     config = load_config({}, env={"SKIPPYD_L2_RESERVE_RATE": "0", "SKIPPYD_L2_RESERVE_SHARE": "0"}).config
     assert (config.l2_reserve_rate, config.l2_reserve_share) == (0, 0.0)
+
+
+def test_copy_threads_default_to_half_the_cpus_between_two_and_eight(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for cpus, want in ((1, 2), (2, 2), (6, 3), (16, 8), (128, 8)):
+        monkeypatch.setattr(os, "cpu_count", lambda cpus=cpus: cpus)
+        assert load_config({}, env={}).config.copy_thread_count == want
+    assert load_config({}, env={"SKIPPYD_COPY_THREADS": "5"}).config.copy_thread_count == 5
+    assert derived_settings(load_config({}, env={}).config)["copy_threads"] == "8"
 
 
 def test_derived_paths_follow_the_node_and_state_dir() -> None:
