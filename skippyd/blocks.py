@@ -469,7 +469,9 @@ class BlockRules:
                 if blocks.holds(record.key):
                     continue
                 try:
-                    pending.append(blocks.reserve(_slot_record(record)))
+                    pending.append(
+                        blocks.reserve(_slot_record(record), mine=sum(p.home.slab.slot_size for p in pending))
+                    )
                 except (NoSpace, TooLarge):
                     break
         done = 0
@@ -586,7 +588,7 @@ class BlockRules:
         identity = bytes.fromhex(space.identity.digest)
         to_disk = bool(durable) and self.writer is not None
         pending: list[tuple[int, Pending]] = []
-        present = skipped = 0
+        present = skipped = mine = 0
         failure: SkippydError | None = None
         blocks = self.l2.blocks
         reserved = self._reserved
@@ -614,7 +616,8 @@ class BlockRules:
                     parent=previous, nbytes=sizes[index], digest=bytes(32),
                 )  # fmt: skip
                 try:
-                    pending.append((index, blocks.reserve(record)))
+                    pending.append((index, blocks.reserve(record, mine=mine)))
+                    mine += pending[-1][1].home.slab.slot_size
                 except (NoSpace, TooLarge) as exc:
                     failure = exc
                     skipped += 1
@@ -682,9 +685,14 @@ class BlockRules:
                         else:
                             present += 1
                 except BaseException:
-                    for _, slot in pending[done:]:  # never left half written: the rest are given back
-                        blocks.abort(slot)
+                    for _, slot in pending[done - 1 :]:  # never left half written: the rest go back
+                        try:
+                            blocks.abort(slot)  # (a no-op for one committed already)
+                        except Exception:
+                            log.exception("giving back a slot after a failed commit")
                     raise
+                finally:
+                    blocks.room_changed()  # committed blocks are evictable: puts waiting look again
                 blocks.touch(job.bound)
             durability = "none"
             if held_back:

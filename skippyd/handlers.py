@@ -436,10 +436,16 @@ class Handlers:
             raise
         if half is None or durable == "sync" or not job.pending:  # answered once stored, as before halves
             return _put_reply(job.finish())
-        run = (
-            job.finish if self._copy_gate is None else functools.partial(_gated, self._copy_gate, job.finish)
-        )
-        return Reply(_put_reply(job.promised()).body, behind=Behind(run, job.abandon))
+        try:
+            run = (
+                job.finish
+                if self._copy_gate is None
+                else functools.partial(_gated, self._copy_gate, job.finish)
+            )
+            return Reply(_put_reply(job.promised()).body, behind=Behind(run, job.abandon))
+        except BaseException:
+            job.abandon()  # (never left reserved: reads reaching its keys would wait for it)
+            raise
 
     def op_ls(self, session: Session, body: dict[str, Any]) -> Reply:
         if _bool(body, "blocks", False):  # the blocks held per identity instead of the entries

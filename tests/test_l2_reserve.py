@@ -282,35 +282,45 @@ def test_a_put_in_a_tier_full_of_another_puts_reserved_slots_waits_for_its_commi
         assert rules.contains(space, keys) == fits
 
 
-def test_puts_waiting_for_another_puts_slots_go_on_within_moments_once_it_gives_them_back(
-    shm_dir: Path,
-) -> None:
-    """Two puts waiting for a third to commit or give its slots back: once it has, both are answered at
-    once (one stores, the other waits only for its copy or finds no room), neither sits out the wait.
-    (Fills wait only while some other fill is not waiting itself, so two never wait on each other.)"""
+def test_two_puts_that_each_wait_for_room_never_wait_on_each_other(shm_dir: Path) -> None:
+    """Two puts of more than the tier holds, both waiting for other puts' reserved slots, which come back
+    in two steps and are split between them: once nothing but each other's slots is left, neither sits
+    out the wait for the other (a fill waits only while some fill that is not waiting itself may free
+    room): both are answered within moments, each with what it got."""
     with L2Tier.open(shm_dir, 2 << 20) as tier:
         rules = BlockRules(tier)
         fits = _fill_to_the_brim(rules)
-        held = rules.begin_put(*_blocks(b"h", fits), durable=False)
+        quarter = max(1, fits // 4)
+        first = rules.begin_put(*_blocks(b"h", quarter), durable=False)
+        second = rules.begin_put(*_blocks(b"i", quarter), durable=False)
         ended: list[float] = []
 
         def put(prefix: bytes) -> None:
             with contextlib.suppress(NoSpace):  # an answer too: what is timed is that it comes
-                rules.put(*_blocks(prefix, fits), durable=False)
+                rules.put(*_blocks(prefix, fits + 1), durable=False)
             ended.append(time.monotonic())
 
-        threads = [threading.Thread(target=put, args=(p,)) for p in (b"x", b"y")]
-        for thread in threads:
-            thread.start()
-        deadline = time.monotonic() + 5
-        while tier._fills_waiting < 2 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert tier._fills_waiting == 2  # both wait for the held put
-        held.abandon()  # its slots given back: room for one of them
+        threads = [threading.Thread(target=put, args=(b"x",)), threading.Thread(target=put, args=(b"y",))]
+        threads[0].start()
+        _until(lambda: tier._fills_waiting == 1)  # x took the rest of the tier and waits
+        threads[1].start()
+        _until(lambda: tier._fills_waiting == 2)  # y took nothing and waits
+        first.abandon()  # x takes these and waits again
+        time.sleep(0.2)
+        second.abandon()  # y takes these: both hold slots, both want more, only each other's are left
         gone = time.monotonic()
         for thread in threads:
             thread.join(10)
         assert len(ended) == 2 and max(ended) - gone < 2.0, "a put sat out the wait for the other"
+        with tier.lock:
+            assert tier.blocks.pending_bytes == 0 and tier._fills_waiting == 0
+
+
+def _until(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.001)
 
 
 def test_a_commit_that_fails_midway_gives_back_the_slots_it_did_not_reach(
@@ -336,6 +346,48 @@ def test_a_commit_that_fails_midway_gives_back_the_slots_it_did_not_reach(
         monkeypatch.setattr(type(tier.blocks), "commit", real)
         space, keys, *_ = _blocks(b"f", 4)
         assert rules.contains(space, keys) == 1  # the first committed; the rest never will
-        # the two blocks after the failing one went back: a put of the tier's worth less the two that
-        # are held or stranded (the committed one is evicted for it, the failed one is lost to it)
-        assert rules.put(*_blocks(b"g", fits - 1), durable=False).stored == fits - 1
+        # the failing block and the two after it went back: the whole tier takes a put again (the one
+        # committed block evicted for it)
+        assert rules.put(*_blocks(b"g", fits), durable=False).stored == fits
+        with tier.lock:
+            assert tier.blocks.pending_bytes == 0
+
+
+def test_a_put_waiting_for_room_goes_on_once_the_other_puts_blocks_commit_not_when_its_l3_work_ends(
+    shm_dir: Path, tmp_path: Path
+) -> None:
+    """A put's L3 work after its commit (second-put admission, counted in Redis; a sync put's fsync) can
+    take long: a put waiting for that put's slots goes on at the commit (the blocks are evictable then)."""
+    from skippyd.l3 import L3Store
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    admitting = threading.Event()
+    release = threading.Event()
+
+    def slow_admission(blocks: Any) -> list[bool]:
+        admitting.set()
+        assert release.wait(30)
+        return [False] * len(blocks)
+
+    with L2Tier.open(shm_dir, 2 << 20) as tier, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        writer = BlockWriter(tier, l3, Health())  # not started: nothing is written
+        rules = BlockRules(tier, l3=l3, writer=writer, admission=slow_admission)
+        fits = _fill_to_the_brim(rules)
+        first = rules.begin_put(*_blocks(b"a", fits), durable=True)  # L3 on a second put only
+        finishing = threading.Thread(target=first.finish)
+        outcome: list[int] = []
+        second = threading.Thread(
+            target=lambda: outcome.append(rules.put(*_blocks(b"b", fits), durable=False).stored)
+        )
+        second.start()
+        _until(lambda: tier._fills_waiting == 1)
+        finishing.start()
+        assert admitting.wait(10)  # the first put committed and now counts its blocks for admission
+        second.join(2.0)
+        try:
+            assert not second.is_alive(), "the waiting put sat until the other put's admission ended"
+            assert outcome == [fits]
+        finally:
+            release.set()
+            finishing.join(10)

@@ -214,7 +214,7 @@ class L2Blocks:
         lock: threading.RLock,
         *,
         budget_bytes: int,
-        make_room: Callable[[int], None],
+        make_room: Callable[[int, int], None],
         room: Callable[[], int],
         evict_one: Callable[[], bool],
         tick: Callable[[int], int],
@@ -238,6 +238,7 @@ class L2Blocks:
         self.charged = 0
         self._demand_at = 0.0
         self._filling = 0  # puts and L3 reads between taking their slots and committing them
+        self.pending_bytes = 0  # slots reserved for a fill and not committed or given back yet
         self.idle_hooks: list[Callable[[], None]] = []  # told when the last of them ends (reserve, digester)
         self._unhashed: OrderedDict[bytes, int] = OrderedDict()  # held blocks with no digest yet: nbytes
         self.unhashed_bytes = 0
@@ -333,8 +334,9 @@ class L2Blocks:
         a hint, never a decision about the blocks themselves)."""
         return self._filling > 0
 
-    def reserve(self, record: SlotRecord) -> Pending:
-        """A slot for a new block (may evict the least recently used entries and blocks first)."""
+    def reserve(self, record: SlotRecord, *, mine: int = 0) -> Pending:
+        """A slot for a new block (may evict the least recently used entries and blocks first); ``mine``:
+        the bytes of slots the calling fill holds reserved already (what it must not wait for)."""
         if record.nbytes > self.max_block:
             raise TooLarge(f"a block of {record.nbytes} bytes is larger than L2 takes ({self.max_block})")
         size = slot_class(max(record.nbytes, 1))
@@ -352,9 +354,10 @@ class L2Blocks:
         if taken is not None:
             home, index = taken
             home.state[index] = _WRITING
+            self.pending_bytes += size
             return Pending(record, home, index, home.slab.data(index, record.nbytes), True)
-        self._make_room(size)
-        home, index = self._hole(group, record.space, size)
+        self._make_room(size, mine)
+        home, index = self._hole(group, record.space, size, mine)
         try:
             home.slab.allocate(index)
         except NoSpace:
@@ -363,6 +366,7 @@ class L2Blocks:
             raise
         home.state[index] = _WRITING
         self.charged += size
+        self.pending_bytes += size
         self._stats.block_fresh_slots += 1
         return Pending(record, home, index, home.slab.data(index, record.nbytes), False)
 
@@ -449,6 +453,7 @@ class L2Blocks:
             return None
         home, index = taken
         home.state[index] = _WRITING
+        self.pending_bytes += size
         return Pending(record, home, index, home.slab.data(index, record.nbytes), True)
 
     def lease_pending(self, pending: Sequence[Pending]) -> tuple[list[int], list[tuple[int, int]]]:
@@ -466,12 +471,12 @@ class L2Blocks:
             return home, index
         return None
 
-    def _hole(self, group: _Group, space: bytes, size: int) -> tuple[_SlabState, int]:
+    def _hole(self, group: _Group, space: bytes, size: int, mine: int = 0) -> tuple[_SlabState, int]:
         if group.holes:
             return group.holes.pop()
         slots = slots_for(size, self._slab_target)
         header = -(-(4096 + slots * 256) // 4096) * 4096
-        self._make_room(size + header)
+        self._make_room(size + header, mine)
         slab = Slab.create(self.directory, size, slots)
         home = _SlabState(slab, space, [_HOLE] * slots)
         group.homes.append(home)
@@ -496,6 +501,7 @@ class L2Blocks:
         )  # fmt: skip
         pending.home.slab.write_record(pending.index, final)
         pending.home.state[pending.index] = _USED
+        self.pending_bytes -= pending.home.slab.slot_size
         self._index(_Block(final, pending.home, pending.index, tick))
         self._payload += final.nbytes
         self._stats.block_inserts += 1
@@ -555,8 +561,16 @@ class L2Blocks:
 
     def abort(self, pending: Pending, *, released: bool = False) -> None:
         if not released:
-            pending.view.release()
+            with contextlib.suppress(ValueError):  # (released already: a commit that failed part way)
+                pending.view.release()
+        if pending.home.state[pending.index] != _WRITING:
+            return  # given back already, or committed
+        self.pending_bytes -= pending.home.slab.slot_size
         self._free(pending.home, pending.index)
+
+    def room_changed(self) -> None:
+        """Fills' slots were committed (evictable now) or given back: puts waiting for room look again."""
+        self._fill_ended()
 
     def _free(self, home: _SlabState, index: int) -> None:
         home.state[index] = _FREE

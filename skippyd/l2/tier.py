@@ -454,13 +454,15 @@ class L2Tier:
             self._pool.note_fresh()
         return file
 
-    def _make_room(self, size: int, *, claim: bool = True, own_fills: int = 0) -> File | None:
+    def _make_room(self, size: int, *, claim: bool = True, own_fills: int = 0, mine: int = 0) -> File | None:
         """Frees budget for ``size`` bytes: free entry files first, then free block slots, then the least
         recently used entry or block, whichever is older. With ``claim``, an evicted entry's file of
         exactly ``size`` bytes is returned for reuse instead of being unlinked. Where nothing is left to
         evict but memory that is about to be (slots the reserve faults in, free slots a lease still reads,
-        slots another put or L3 read is filling: ``own_fills`` of the fills are the caller's own), it
-        waits for that, the lock released, at most a few seconds, before :class:`NoSpace`."""
+        slots another put or L3 read is filling: ``own_fills`` of the fills are the caller's own, and
+        ``mine`` bytes of their slots), it waits for that, the lock released, at most a few seconds each,
+        before :class:`NoSpace`. A fill waits for others' slots only while some fill that is not waiting
+        itself may commit them, so two fills never wait on each other."""
         fault_deadline = read_deadline = fill_deadline = 0.0
         while self._room() < size:
             if self._pool.drop_one() or self.blocks.release_free():
@@ -481,7 +483,10 @@ class L2Tier:
                     if now < read_deadline:
                         self._fault_done.wait(0.005)  # (the lock is released meanwhile)
                         continue
-                if self.blocks.fills - own_fills > 0:  # another fill commits soon
+                if (
+                    self.blocks.fills - own_fills - self._fills_waiting > 0
+                    and self.blocks.pending_bytes > mine
+                ):  # another fill holds slots it commits (then evictable) or gives back soon
                     fill_deadline = fill_deadline or now + _FILL_WAIT_S
                     if now < fill_deadline:
                         self._fills_waiting += own_fills
@@ -501,13 +506,13 @@ class L2Tier:
             self._pool.discard(victim.file)
         return None
 
-    def _free_room(self, size: int) -> None:
+    def _free_room(self, size: int, mine: int = 0) -> None:
         """Room for ``size`` bytes of block slots (called by :class:`L2Blocks` under the lock, for a put or
         an L3 read that is a fill of its own)."""
         self._check_open()
         if size > self.budget_bytes:
             raise TooLarge(f"a block slot of {size} bytes is larger than the L2 budget ({self.budget_bytes})")
-        self._make_room(size, claim=False, own_fills=1)
+        self._make_room(size, claim=False, own_fills=1, mine=mine)
 
     def _room(self) -> int:
         return self.budget_bytes - self._bytes - self._pool.free_bytes - self._reserved - self.blocks.charged
