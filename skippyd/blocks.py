@@ -184,6 +184,7 @@ class BlockCounters:
     block_admission_waits: int = 0  # blocks a put offered once: kept in L2 only until a second put
     block_admissions: int = 0  # blocks a second put within the window admitted to L3
     block_reads_refused: int = 0  # L3 reads into memfds over the fill budget: a shorter run was served
+    block_settle_skips: int = 0  # reads that reached a put's copy with every waiting place taken: a miss
 
 
 class BlockRules:
@@ -199,6 +200,7 @@ class BlockRules:
         copy_threads: int = 2,
         sync_timeout: float = 20.0,
         digester: Digester | None = None,
+        settle_waiters: int = 16,
     ) -> None:
         self.l2 = l2
         self.digester = digester
@@ -215,6 +217,10 @@ class BlockRules:
         # block whose parent is one of them is no hole (its parent's copy is behind its put's reply)
         self._reserved: dict[bytes, int] = {}
         self._copies_done = threading.Condition(l2.lock)  # notified whenever reserved keys commit or go
+        # reads waiting for puts' copies at once, at most (each holds a worker thread while it waits: past
+        # this a read answers at once, the blocks in copy counted as not held)
+        self._settle_waiters = max(0, settle_waiters)
+        self._settling = 0
         self._evict_epoch = 0  # explicit evictions so far; puts reserved before one never commit its blocks
         self._evict_marks: dict[bytes | None, int] = {}  # identity (None: all) -> the epoch of its last
 
@@ -266,14 +272,21 @@ class BlockRules:
         return held < len(bound) and bound[held] in self._reserved
 
     def _settle(self, copying: Callable[[], bool]) -> None:
-        """Waits, the tier's lock released, while ``copying()`` (at most :data:`SETTLE_SECONDS`); under
-        the lock."""
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while copying():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            self._copies_done.wait(left)
+        """Waits, the tier's lock released, while ``copying()`` (at most :data:`SETTLE_SECONDS`, and not
+        at all while ``settle_waiters`` reads wait already); under the lock."""
+        if self._settling >= self._settle_waiters:
+            self._count(block_settle_skips=1)
+            return
+        self._settling += 1
+        try:
+            deadline = time.monotonic() + SETTLE_SECONDS
+            while copying():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._copies_done.wait(left)
+        finally:
+            self._settling -= 1
 
     def _run(self, bound: Sequence[bytes], in_l2: int | None = None) -> int:
         """The leading run of ``bound`` either tier holds (``in_l2``: the leading run L2 holds, if known)."""

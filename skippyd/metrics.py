@@ -131,6 +131,8 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("block_admissions", "block_admissions", "blocks a second put admitted to L3", True),
         ("block_reads_refused", "block_reads_refused", "L3 block reads over the fill budget (run cut short)",
          True),
+        ("block_settle_skips", "block_settle_skips",
+         "reads that found a put's copy in flight and no place left to wait for it (a miss)", True),
     )),
     "block_writer": (BlockWriterStats, "skippyd_", _rows(
         ("block_queue_depth", "l3_block_queue_depth", "block write jobs queued", False),

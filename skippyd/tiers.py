@@ -189,6 +189,7 @@ class Tiers:
         reserve_rate: int = 0,
         reserve_share: float = 0.0,
         digest_backlog: int = 0,
+        settle_waiters: int = 16,
     ) -> None:
         self.l2 = l2
         self.l3 = l3
@@ -233,6 +234,7 @@ class Tiers:
         self.blocks = BlockRules(
             l2, l3=l3, writer=self.block_writer, promotions=promotions, admission=admission,
             memory=self.fills, copy_threads=copy_threads, sync_timeout=sync_timeout, digester=self.digester,
+            settle_waiters=settle_waiters,
         )  # fmt: skip
 
     def _count(self, **deltas: int) -> None:

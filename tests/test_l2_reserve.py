@@ -391,3 +391,24 @@ def test_a_put_waiting_for_room_goes_on_once_the_other_puts_blocks_commit_not_wh
         finally:
             release.set()
             finishing.join(10)
+
+
+def test_reads_wait_for_a_puts_copy_only_while_places_to_wait_are_left(shm_dir: Path) -> None:
+    """A read reaching a block whose put has not committed waits for it (acknowledged means visible),
+    but at most ``settle_waiters`` reads wait at once (each holds a daemon worker): the next answers at
+    once, the block counted as not held, and is counted."""
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
+        rules = BlockRules(tier, settle_waiters=1)
+        space, keys, *_ = _blocks(b"s", 4)
+        job = rules.begin_put(*_blocks(b"s", 4), durable=False)
+        seen: list[int] = []
+        waiting = threading.Thread(target=lambda: seen.append(rules.contains(space, keys)))
+        waiting.start()
+        _until(lambda: rules._settling == 1)
+        started = time.monotonic()
+        assert rules.contains(space, keys) == 0  # no place left to wait: a miss, at once
+        assert time.monotonic() - started < 1.0 and rules.counters.block_settle_skips == 1
+        assert waiting.is_alive()
+        assert job.finish().stored == 4
+        waiting.join(5)
+        assert seen == [4]  # the read that waited saw the put whole
