@@ -10,7 +10,11 @@ Run in vLLM's environment against a daemon from .venv (scripts/vllm-env.sh build
   skippyd is); chunks of 256 KiB (the issue's size) and of 2 MiB (one 16-token block of a Llama-3-8B
   in bf16: 16 x 128 KiB);
 * cascade (store) of 16 chunks, from the completed GPU->CPU store to the job reported, likewise (with
-  the tier's default ``durable``, whose L3 writes of earlier jobs run beside it, and without);
+  the tier's default ``durable``, whose L3 writes of earlier jobs run beside it, and without); a put is
+  answered once its slots are reserved, its copy out of staging behind the reply, so the job is reported
+  before the chunks are readable elsewhere: "until committed" runs on until a ping on the tier's store
+  connection is answered (the daemon answers a connection's next request once the copies behind its
+  last reply have committed), the sustained figure;
 * lookup: from a request's first lookup (RETRY) to the manager's answer, per request of 16 chunks;
 * two instances sharing the host: what skippyd holds after both offload 16 shared and 16 own chunks,
   against what two private tiers would hold.
@@ -73,7 +77,14 @@ def _engine(socket: Path, chunks: int, size: int, *, durable: bool = True) -> En
     return Engine(tier, num_chunks=chunks, bytes_per_block=size)
 
 
-def _cascade(engine: Engine, keys: list[bytes]) -> float:
+def _committed(engine: Engine) -> None:
+    """Returns once the copies behind the replies to the tier's stores have committed (every chunk stored
+    is readable elsewhere): the daemon answers a connection's next request only then."""
+    assert engine.tier._clients["store"].ping()
+
+
+def _cascade(engine: Engine, keys: list[bytes]) -> tuple[float, float]:
+    """Seconds to the job reported, and to its chunks committed."""
     with engine.manager.lock:
         out = engine.manager.prepare_store(keys, engine.ctx)
     assert out is not None
@@ -87,8 +98,10 @@ def _cascade(engine: Engine, keys: list[bytes]) -> float:
     engine.end_step()
     engine.tier.drain_jobs()
     elapsed = time.perf_counter() - start
+    _committed(engine)
+    committed = time.perf_counter() - start
     engine.end_step()
-    return elapsed
+    return elapsed, committed
 
 
 def _ask(engine: Engine, keys: list[bytes]) -> tuple[float, list[str]]:
@@ -135,7 +148,7 @@ def _settle(daemon: BenchDaemon) -> None:
 
 def _rows(daemon: BenchDaemon, size: int, reps: int, *, durable: bool = True) -> list[list[str]]:
     hot, cold = _memcpy(COUNT * size, cold=False), _memcpy(COUNT * size, cold=True)
-    cascades, promotions, lookups = [], [], []
+    cascades, commits, promotions, lookups = [], [], [], []
     import skippyd
 
     with skippyd.Client(daemon.socket) as client:
@@ -146,14 +159,15 @@ def _rows(daemon: BenchDaemon, size: int, reps: int, *, durable: bool = True) ->
             if rep == 1:
                 _settle(daemon)
             keys = [_key(i, f"{size}-{durable}-r{rep}") for i in range(COUNT)]
-            cascade = _cascade(engine, keys)
+            cascade, committed = _cascade(engine, keys)
             evict = [_key(i, f"{size}-{durable}-r{rep}-evict") for i in range(2 * COUNT)]
-            _cascade(engine, evict)  # the first 16 out of the primary tier
+            _cascade(engine, evict)  # the first 16 out of the primary tier, committed
             elapsed, answers = _ask(engine, keys)
             assert set(answers) == {"HIT_PENDING"}, answers
             promotion = _promote(engine, keys)
             if rep > 1:
                 cascades.append(cascade)
+                commits.append(committed)
                 lookups.append(elapsed)
                 promotions.append(promotion)
     finally:
@@ -172,6 +186,7 @@ def _rows(daemon: BenchDaemon, size: int, reps: int, *, durable: bool = True) ->
         *(references if durable else []),
         row("promotion skippyd → primary slots", median(promotions)),
         row("cascade primary slots → skippyd", median(cascades)),
+        row("cascade, until committed", median(commits)),
         [f"{label}: lookup of the request (RETRY → answer)", fmt_time(median(lookups)), "-", "-"],
     ]
 
@@ -190,7 +205,7 @@ def measure(workdir: Path, reps: int) -> tuple[list[list[str]], list[list[str]]]
         one, two = _engine(daemon.socket, 2 * COUNT, size), _engine(daemon.socket, 2 * COUNT, size)
         try:
             shared = [_key(i, "shared") for i in range(COUNT)]
-            _cascade(one, shared + [_key(i, "one") for i in range(COUNT)])
+            _cascade(one, shared + [_key(i, "one") for i in range(COUNT)])  # each committed
             _cascade(two, shared + [_key(i, "two") for i in range(COUNT)])
             with skippyd.Client(daemon.socket) as client:
                 held = client.stats()["l2"]["block_bytes"] - before
