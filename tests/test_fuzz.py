@@ -117,6 +117,10 @@ class Fuzzer:
                 body["sizes"] = [r.randint(0, 4096) for _ in keys]
                 body["offsets"] = [r.choice([-1, 0, 4096]) for _ in keys]
                 body["durable"] = r.choice([True, False, "sync"])
+                if r.random() < 0.5:  # a staging half (the copy then runs behind the reply)
+                    body["half"] = r.choice([0, 1])
+                if r.random() < 0.3:
+                    body["parent"] = os.urandom(r.choice([1, 32]))
             if op == "blocks_contains":
                 body["each"] = r.choice([True, False])
             return body
@@ -163,6 +167,7 @@ class Fuzzer:
             "block_tokens": lambda: r.choice([0, -1, 1 << 20, True, self.scalar()]),
             "parent": lambda: r.choice([b"", bytes(65), self.scalar()]),
             "each": lambda: r.choice(["yes", 1, self.scalar()]),
+            "half": lambda: r.choice([2, -1, "0", 1.5, True, self.scalar()]),
             "blocks": lambda: r.choice(["yes", 1, self.scalar()]),
         }
         return table.get(name, self.value)()
@@ -172,7 +177,7 @@ class Fuzzer:
         r = self.rng
         body = self.valid(r.choice(OPS))
         names = [*body, "meta", "durable", "tensors", "kind", "all", "digest", "limit", "size", "versions",
-                 "keys", "sizes", "offsets", "block_tokens", "parent", "each", "blocks"]  # fmt: skip
+                 "keys", "sizes", "offsets", "block_tokens", "parent", "each", "blocks", "half"]  # fmt: skip
         for _ in range(r.choice([0, 1, 1, 1, 2, 2, 3])):
             name = r.choice(names)
             if r.random() < 0.1:
