@@ -338,6 +338,34 @@ def test_a_clean_stop_right_after_puts_keeps_every_acknowledged_block(
         assert same(space(client).get(keys), data)
 
 
+def test_kill_9_during_copies_behind_replies_leaves_only_whole_blocks_and_the_keys_can_come_again(
+    gated: DaemonProcess, gate: Path
+) -> None:
+    """A power cut of the daemon while puts' copies wait behind their replies: after the restart, each
+    block is either absent or whole (slot records are written after the bytes, so adoption never takes a
+    slot the copy had not finished), the committed ones are there, and the lost ones can be put again."""
+    data = block_data(8, seed=14)
+    with gated.client() as writer:
+        blocks = space(writer)
+        keys = blocks.keys(list(range(8 * BLOCK)))
+        gate.unlink()
+        assert blocks.put(keys[:4], data[:4], durable=False).stored == 4
+        assert blocks.contains(keys[:4]) == 4  # committed (the connection's next request waits for it)
+        gate.touch()
+        assert blocks.put(keys[4:], data[4:], durable=False, parent=keys[3]).stored == 4  # held at the gate
+    gated.kill9()
+    gate.unlink()
+    gated.start()
+    with gated.client() as client:
+        blocks = space(client)
+        held = blocks.contains(keys)
+        assert held == 4  # the committed run; the copy behind the last reply never ran
+        assert same(blocks.get(keys), data[:4])
+        assert blocks.put(keys, data, durable=False).stored == 4  # the lost four, again
+        assert same(blocks.get(keys), data)
+        assert client.health()["healthy"]
+
+
 def test_a_sync_put_survives_kill_9_right_after_its_reply(make_daemon: Any) -> None:
     proc = make_daemon().start()
     data = block_data(6, seed=13)
