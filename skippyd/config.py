@@ -353,14 +353,22 @@ class Config:
 
     @property
     def copy_thread_count(self) -> int:
-        """``copy_threads``, or half the CPUs (2 to 8): a put's or capture's copy out of staging and its
-        BLAKE3 are what bound them from a GPU (one core copies ≈ 5 GB/s on the GPU hosts measured, the
-        PCIe link moves 53), and the CPUs of a GPU host are otherwise the engine's."""
-        return self.copy_threads or max(2, min(8, (os.cpu_count() or 2) // 2))
+        """``copy_threads``, or half the CPUs this process may use (2 to 8): a put's or capture's copy out
+        of staging and its BLAKE3 are what bound them from a GPU (one core copies ≈ 5 GB/s on the GPU
+        hosts measured, the PCIe link moves 53), and the CPUs of a GPU host are otherwise the engine's."""
+        return self.copy_threads or max(2, min(8, _usable_cpus() // 2))
 
     @property
     def scope(self) -> str:
         return self.promotion_scope or f"node:{self.node_name}"
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a container's or a systemd unit's CPU set)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 2
 
 
 FIELDS: dict[str, ConfigField] = {

@@ -143,7 +143,7 @@ def run(
             promotions=promotions,
             admission=admission,
             copy_threads=config.copy_thread_count,
-            settle_waiters=max(1, config.worker_threads // 2),  # the rest of the workers serve others
+            settle_waiters=max(1, config.worker_threads - 2),  # two workers always left for the rest
             max_entry=config.entry_limit,
             l3_queue=config.l3_queue,
             fill_budget=config.fill_budget,

@@ -97,11 +97,12 @@ def test_the_reserves_pacing_takes_a_rate_per_second_and_a_share_as_a_fraction_o
 def test_copy_threads_default_to_half_the_cpus_between_two_and_eight(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 
-    for cpus, want in ((1, 2), (2, 2), (6, 3), (16, 8), (128, 8)):
-        monkeypatch.setattr(os, "cpu_count", lambda cpus=cpus: cpus)
+    for cpus, want in ((1, 2), (2, 2), (6, 3), (16, 8), (128, 8)):  # the CPUs it may run on, not the host's
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, cpus=cpus: set(range(cpus)))
         assert load_config({}, env={}).config.copy_thread_count == want
     assert load_config({}, env={"SKIPPYD_COPY_THREADS": "5"}).config.copy_thread_count == 5
-    assert derived_settings(load_config({}, env={}).config)["copy_threads"] == "8"
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(12)))
+    assert derived_settings(load_config({}, env={}).config)["copy_threads"] == "6"
 
 
 def test_derived_paths_follow_the_node_and_state_dir() -> None:

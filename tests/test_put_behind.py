@@ -341,9 +341,10 @@ def test_a_clean_stop_right_after_puts_keeps_every_acknowledged_block(
 def test_kill_9_during_copies_behind_replies_leaves_only_whole_blocks_and_the_keys_can_come_again(
     gated: DaemonProcess, gate: Path
 ) -> None:
-    """A power cut of the daemon while puts' copies wait behind their replies: after the restart, each
-    block is either absent or whole (slot records are written after the bytes, so adoption never takes a
-    slot the copy had not finished), the committed ones are there, and the lost ones can be put again."""
+    """A power cut of the daemon while a put's copy waits behind its reply (its slots reserved, no byte
+    copied yet): after the restart the committed blocks are there, whole, the reserved slots were not
+    adopted as blocks (a slot's record is written after its bytes: adoption takes only recorded ones),
+    and the lost blocks can be put again."""
     data = block_data(8, seed=14)
     with gated.client() as writer:
         blocks = space(writer)
@@ -361,6 +362,8 @@ def test_kill_9_during_copies_behind_replies_leaves_only_whole_blocks_and_the_ke
         held = blocks.contains(keys)
         assert held == 4  # the committed run; the copy behind the last reply never ran
         assert same(blocks.get(keys), data[:4])
+        stats = client.stats()["l2"]  # the lost put's slots were not adopted as blocks
+        assert stats["block_count"] == 4 and stats["block_bytes"] == 4 * BLOCK_BYTES
         assert blocks.put(keys, data, durable=False).stored == 4  # the lost four, again
         assert same(blocks.get(keys), data)
         assert client.health()["healthy"]
