@@ -324,6 +324,32 @@ def test_device_destinations_that_require_grad_are_filled_by_dma_and_by_copy(
     through_sim["transfer"].drain()
 
 
+def test_device_destinations_that_require_grad_are_filled_by_the_host_path_when_served_once(
+    through_sim: dict[str, Any], make_daemon: Any
+) -> None:
+    """Blocks only L3 holds are served once from a memfd (generation 0), which the transfer declines:
+    the host path fills the device pieces then, detached, so a destination that requires grad works."""
+    import shutil
+
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    data = [_random(4096, seed=21), _random(4096, seed=22)]
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=16)
+        keys = blocks.keys(list(range(2 * 16)))
+        assert blocks.put(keys, data, durable="sync").stored == 2
+    proc.stop()
+    shutil.rmtree(proc.shm_dir)  # a reboot: only L3 holds the blocks
+    proc.shm_dir.mkdir()
+    proc.start()
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=16)
+        pages = torch.zeros(2, 1024, dtype=torch.float32, requires_grad=True)
+        assert blocks.get_into(keys, [pages[0], pages[1]]) == 2
+        assert torch.equal(pages.detach().view(torch.uint8).reshape(2, -1), torch.stack(data))
+    assert through_sim["rec"].calls == []  # nothing registered: the host path copied
+    through_sim["transfer"].drain()
+
+
 def test_device_copies_into_both_staging_halves_register_apart_and_both_are_forgotten(
     sim: dict[str, Any],
 ) -> None:
