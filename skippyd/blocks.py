@@ -13,8 +13,9 @@
 * **contains**: the leading run of keys held in L2 or L3, from memory.
 * **Acknowledged means visible.** A put may be answered once its slots are reserved, before its copy
   (docs/protocol.md, "Staging halves"). A read on any connection that reaches a block such a copy is
-  still writing waits for it (on a worker thread, at most :data:`SETTLE_SECONDS`), so whatever a put's
-  reply called stored, every later ``contains`` or get sees whole.
+  still writing waits for it, at most :data:`SETTLE_SECONDS` (the server parks it, holding no thread:
+  :meth:`BlockRules.when_copied`; in-process callers wait on a condition), so whatever a put's reply
+  called stored, every later ``contains`` or get sees whole.
 * **get**: the leading run held, leased for reading: descriptors of the slabs (one per slab, at most
   :data:`~skippyd.protocol.MAX_FDS` a reply) and where each block is; the client asks again for the
   rest of a longer run. Blocks only L3 holds are read and verified first (on a worker thread): into L2
@@ -78,6 +79,7 @@ _FILL_BYTES = 64 << 20  # what one get reads from L3 at most
 #: How long a read waits for a put's copy of a block it reaches (the copy takes milliseconds; past this
 #: the block counts as not held, as if the put had not come)
 SETTLE_SECONDS = 5.0
+_WAIT, _NOW, _AS_IS = 0, 1, 2  # how a read meets a put's copy: waits for it, says so, or counts it absent
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +168,7 @@ class Served:
     lease: Lease
     held: int
     needs_worker: bool = False  # the run needs the disk or a put's copy: nothing leased, ask on a worker
+    copying: bool = False  # ... a put's copy (park it with BlockRules.when_copied, then ask without waiting)
 
 
 @dataclass(slots=True)
@@ -221,6 +224,8 @@ class BlockRules:
         # this a read answers at once, the blocks in copy counted as not held)
         self._settle_waiters = max(0, settle_waiters)
         self._settling = 0
+        # parked reads (the server's, holding no thread): the reserved keys each waits for, and its wake-up
+        self._parked: list[tuple[set[bytes], Callable[[], None]]] = []
         self._evict_epoch = 0  # explicit evictions so far; puts reserved before one never commit its blocks
         self._evict_marks: dict[bytes | None, int] = {}  # identity (None: all) -> the epoch of its last
 
@@ -247,25 +252,54 @@ class BlockRules:
     def contains(self, space: BlockSpaceId, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are held (L2 or L3); a run that stops at a block a put's copy is still
         writing waits for it."""
-        count = self._contains(space, keys, may_wait=True)
+        count = self._contains(space, keys)
         assert count is not None
         return count
 
     def contains_now(self, space: BlockSpaceId, keys: Sequence[bytes]) -> int | None:
-        """:meth:`contains` without waiting (the event loop): None where it would wait; ask on a worker."""
-        return self._contains(space, keys, may_wait=False)
+        """:meth:`contains` without waiting (the event loop): None where it would wait (park the request
+        with :meth:`when_copied`, then ask :meth:`contains_as_is`)."""
+        return self._contains(space, keys, mode=_NOW)
 
-    def _contains(self, space: BlockSpaceId, keys: Sequence[bytes], *, may_wait: bool) -> int | None:
+    def contains_as_is(self, space: BlockSpaceId, keys: Sequence[bytes]) -> int:
+        """:meth:`contains` as things are, waiting for nothing (a block still in copy is not held)."""
+        count = self._contains(space, keys, mode=_AS_IS)
+        assert count is not None
+        return count
+
+    def _contains(self, space: BlockSpaceId, keys: Sequence[bytes], *, mode: int = _WAIT) -> int | None:
         bound = bind_keys(space, keys)
         with self.l2.lock:
             held = self._run(bound)
-            if self._copying(bound, held):
-                if not may_wait:
+            if mode != _AS_IS and self._copying(bound, held):
+                if mode == _NOW:
                     return None
                 self._settle(lambda: self._copying(bound, self._run(bound)))
                 held = self._run(bound)
         self._count(block_contains=1)
         return held
+
+    def when_copied(
+        self, space: BlockSpaceId, keys: Sequence[bytes], wake: Callable[[], None]
+    ) -> Callable[[], None]:
+        """Calls ``wake`` once no put holds any of ``keys`` reserved (at once if none does; else from the
+        thread that commits or gives back the last of them, under the tier's lock: it must only hand
+        off, e.g. ``call_soon_threadsafe``). A read parked so holds no thread while it waits. Returns a
+        function that forgets the wake-up (the server's own time limit, :data:`SETTLE_SECONDS`)."""
+        bound = bind_keys(space, keys)
+        with self.l2.lock:
+            waiting = {key for key in bound if key in self._reserved}
+            if not waiting:
+                wake()
+                return lambda: None
+            entry = (waiting, wake)
+            self._parked.append(entry)
+
+        def forget() -> None:
+            with self.l2.lock:
+                self._parked = [parked for parked in self._parked if parked is not entry]
+
+        return forget
 
     def _copying(self, bound: Sequence[bytes], held: int) -> bool:
         """The run of ``held`` keys stops at a block a put reserved and has not committed (under the lock)."""
@@ -303,26 +337,39 @@ class BlockRules:
     def held(self, space: BlockSpaceId, keys: Sequence[bytes]) -> list[bool]:
         """Which of ``keys`` are held, each (what a client asks before it copies a put's data); waits for
         puts' copies of any of them."""
-        held = self._held(space, keys, may_wait=True)
+        held = self._held(space, keys)
         assert held is not None
         return held
 
     def held_now(self, space: BlockSpaceId, keys: Sequence[bytes]) -> list[bool] | None:
-        """:meth:`held` without waiting (the event loop): None where it would wait; ask on a worker."""
-        return self._held(space, keys, may_wait=False)
+        """:meth:`held` without waiting (the event loop): None where it would wait (park the request with
+        :meth:`when_copied`, then ask :meth:`held_as_is`)."""
+        return self._held(space, keys, mode=_NOW)
 
-    def _held(self, space: BlockSpaceId, keys: Sequence[bytes], *, may_wait: bool) -> list[bool] | None:
+    def held_as_is(self, space: BlockSpaceId, keys: Sequence[bytes]) -> list[bool]:
+        """:meth:`held` as things are, waiting for nothing."""
+        held = self._held(space, keys, mode=_AS_IS)
+        assert held is not None
+        return held
+
+    def _held(self, space: BlockSpaceId, keys: Sequence[bytes], *, mode: int = _WAIT) -> list[bool] | None:
         bound = bind_keys(space, keys)
         reserved = self._reserved
         with self.l2.lock:
-            if reserved and any(key in reserved for key in bound):
-                if not may_wait:
+            if mode != _AS_IS and reserved and any(key in reserved for key in bound):
+                if mode == _NOW:
                     return None
                 self._settle(lambda: any(key in reserved for key in bound))
             return [self.l2.blocks.holds(key) or self._on_disk(key) for key in bound]
 
     def get(
-        self, space: BlockSpaceId, keys: Sequence[bytes], *, max_fds: int, may_read: bool = True
+        self,
+        space: BlockSpaceId,
+        keys: Sequence[bytes],
+        *,
+        max_fds: int,
+        may_read: bool = True,
+        may_wait: bool = True,
     ) -> Served:
         """The leading held run, leased. Blocks only L3 holds are read (verified) first: into L2 when the
         promotion rules say so, into a sealed memfd otherwise; a run that stops at a block a put's copy
@@ -333,9 +380,9 @@ class BlockRules:
         with self.l2.lock:
             in_l2 = blocks.held(bound)
             held = self._run(bound, in_l2)
-            if self._copying(bound, held):
+            if may_wait and self._copying(bound, held):
                 if not may_read:
-                    return Served(Lease(), held, needs_worker=True)
+                    return Served(Lease(), held, needs_worker=True, copying=True)
                 self._settle(lambda: self._copying(bound, self._run(bound)))
                 in_l2 = blocks.held(bound)
                 held = self._run(bound, in_l2)
@@ -759,6 +806,15 @@ class BlockRules:
                 reserved.pop(key, None)
         if not reserved:  # no put holds reserved slots: no eviction mark can cancel one any more
             self._evict_marks.clear()
+        if self._parked:
+            still: list[tuple[set[bytes], Callable[[], None]]] = []
+            for waiting, wake in self._parked:
+                waiting.intersection_update(reserved)
+                if waiting:
+                    still.append((waiting, wake))
+                else:
+                    wake()
+            self._parked = still
 
     def _evicted_since(self, identity: bytes, epoch: int) -> bool:
         """An explicit eviction of ``identity``'s blocks (or of everything) came after ``epoch``."""

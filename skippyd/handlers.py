@@ -164,11 +164,19 @@ class Reply:
     behind: Behind | None = None  # sent before this work ends (the server runs it, in order, per connection)
 
 
+#: Parks a request until it can run without waiting: registers a wake-up (called from any thread) and
+#: returns a function that forgets it.
+Park = Callable[[Callable[[], None]], Callable[[], None]]
+
+
 @dataclass(slots=True)
 class Deferred:
-    """The rest of a request, to run on a worker thread; it returns the reply."""
+    """The rest of a request, to run on a worker thread; it returns the reply. With ``park``, the request
+    waits first, holding no thread, until ``park`` wakes it or :data:`~skippyd.blocks.SETTLE_SECONDS`
+    pass (a read that reached a put's copy in flight)."""
 
     work: Callable[[], Reply]
+    park: Park | None = None
 
 
 Handler = Callable[[Session, dict[str, Any]], "Reply | Deferred"]
@@ -389,18 +397,32 @@ class Handlers:
                 return Reply({"count": count, "held": bytes(held)})
 
             now = blocks.held_now(space, keys)
-            return each(now) if now is not None else Deferred(lambda: each(blocks.held(space, keys)))
+            if now is None:
+                return Deferred(lambda: each(blocks.held_as_is(space, keys)), park=self._park(space, keys))
+            return each(now)
         count = blocks.contains_now(space, keys)
-        if count is None:
-            return Deferred(lambda: Reply({"count": blocks.contains(space, keys)}))
+        if count is None:  # parked until the copy commits, then answered as things are
+            return Deferred(
+                lambda: Reply({"count": blocks.contains_as_is(space, keys)}), park=self._park(space, keys)
+            )
         return Reply({"count": count})
 
     def op_blocks_get(self, session: Session, body: dict[str, Any]) -> Reply | Deferred:
         space, keys = _space(body), _block_keys(body)
-        served = self.tiers.blocks.get(space, keys, max_fds=MAX_FDS, may_read=False)
-        if served.needs_worker:  # the run needs L3 (read and verified) or a put's copy: on a worker
-            return Deferred(lambda: _blocks_reply(self.tiers.blocks.get(space, keys, max_fds=MAX_FDS)))
+        blocks = self.tiers.blocks
+        served = blocks.get(space, keys, max_fds=MAX_FDS, may_read=False)
+        if served.copying:  # parked until the copy commits, then served on a worker (it may read L3)
+            return Deferred(
+                lambda: _blocks_reply(blocks.get(space, keys, max_fds=MAX_FDS, may_wait=False)),
+                park=self._park(space, keys),
+            )
+        if served.needs_worker:  # the run needs L3 (read and verified): on a worker
+            return Deferred(lambda: _blocks_reply(blocks.get(space, keys, max_fds=MAX_FDS)))
         return _blocks_reply(served)
+
+    def _park(self, space: BlockSpaceId, keys: list[bytes]) -> Park:
+        blocks = self.tiers.blocks
+        return lambda wake: blocks.when_copied(space, keys, wake)
 
     def op_blocks_put(self, session: Session, body: dict[str, Any]) -> Reply:
         space, keys = _space(body), _block_keys(body)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .blocks import SETTLE_SECONDS
 from .config import Config
 from .errors import Busy, PermissionDenied, ShuttingDown, SkippydError, StoreLocked, VersionMismatch
 from .handlers import STAGED_OPS, Behind, Deferred, Handler, Handlers, Reply, Session
@@ -318,8 +319,11 @@ class Connection:
             except Exception as exc:
                 self._reply_failure(request_id, exc, f"operation {op} failed")
             else:
-                if isinstance(reply, Deferred):  # it needs the disk after all: the worker goes on with it
-                    self._submit(request_id, op, started, functools.partial(_to_end, reply))
+                if isinstance(reply, Deferred):  # it needs the disk, or a put's copy, after all
+                    if reply.park is not None:
+                        self._park(request_id, op, started, reply)
+                    else:
+                        self._submit(request_id, op, started, functools.partial(_to_end, reply))
                     return
                 self._reply(request_id, reply)
             state.latency.observe(op, time.perf_counter() - started)
@@ -333,6 +337,39 @@ class Connection:
         self.server.state.inflight += 1
         future = self.server.pool.submit(work)
         future.add_done_callback(self._done_callback(request_id, op, started, staged))
+
+    def _park(self, request_id: int, op: str, started: float, deferred: Deferred) -> None:
+        """Runs ``deferred`` on a worker once its ``park`` wakes it (a put's copy it waits for committed)
+        or :data:`SETTLE_SECONDS` have passed; meanwhile it holds no thread, only this connection (whose
+        requests run in order)."""
+        assert deferred.park is not None
+        server = self.server
+        self.running = True
+        server.state.inflight += 1
+        fired = False
+
+        def go() -> None:  # on the event loop, once
+            nonlocal fired
+            if fired:
+                return
+            fired = True
+            timer.cancel()
+            forget()
+            try:
+                future = server.pool.submit(functools.partial(_to_end, Deferred(deferred.work)))
+            except RuntimeError:  # the workers are gone: the daemon stops
+                future = Future()
+                future.set_exception(ShuttingDown("the daemon is shutting down"))
+                self._finished(request_id, future)
+                return
+            future.add_done_callback(self._done_callback(request_id, op, started))
+
+        def wake() -> None:  # any thread (the one that commits the copy, under the tier's lock)
+            with contextlib.suppress(RuntimeError):  # (the loop is closed: nothing waits any more)
+                server.loop.call_soon_threadsafe(go)
+
+        timer = server.loop.call_later(SETTLE_SECONDS, go)
+        forget = deferred.park(wake)
 
     def _done_callback(
         self, request_id: int, op: str, started: float, staged: bool = False

@@ -116,6 +116,30 @@ def test_a_put_is_answered_before_its_copy_and_every_later_read_waits_for_it(
         assert other.stats()["server"]["copies_behind"] == 0
 
 
+def test_reads_waiting_for_a_copy_hold_no_worker_thread(make_daemon: Any, gate: Path) -> None:
+    """Reads parked on a put's copy hold no thread: with two worker threads, eight readers wait for one
+    copy while a put from yet another connection (a worker's job) is served; the copy then answers all."""
+    proc: DaemonProcess = make_daemon(env={COPY_GATE_ENV: str(gate), "SKIPPYD_WORKERS": "2"}).start()
+    with proc.client() as writer:
+        keys = space(writer).keys(list(range(4 * BLOCK)))
+        data = block_data(4, seed=15)
+        assert space(writer).put(keys, data).stored == 4  # its copy held at the gate
+        readers = [proc.client() for _ in range(8)]
+        try:
+            waiting = [Background(lambda r=reader: space(r).contains(keys)) for reader in readers]
+            assert all(w.held() for w in waiting)
+            with proc.client() as other:  # a put answered after its copy (no halves): a worker serves it
+                mine = space(without_halves(other), namespace="other")
+                other_keys = mine.keys(list(range(2 * BLOCK)))
+                assert mine.put(other_keys, block_data(2, seed=16), durable=False).stored == 2
+            assert all(w.thread.is_alive() for w in waiting)
+            gate.unlink()
+            assert [w.value() for w in waiting] == [4] * 8
+        finally:
+            for reader in readers:
+                reader.close()
+
+
 def test_a_read_waits_for_a_copy_that_does_not_come_at_most_the_settle_time(
     gated: DaemonProcess, gate: Path
 ) -> None:
