@@ -225,7 +225,7 @@ class BlockRules:
         self._settle_waiters = max(0, settle_waiters)
         self._settling = 0
         # parked reads (the server's, holding no thread): the reserved keys each waits for, and its wake-up
-        self._parked: list[tuple[set[bytes], Callable[[], None]]] = []
+        self._parked: list[tuple[Callable[[], bool], Callable[[], None]]] = []
         self._evict_epoch = 0  # explicit evictions so far; puts reserved before one never commit its blocks
         self._evict_marks: dict[bytes | None, int] = {}  # identity (None: all) -> the epoch of its last
 
@@ -280,19 +280,26 @@ class BlockRules:
         return held
 
     def when_copied(
-        self, space: BlockSpaceId, keys: Sequence[bytes], wake: Callable[[], None]
+        self, space: BlockSpaceId, keys: Sequence[bytes], wake: Callable[[], None], *, each: bool = False
     ) -> Callable[[], None]:
-        """Calls ``wake`` once no put holds any of ``keys`` reserved (at once if none does; else from the
-        thread that commits or gives back the last of them, under the tier's lock: it must only hand
-        off, e.g. ``call_soon_threadsafe``). A read parked so holds no thread while it waits. Returns a
-        function that forgets the wake-up (the server's own time limit, :data:`SETTLE_SECONDS`)."""
+        """Calls ``wake`` once the leading run of ``keys`` (with ``each``: any of them) no longer reaches
+        a block a put's copy is still writing (at once if it does not; else from the thread that
+        commits or gives back a block, under the tier's lock: it must only hand off, e.g.
+        ``call_soon_threadsafe``). A read parked so holds no thread while it waits. Returns a function
+        that forgets the wake-up (the server's own time limit, :data:`SETTLE_SECONDS`)."""
         bound = bind_keys(space, keys)
+        reserved = self._reserved
+
+        def copying() -> bool:  # (under the lock)
+            if each:
+                return any(key in reserved for key in bound)
+            return self._copying(bound, self._run(bound))
+
         with self.l2.lock:
-            waiting = {key for key in bound if key in self._reserved}
-            if not waiting:
+            if not copying():
                 wake()
                 return lambda: None
-            entry = (waiting, wake)
+            entry = (copying, wake)
             self._parked.append(entry)
 
         def forget() -> None:
@@ -715,6 +722,7 @@ class BlockRules:
                     self._unreserve(pending)
                     for _, slot in pending:
                         blocks.abort(slot)
+                    self._wake_parked()
                 raise
             stored = nbytes = 0
             present, skipped = job.present, job.skipped
@@ -753,6 +761,7 @@ class BlockRules:
                     raise
                 finally:
                     blocks.room_changed()  # committed blocks are evictable: puts waiting look again
+                    self._wake_parked()  # and reads parked on these copies go on
                 blocks.touch(job.bound)
             durability = "none"
             if held_back:
@@ -781,6 +790,7 @@ class BlockRules:
                 self._unreserve(job.pending)
                 for _, slot in job.pending:
                     self.l2.blocks.abort(slot)
+                self._wake_parked()
         finally:
             self._end_put(job)
 
@@ -793,8 +803,8 @@ class BlockRules:
                 self.writer.end(job.seq)
 
     def _unreserve(self, pending: list[tuple[int, Pending]]) -> None:
-        """The put's keys are no longer reserved (committed or given back): reads waiting go on. Under the
-        lock."""
+        """The put's keys are no longer reserved (committed or given back): reads waiting in-process look
+        again once the lock is let go (parked ones: :meth:`_wake_parked`). Under the lock."""
         reserved = self._reserved
         self._copies_done.notify_all()
         for _, slot in pending:
@@ -806,12 +816,15 @@ class BlockRules:
                 reserved.pop(key, None)
         if not reserved:  # no put holds reserved slots: no eviction mark can cancel one any more
             self._evict_marks.clear()
+
+    def _wake_parked(self) -> None:
+        """Wakes the parked reads whose run no longer reaches a block in copy (under the lock, after
+        commits or give-backs)."""
         if self._parked:
-            still: list[tuple[set[bytes], Callable[[], None]]] = []
-            for waiting, wake in self._parked:
-                waiting.intersection_update(reserved)
-                if waiting:
-                    still.append((waiting, wake))
+            still: list[tuple[Callable[[], bool], Callable[[], None]]] = []
+            for copying, wake in self._parked:
+                if copying():
+                    still.append((copying, wake))
                 else:
                     wake()
             self._parked = still

@@ -398,7 +398,9 @@ class Handlers:
 
             now = blocks.held_now(space, keys)
             if now is None:
-                return Deferred(lambda: each(blocks.held_as_is(space, keys)), park=self._park(space, keys))
+                return Deferred(
+                    lambda: each(blocks.held_as_is(space, keys)), park=self._park(space, keys, each=True)
+                )
             return each(now)
         count = blocks.contains_now(space, keys)
         if count is None:  # parked until the copy commits, then answered as things are
@@ -420,9 +422,9 @@ class Handlers:
             return Deferred(lambda: _blocks_reply(blocks.get(space, keys, max_fds=MAX_FDS)))
         return _blocks_reply(served)
 
-    def _park(self, space: BlockSpaceId, keys: list[bytes]) -> Park:
+    def _park(self, space: BlockSpaceId, keys: list[bytes], *, each: bool = False) -> Park:
         blocks = self.tiers.blocks
-        return lambda wake: blocks.when_copied(space, keys, wake)
+        return lambda wake: blocks.when_copied(space, keys, wake, each=each)
 
     def op_blocks_put(self, session: Session, body: dict[str, Any]) -> Reply:
         space, keys = _space(body), _block_keys(body)

@@ -368,8 +368,16 @@ class Connection:
             with contextlib.suppress(RuntimeError):  # (the loop is closed: nothing waits any more)
                 server.loop.call_soon_threadsafe(go)
 
+        forget: Callable[[], None] = lambda: None  # noqa: E731 - replaced once parked
         timer = server.loop.call_later(SETTLE_SECONDS, go)
-        forget = deferred.park(wake)
+        try:
+            forget = deferred.park(wake)
+        except Exception as exc:  # (a bug: answered at once, never a request left hanging)
+            fired = True
+            timer.cancel()
+            failed: Future[Reply] = Future()
+            failed.set_exception(exc)
+            self._finished(request_id, failed)
 
     def _done_callback(
         self, request_id: int, op: str, started: float, staged: bool = False

