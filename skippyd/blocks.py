@@ -224,7 +224,7 @@ class BlockRules:
         # this a read answers at once, the blocks in copy counted as not held)
         self._settle_waiters = max(0, settle_waiters)
         self._settling = 0
-        # parked reads (the server's, holding no thread): the reserved keys each waits for, and its wake-up
+        # parked reads (the server's, holding no thread): whether each still reaches a copy, and its wake-up
         self._parked: list[tuple[Callable[[], bool], Callable[[], None]]] = []
         self._evict_epoch = 0  # explicit evictions so far; puts reserved before one never commit its blocks
         self._evict_marks: dict[bytes | None, int] = {}  # identity (None: all) -> the epoch of its last
@@ -274,7 +274,7 @@ class BlockRules:
             if mode != _AS_IS and self._copying(bound, held):
                 if mode == _NOW:
                     return None
-                self._settle(lambda: self._copying(bound, self._run(bound)))
+                self._settle(lambda: self._in_copy(bound))
                 held = self._run(bound)
         self._count(block_contains=1)
         return held
@@ -288,12 +288,9 @@ class BlockRules:
         ``call_soon_threadsafe``). A read parked so holds no thread while it waits. Returns a function
         that forgets the wake-up (the server's own time limit, :data:`SETTLE_SECONDS`)."""
         bound = bind_keys(space, keys)
-        reserved = self._reserved
 
-        def copying() -> bool:  # (under the lock)
-            if each:
-                return any(key in reserved for key in bound)
-            return self._copying(bound, self._run(bound))
+        def copying() -> bool:
+            return self._in_copy(bound, each=each)
 
         with self.l2.lock:
             if not copying():
@@ -311,6 +308,14 @@ class BlockRules:
     def _copying(self, bound: Sequence[bytes], held: int) -> bool:
         """The run of ``held`` keys stops at a block a put reserved and has not committed (under the lock)."""
         return held < len(bound) and bound[held] in self._reserved
+
+    def _in_copy(self, bound: Sequence[bytes], *, each: bool = False) -> bool:
+        """The leading run of ``bound`` (with ``each``: any of its keys) reaches a block a put's copy is
+        still writing (under the lock)."""
+        if each:
+            reserved = self._reserved
+            return bool(reserved) and any(key in reserved for key in bound)
+        return self._copying(bound, self._run(bound))
 
     def _settle(self, copying: Callable[[], bool]) -> None:
         """Waits, the tier's lock released, while ``copying()`` (at most :data:`SETTLE_SECONDS`, and not
@@ -361,12 +366,11 @@ class BlockRules:
 
     def _held(self, space: BlockSpaceId, keys: Sequence[bytes], *, mode: int = _WAIT) -> list[bool] | None:
         bound = bind_keys(space, keys)
-        reserved = self._reserved
         with self.l2.lock:
-            if mode != _AS_IS and reserved and any(key in reserved for key in bound):
+            if mode != _AS_IS and self._in_copy(bound, each=True):
                 if mode == _NOW:
                     return None
-                self._settle(lambda: any(key in reserved for key in bound))
+                self._settle(lambda: self._in_copy(bound, each=True))
             return [self.l2.blocks.holds(key) or self._on_disk(key) for key in bound]
 
     def get(
@@ -390,7 +394,7 @@ class BlockRules:
             if may_wait and self._copying(bound, held):
                 if not may_read:
                     return Served(Lease(), held, needs_worker=True, copying=True)
-                self._settle(lambda: self._copying(bound, self._run(bound)))
+                self._settle(lambda: self._in_copy(bound))
                 in_l2 = blocks.held(bound)
                 held = self._run(bound, in_l2)
             run = bound[:held]
@@ -531,16 +535,16 @@ class BlockRules:
         assert self.l3 is not None
         blocks = self.l2.blocks
         pending: list[Pending] = []
+        mine = 0  # bytes of the slots reserved so far (what this fill must not wait for)
         with self.l2.lock:
             for record in records:
                 if blocks.holds(record.key):
                     continue
                 try:
-                    pending.append(
-                        blocks.reserve(_slot_record(record), mine=sum(p.home.slab.slot_size for p in pending))
-                    )
+                    pending.append(blocks.reserve(_slot_record(record), mine=mine))
                 except (NoSpace, TooLarge):
                     break
+                mine += pending[-1].home.slab.slot_size
         done = 0
         try:
             done = self.l3.blocks.read_into([p.record.key for p in pending], [p.view for p in pending])

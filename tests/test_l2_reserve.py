@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from daemonutil import eventually
 from l2util import admit_bytes, size_of
 
 from skippyd.blocks import BlockRules
@@ -302,9 +303,9 @@ def test_two_puts_that_each_wait_for_room_never_wait_on_each_other(shm_dir: Path
 
         threads = [threading.Thread(target=put, args=(b"x",)), threading.Thread(target=put, args=(b"y",))]
         threads[0].start()
-        _until(lambda: tier._fills_waiting == 1)  # x took the rest of the tier and waits
+        assert eventually(lambda: tier._fills_waiting == 1)  # x took the rest of the tier and waits
         threads[1].start()
-        _until(lambda: tier._fills_waiting == 2)  # y took nothing and waits
+        assert eventually(lambda: tier._fills_waiting == 2)  # y took nothing and waits
         first.abandon()  # x takes these and waits again
         time.sleep(0.2)
         second.abandon()  # y takes these: both hold slots, both want more, only each other's are left
@@ -314,13 +315,6 @@ def test_two_puts_that_each_wait_for_room_never_wait_on_each_other(shm_dir: Path
         assert len(ended) == 2 and max(ended) - gone < 2.0, "a put sat out the wait for the other"
         with tier.lock:
             assert tier.blocks.pending_bytes == 0 and tier._fills_waiting == 0
-
-
-def _until(condition: Any, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "never happened"
-        time.sleep(0.001)
 
 
 def test_a_commit_that_fails_midway_gives_back_the_slots_it_did_not_reach(
@@ -381,7 +375,7 @@ def test_a_put_waiting_for_room_goes_on_once_the_other_puts_blocks_commit_not_wh
             target=lambda: outcome.append(rules.put(*_blocks(b"b", fits), durable=False).stored)
         )
         second.start()
-        _until(lambda: tier._fills_waiting == 1)
+        assert eventually(lambda: tier._fills_waiting == 1)
         finishing.start()
         assert admitting.wait(10)  # the first put committed and now counts its blocks for admission
         second.join(2.0)
@@ -404,7 +398,7 @@ def test_reads_wait_for_a_puts_copy_only_while_places_to_wait_are_left(shm_dir: 
         seen: list[int] = []
         waiting = threading.Thread(target=lambda: seen.append(rules.contains(space, keys)))
         waiting.start()
-        _until(lambda: rules._settling == 1)
+        assert eventually(lambda: rules._settling == 1)
         started = time.monotonic()
         assert rules.contains(space, keys) == 0  # no place left to wait: a miss, at once
         assert time.monotonic() - started < 1.0 and rules.counters.block_settle_skips == 1
