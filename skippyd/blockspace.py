@@ -660,9 +660,11 @@ def _close(fds: list[int]) -> None:
 
 
 # A call is written once, as a generator of steps: it yields what it needs done (a request, a request
-# after a copy into the staging buffer, or blocking work) and is sent the result. BlockSpace runs the
-# steps on the blocking client, AsyncBlockSpace awaits them on the async one.
-_CALL, _STAGED, _WORK = "call", "staged", "work"
+# after a copy into the staging buffer, or blocking work; or a request sent ahead, and later its reply)
+# and is sent the result. BlockSpace runs the steps on the blocking client, AsyncBlockSpace awaits them
+# on the async one; a request sent ahead whose reply the steps never took is abandoned (its descriptors
+# closed) when they end.
+_CALL, _STAGED, _WORK, _SEND, _RECEIVE = "call", "staged", "work", "send", "receive"
 Step = tuple[str, Any, int, Any]
 Steps = Generator[Step, Any, Any]
 
@@ -743,16 +745,30 @@ class _Space:
         return _sum_puts(parts)
 
     def _get_steps(self, keys: Sequence[bytes], out: Sequence[Any] | None) -> Steps:
-        """Served blocks mapped (``out`` None: the tensors) or read into ``out`` (the count)."""
+        """Served blocks mapped (``out`` None: the tensors) or read into ``out`` (the count).
+
+        A long get is several requests, each sent before the reply in hand is read into ``out`` (or
+        mapped): the daemon leases the next blocks while the client copies these (or queues their DMA).
+        The first asks for :data:`_FIRST_GET` keys, so the first copies start early; each next one for
+        twice what the last served, up to 8192 (a reply carries at most 8 slab descriptors)."""
         listed = _check_keys(keys)
         if out is not None and len(out) < len(listed):
             raise InvalidArgument(f"{len(listed)} keys but only {len(out)} destinations")
         tensors: list[Any] = []
         done = 0
-        while done < len(listed):
-            part = listed[done : done + MAX_KEYS_PER_REQUEST]
-            reply, fds = yield (_CALL, self._body("blocks_get", part), 0, None)
+        asked = min(len(listed), _FIRST_GET)
+        ahead = (yield (_SEND, self._body("blocks_get", listed[:asked]), 0, None)) if asked else None
+        while ahead is not None:
+            reply, fds = yield (_RECEIVE, ahead, 0, None)
+            ahead = None
             try:
+                served = _served(reply)
+                end = done + served
+                # the next request, before this reply is read: all asked were served (more may follow),
+                # or fewer but the run goes on (the reply was full)
+                if served and end < len(listed) and (served >= asked or int(reply.get("held", 0)) > served):
+                    asked = min(len(listed) - end, 2 * served, MAX_KEYS_PER_REQUEST)
+                    ahead = yield (_SEND, self._body("blocks_get", listed[end : end + asked]), 0, None)
                 if out is None:
                     got = _map_blocks(reply, fds)
                     tensors += got
@@ -762,9 +778,18 @@ class _Space:
             finally:
                 _close(fds)
             done += count
-            if not count or count >= int(reply.get("held", 0)):
-                break
         return tensors if out is None else done
+
+
+_FIRST_GET = 64  # keys the first blocks_get of a long get asks for
+
+
+def _served(reply: dict[str, Any]) -> int:
+    """How many blocks a ``blocks_get`` reply serves (its placements are checked where they are read)."""
+    blocks = reply.get("blocks")
+    if not isinstance(blocks, list):
+        raise BadFrame("a blocks_get reply without its blocks")
+    return len(blocks)
 
 
 def _check_durable(durable: Any) -> bool | str:
@@ -793,12 +818,23 @@ Staged = Callable[[dict[str, Any], int, Callable[[memoryview], None]], dict[str,
 class BlockSpace(_Space):
     """Blocks of one identity and block size on a :class:`~skippyd.client.Client` (see the module)."""
 
-    def __init__(self, call: Call, staged: Staged, staging_max: Callable[[], int], **space: Any) -> None:
+    def __init__(
+        self,
+        call: Call,
+        staged: Staged,
+        staging_max: Callable[[], int],
+        *,
+        ahead: tuple[Callable[[dict[str, Any]], Any], Callable[[Any], tuple[dict[str, Any], list[int]]],
+                     Callable[[Any], None]] | None = None,
+        **space: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**space)
         self._call, self._staged, self._staging_max = call, staged, staging_max
+        self._ahead = ahead
 
     def _run(self, steps: Steps) -> Any:
         result: Any = None
+        sent: list[Any] = []  # requests sent ahead whose replies were not taken yet
         try:
             while True:
                 kind, what, size, write = steps.send(result)
@@ -806,10 +842,20 @@ class BlockSpace(_Space):
                     result = self._call(what)
                 elif kind == _STAGED:
                     result = self._staged(what, size, write)
+                elif kind == _SEND:
+                    result = what if self._ahead is None else self._ahead[0](what)
+                    sent.append(result)
+                elif kind == _RECEIVE:
+                    sent.remove(what)
+                    result = self._call(what) if self._ahead is None else self._ahead[1](what)
                 else:
                     result = self._staging_max() if what is None else what()
         except StopIteration as done:
             return done.value
+        finally:
+            for ahead in sent:
+                if self._ahead is not None:
+                    self._ahead[2](ahead)
 
     def contains(self, keys: Sequence[bytes]) -> int:
         """How many LEADING keys are held (in L2 or L3)."""
@@ -856,15 +902,25 @@ class AsyncBlockSpace(_Space):
     """The same calls as :class:`BlockSpace`, as coroutines, on an :class:`~skippyd.client.AsyncClient`."""
 
     def __init__(
-        self, call: AsyncCall, staged: AsyncStaged, staging_max: Callable[[], Awaitable[int]], **space: Any
-    ) -> None:
+        self,
+        call: AsyncCall,
+        staged: AsyncStaged,
+        staging_max: Callable[[], Awaitable[int]],
+        *,
+        ahead: tuple[Callable[[dict[str, Any]], Any],
+                     Callable[[Any], Awaitable[tuple[dict[str, Any], list[int]]]],
+                     Callable[[Any], None]] | None = None,
+        **space: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**space)
         self._call, self._staged, self._staging_max = call, staged, staging_max
+        self._ahead = ahead
 
     async def _run(self, steps: Steps) -> Any:
         import asyncio
 
         result: Any = None
+        sent: list[Any] = []  # requests sent ahead whose replies were not taken yet
         try:
             while True:
                 kind, what, size, write = steps.send(result)
@@ -872,12 +928,22 @@ class AsyncBlockSpace(_Space):
                     result = await self._call(what)
                 elif kind == _STAGED:
                     result = await self._staged(what, size, write)
+                elif kind == _SEND:
+                    result = what if self._ahead is None else self._ahead[0](what)
+                    sent.append(result)
+                elif kind == _RECEIVE:
+                    sent.remove(what)
+                    result = await (self._call(what) if self._ahead is None else self._ahead[1](what))
                 else:
                     # (a copy to or from a GPU stays ordered against the caller's current stream)
                     work = in_callers_streams(what) if what is not None else None
                     result = await self._staging_max() if work is None else await asyncio.to_thread(work)
         except StopIteration as done:
             return done.value
+        finally:
+            for ahead in sent:
+                if self._ahead is not None:
+                    self._ahead[2](ahead)
 
     async def contains(self, keys: Sequence[bytes]) -> int:
         """As :meth:`BlockSpace.contains`."""

@@ -345,6 +345,20 @@ def _answered(exc: BaseException) -> bool:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Ahead:
+    """A request :meth:`Client._send` sent: the connection it went out on, its id and its body."""
+
+    conn: _Conn
+    request_id: int
+    body: dict[str, Any]
+
+
+def _drop_reply(task: asyncio.Task[tuple[dict[str, Any], list[int]]]) -> None:
+    if not task.cancelled() and task.exception() is None:
+        _close_all(task.result()[1])
+
+
 class _Staging:
     @classmethod
     def from_reply(cls, reply: dict[str, Any], fds: list[int]) -> _Staging:
@@ -496,18 +510,31 @@ class _Conn:
             self._timeout = timeout
 
     def request(self, body: dict[str, Any], timeout: float) -> tuple[dict[str, Any], list[int]]:
+        return self.receive(self.send(body, timeout), body, timeout)
+
+    def send(self, body: dict[str, Any], timeout: float) -> int:
+        """Sends one request; its id, for :meth:`receive` (0 when the daemon closed the connection before
+        it went out: its error frame, e.g. ``permission_denied``, is what :meth:`receive` reads then)."""
         request_id = next(self.ids)
         data = encode_frame(FrameType.REQUEST, request_id, body)
         self._set_timeout(timeout)
         try:
-            try:
-                self.sock.sendall(data)
-            except (BrokenPipeError, ConnectionResetError):
-                # The daemon may have refused this connection (e.g. permission_denied) and closed it
-                # before our request went out: its error frame is still waiting to be read.
-                frame = self._read_frame(0)
-            else:
-                frame = self._read_frame(request_id)
+            self.sock.sendall(data)
+        except (BrokenPipeError, ConnectionResetError):
+            return 0
+        except (TimeoutError, BlockingIOError) as exc:
+            raise Timeout(f"skippyd did not take {body.get('op')} within {timeout:g}s") from exc
+        except OSError as exc:
+            raise ConnectionLost(f"connection to skippyd lost: {exc.strerror or exc}") from exc
+        return request_id
+
+    def receive(
+        self, request_id: int, body: dict[str, Any], timeout: float
+    ) -> tuple[dict[str, Any], list[int]]:
+        """The reply to the request :meth:`send` sent as ``request_id`` (replies come in order)."""
+        self._set_timeout(timeout)
+        try:
+            frame = self._read_frame(request_id)
         except (TimeoutError, BlockingIOError) as exc:
             raise Timeout(f"skippyd did not answer {body.get('op')} within {timeout:g}s") from exc
         except OSError as exc:
@@ -605,6 +632,55 @@ class Client:
         _close_all(fds)
         return request.parse(reply)
 
+    # A request sent ahead (a long blocks_get sends its next request before it reads the reply in hand, so
+    # the daemon leases the next blocks while the client copies these): the client's lock is held from
+    # _send to _receive (or _abandon), so no other thread's request reads its reply.
+    def _send(self, body: dict[str, Any]) -> _Ahead:
+        self._lock.acquire()
+        try:
+            for attempt in range(_ATTEMPTS):
+                try:
+                    conn = self._connection()
+                    return _Ahead(conn, conn.send(body, self.timeout), body)
+                except _RECONNECT as exc:
+                    self._drop()
+                    _retry_or_raise(exc, attempt)
+            raise AssertionError("unreachable")
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _receive(self, ahead: _Ahead) -> tuple[dict[str, Any], list[int]]:
+        try:
+            try:
+                if ahead.conn is not self._conn:
+                    raise ConnectionLost("connection to skippyd lost")
+                return ahead.conn.receive(ahead.request_id, ahead.body, self.timeout)
+            except _RECONNECT as exc:
+                self._drop()
+                _retry_or_raise(exc, 0)
+            try:  # once more, on a new connection, as _call would
+                return self._connection().request(ahead.body, self.timeout)
+            except _RECONNECT:
+                self._drop()
+                raise
+        finally:
+            self._lock.release()
+
+    def _abandon(self, ahead: _Ahead) -> None:
+        """Reads and drops the reply to a request sent ahead that is no longer wanted (its descriptors
+        closed at once, so the daemon's leases end)."""
+        try:
+            if ahead.conn is self._conn:
+                try:
+                    _, fds = ahead.conn.receive(ahead.request_id, ahead.body, self.timeout)
+                    _close_all(fds)
+                except SkippydError as exc:
+                    if isinstance(exc, _RECONNECT):
+                        self._drop()
+        finally:
+            self._lock.release()
+
     @property
     def server_info(self) -> dict[str, Any]:
         """What the daemon said in the handshake (version, node, limits)."""
@@ -686,7 +762,7 @@ class Client:
     def blocks(self, *, model: str, state: str, namespace: str = "", block_tokens: int) -> BlockSpace:
         """The blocks of one identity and block size (see :class:`~skippyd.blockspace.BlockSpace`)."""
         return BlockSpace(
-            self._call, self._staged, self._staging_max,
+            self._call, self._staged, self._staging_max, ahead=(self._send, self._receive, self._abandon),
             model=model, state=state, namespace=namespace, block_tokens=block_tokens,
         )  # fmt: skip
 
@@ -940,6 +1016,19 @@ class AsyncClient:
         _close_all(fds)
         return request.parse(reply)
 
+    # A request sent ahead (see Client._send): requests on one connection are pipelined already.
+    def _send(self, body: dict[str, Any]) -> asyncio.Task[tuple[dict[str, Any], list[int]]]:
+        return asyncio.ensure_future(self._call(body))
+
+    async def _receive(
+        self, ahead: asyncio.Task[tuple[dict[str, Any], list[int]]]
+    ) -> tuple[dict[str, Any], list[int]]:
+        return await ahead
+
+    def _abandon(self, ahead: asyncio.Task[tuple[dict[str, Any], list[int]]]) -> None:
+        """Closes the reply's descriptors when it comes (an abandoned request is not awaited)."""
+        ahead.add_done_callback(_drop_reply)
+
     async def ping(self) -> bool:
         """As :meth:`Client.ping`."""
         try:
@@ -1022,7 +1111,7 @@ class AsyncClient:
     def blocks(self, *, model: str, state: str, namespace: str = "", block_tokens: int) -> AsyncBlockSpace:
         """As :meth:`Client.blocks`, with coroutines."""
         return AsyncBlockSpace(
-            self._call, self._staged, self._staging_max,
+            self._call, self._staged, self._staging_max, ahead=(self._send, self._receive, self._abandon),
             model=model, state=state, namespace=namespace, block_tokens=block_tokens,
         )  # fmt: skip
 

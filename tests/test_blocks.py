@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from daemonutil import DaemonProcess
+from daemonutil import DaemonProcess, eventually
 
 import skippyd
+from skippyd import blockspace
 from skippyd.errors import InvalidArgument, TooLarge
 
 MODEL, STATE = "block-model@sha256:0", "paged-kv-v1"
@@ -353,6 +355,84 @@ def test_a_get_longer_than_one_reply_comes_back_whole(make_daemon: Any) -> None:
         assert blocks.put(keys, data).stored == 600
         got = blocks.get(keys)
         assert len(got) == 600 and torch.equal(got[599], data[599])
+
+
+def _block_gets(client: skippyd.Client) -> int:
+    return int(client.stats()["ops"]["block_gets"])
+
+
+def test_a_long_get_into_asks_for_the_next_blocks_before_it_copies_the_ones_in_hand(
+    make_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon leases the next blocks while the client copies these: while the first reply's blocks
+    are being read, the daemon has served a second blocks_get already (blocking and async clients)."""
+    proc = make_daemon(budget="64MiB").start()
+    real = blockspace._read_blocks
+    seen: list[int] = []
+
+    with proc.client() as client, proc.client() as observer:
+        blocks = space(client)
+        keys = blocks.keys(list(range(200 * BLOCK)))
+        data = block_data(200, seed=14)
+        assert blocks.put(keys, data).stored == 200
+        start = _block_gets(observer)
+
+        def reading(reply: dict[str, Any], fds: list[int], out: Any, first: int) -> int:
+            if first == 0:  # the first reply in hand: the next request is served without waiting for it
+                seen.append(eventually(lambda: _block_gets(observer) - start >= 2, timeout=5))
+            return real(reply, fds, out, first)
+
+        monkeypatch.setattr(blockspace, "_read_blocks", reading)
+        out = [bytearray(BLOCK_BYTES) for _ in keys]
+        assert blocks.get_into(keys, out) == 200
+        assert [bytes(b) for b in out] == [t.numpy().tobytes() for t in data]
+
+        async def run_async() -> int:
+            async with skippyd.AsyncClient(proc.socket) as aclient:
+                ablocks = aclient.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+                again = [bytearray(BLOCK_BYTES) for _ in keys]
+                count = await ablocks.get_into(keys, again)
+                assert again == out
+                return count
+
+        start = _block_gets(observer)
+        assert asyncio.run(run_async()) == 200
+    assert seen == [True, True]
+
+
+def test_a_get_into_that_fails_midway_leaves_the_client_usable_and_holds_no_lease(
+    make_daemon: Any,
+) -> None:
+    """A destination too small for a block of a later reply: Mismatch, and the request sent ahead is read
+    and its descriptors closed (no descriptor left open, the client's next calls answered)."""
+    proc = make_daemon(budget="64MiB").start()
+    with proc.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(300 * BLOCK)))
+        assert blocks.put(keys, block_data(300, seed=16)).stored == 300
+        out: list[Any] = [bytearray(BLOCK_BYTES) for _ in keys]
+        assert blocks.get_into(keys, out) == 300  # (the slab mappings the client keeps are made)
+        fds = len(os.listdir("/proc/self/fd"))
+        out[100] = bytearray(10)  # in the second reply; the third was asked for before it is read
+        with pytest.raises(skippyd.Mismatch):
+            blocks.get_into(keys, out)
+        assert len(os.listdir("/proc/self/fd")) == fds
+        assert blocks.contains(keys) == 300
+        out[100] = bytearray(BLOCK_BYTES)
+        assert blocks.get_into(keys, out) == 300
+
+        async def run_async() -> None:
+            async with skippyd.AsyncClient(proc.socket) as aclient:
+                ablocks = aclient.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+                bad: list[Any] = [bytearray(BLOCK_BYTES) for _ in keys]
+                bad[100] = bytearray(10)
+                with pytest.raises(skippyd.Mismatch):
+                    await ablocks.get_into(keys, bad)
+                assert await ablocks.get_into(keys, out) == 300
+
+        before = len(os.listdir("/proc/self/fd"))
+        asyncio.run(run_async())
+        assert eventually(lambda: len(os.listdir("/proc/self/fd")) == before, timeout=5)
 
 
 def test_ls_summarises_blocks_per_identity_and_evict_drops_one_identitys_blocks(

@@ -12,6 +12,7 @@ from blake3 import blake3
 from daemonutil import DaemonProcess, eventually
 
 import skippyd
+from skippyd.blockspace import MAX_KEYS_PER_REQUEST
 from skippyd.l3 import L3Store
 from skippyd.l3.packs import BlockItem, PackRecord
 
@@ -60,6 +61,27 @@ def test_sync_blocks_come_back_from_l3_after_a_reboot(make_daemon: Any) -> None:
         out = [torch.empty(NBYTES, dtype=torch.uint8) for _ in keys]
         assert blocks.get_into(keys, out) == 6
         assert all(torch.equal(a, b) for a, b in zip(out, data, strict=True))
+
+
+def test_a_get_of_more_keys_than_one_request_takes_comes_back_whole_from_l3(make_daemon: Any) -> None:
+    """A get of more keys than one request takes (8192), read from L3 after a reboot: every reply's
+    blocks land in their places while the next request is asked for, and the get asks on to the end."""
+    count, nbytes = MAX_KEYS_PER_REQUEST + 300, 1024
+    proc = make_daemon().start()
+    gen = torch.Generator().manual_seed(17)
+    data = torch.randint(0, 256, (count, nbytes), dtype=torch.uint8, generator=gen)
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=1)
+        keys = blocks.keys(list(range(count)))
+        assert blocks.put(keys, list(data), durable="sync").stored == count
+    assert proc.stop() == 0
+    reboot(proc)
+    proc.start()
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=1)
+        out = torch.zeros_like(data)
+        assert blocks.get_into(keys, list(out)) == count
+        assert torch.equal(out, data)
 
 
 def test_after_a_reboot_the_reserve_stocks_the_block_groups_l3_holds_so_reads_fault_no_fresh_slots(
