@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from daemonutil import DaemonProcess
+from daemonutil import DaemonProcess, eventually
 from l2util import admit, borrow
 
 from skippyd.cli import main
@@ -214,8 +214,8 @@ def test_warm_commands_default_to_the_embedded_redis_of_the_state_dir(
         run("warm", "ran", "--model", "m", "--node", "n", "--tokens", str(tokens), "--state-dir", state)[0]
         == 0
     )
-    _code, out, _ = run("nodes", "--state-dir", state)
-    assert "test-node" in out
+    # (the daemon's first heartbeat may come after its socket is up: a loaded machine took that long)
+    assert eventually(lambda: "test-node" in run("nodes", "--state-dir", state)[1], timeout=10)
     assert (
         run("warm", "warmest", "--model", "m", "--tokens", str(tokens), "--state-dir", state)[1].strip()
         == "n 128"

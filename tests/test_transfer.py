@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import skippyd
 from skippyd.errors import NoDevice
 from skippyd.transfer import RegistrationBook, Run, plan_runs, sim, split_runs
 from skippyd.transfer.device import FileMaps, resolve_device
+from skippyd.transfer.plan import page_spans
 
 MODEL, STATE = "transfer-model@sha256:0", "paged-kv-v1"
 BLOCK = 16
@@ -142,6 +144,39 @@ def test_a_range_over_several_slots_goes_when_one_slot_changed_and_only_what_is_
     book.ensure("slab", 1, base, [(0, 4096)], readonly=True, span_generations=[10])
     assert rec.calls == [("register", base, 4096, 8)]
     assert book.registration_at("slab", 100) == base and book.registration_at("slab", 5000) is None
+
+
+@pytest.mark.parametrize("slot_size", [4096, 8192, 6000, 300])
+def test_spans_joined_per_generation_before_the_book_register_exactly_what_one_span_a_block_would(
+    slot_size: int,
+) -> None:
+    """page_spans hands the book one span per run of consecutive slots of one generation instead of one
+    per block: over random replies (random slots, sizes, punched slots) both books make the same calls,
+    keep the same ranges and report the same boundaries."""
+    rng = random.Random(slot_size)
+    raw, joined = Recorder(), Recorder()
+    books = raw.book(), joined.book()
+    base, start = 0x10000000, 4096
+    generation = [1] * 64
+    fewer = 0
+    for _ in range(300):
+        for slot in rng.sample(range(64), rng.randrange(0, 3)):  # punched and filled again
+            generation[slot] += 1
+        first = rng.randrange(64)
+        slots = sorted({min(63, first + rng.randrange(12)) for _ in range(rng.randrange(1, 16))})
+        spans = [
+            (start + i * slot_size, start + i * slot_size + rng.randrange(1, slot_size + 1)) for i in slots
+        ]
+        gens = [generation[i] for i in slots]
+        cuts_raw = books[0].ensure("slab", 1, base, spans, readonly=True, span_generations=gens)
+        merged, merged_gens = page_spans([a for a, _ in spans], [b for _, b in spans], gens)
+        assert len(merged) <= len(spans)
+        fewer += len(merged) < len(spans)
+        cuts_joined = books[1].ensure("slab", 1, base, merged, readonly=True, span_generations=merged_gens)
+        assert joined.calls == raw.calls
+        assert books[1].ranges("slab") == books[0].ranges("slab")
+        assert cuts_joined == cuts_raw
+    assert fewer  # (some replies were joined: the comparison covers joins)
 
 
 def test_an_entry_file_keeps_one_generation_for_the_whole_file() -> None:

@@ -42,7 +42,7 @@ import torch
 from skippyd.errors import BadFrame, InvalidArgument, Mismatch, NoDevice
 
 from .book import RegistrationBook
-from .plan import Flat, Run, plan_runs, split_runs
+from .plan import Flat, Run, page_spans, plan_runs, split_runs
 
 __all__ = [
     "DeviceTransfer",
@@ -591,17 +591,20 @@ class DeviceTransfer:
                 raise BadFrame("a blocks_get reply's slot generations do not match its blocks")
             if slot_generations is not None and not all(slot_generations):  # (a slot lent for this reply)
                 return False
-            spans_of: dict[int, list[tuple[int, int]]] = {index: [] for index in sources}
-            slots_of: dict[int, list[int]] = {index: [] for index in sources}
-            for n, (index, offset, nbytes) in enumerate(placements):  # one pass, grouped by descriptor
-                spans_of[index].append((offset, offset + nbytes))
-                if slot_generations is not None:
-                    slots_of[index].append(int(slot_generations[n]))
-            needs: list[_Need] = [
-                (source, generations[index], mapped.base, spans_of[index],
-                 slots_of[index] if slot_generations is not None else None)
-                for index, (source, mapped) in sources.items()
-            ]  # fmt: skip
+            # what each descriptor's registrations must cover: its blocks' pages, consecutive slots of
+            # one generation as one span (the book's work is per span)
+            table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
+            slot_gens = None if slot_generations is None else np.asarray(slot_generations, dtype=np.int64)
+            needs: list[_Need] = []
+            for index, (source, mapped) in sources.items():
+                rows = table[:, 0] == index if len(sources) > 1 else slice(None)
+                starts = table[rows, 1]
+                spans, gens = page_spans(
+                    starts, starts + table[rows, 2], None if slot_gens is None else slot_gens[rows]
+                )
+                needs.append(
+                    (source, generations[index], mapped.base, spans, None if slot_gens is None else gens)
+                )
             keys = {index: key for index, (key, _) in sources.items()}
             hosts = dict(sources.values())
             leases = [fds[i] for i in sources]

@@ -17,7 +17,7 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Run", "plan_runs", "split_runs", "total_bytes"]
+__all__ = ["Flat", "Run", "page_spans", "plan_runs", "split_runs", "total_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,3 +153,34 @@ class Flat:
                 size = np.add.reduceat(size, starts)
                 src, dst, group, source = src[starts], dst[starts], group[starts], source[starts]
         return src, dst, size, group, source
+
+
+def page_spans(
+    starts: Any, ends: Any, generations: Any | None = None, *, page: int = 4096
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """Byte ranges ``[starts[i], ends[i])`` of one source widened to whole pages, and joined where one
+    ends on the page the next begins and both carry one generation: what a registration book is asked
+    for (a reply's blocks in consecutive slots are one span, not one per block). ``generations``: one per
+    range (None: all 0). Where two ranges share a page (slots smaller than a page, or not page-aligned)
+    nothing is joined: the book settles shared pages itself (one generation for the pair, the newest)."""
+    import numpy as np
+
+    lo = np.asarray(starts, dtype=np.int64) // page * page
+    hi = -(-np.asarray(ends, dtype=np.int64) // page) * page
+    gen = (
+        np.zeros(len(lo), dtype=np.int64) if generations is None else np.asarray(generations, dtype=np.int64)
+    )
+    keep = hi > lo
+    if not keep.all():
+        lo, hi, gen = lo[keep], hi[keep], gen[keep]
+    if not len(lo):
+        return [], []
+    order = np.argsort(lo, kind="stable")
+    lo, hi, gen = lo[order], hi[order], gen[order]
+    if (lo[1:] < hi[:-1]).any():  # pages shared: as they are
+        return list(zip(lo.tolist(), hi.tolist(), strict=True)), gen.tolist()
+    new = np.ones(len(lo), dtype=bool)
+    new[1:] = (lo[1:] != hi[:-1]) | (gen[1:] != gen[:-1])
+    first = np.flatnonzero(new)
+    last = np.append(first[1:], len(lo)) - 1
+    return list(zip(lo[first].tolist(), hi[last].tolist(), strict=True)), gen[first].tolist()
