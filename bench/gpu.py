@@ -223,6 +223,18 @@ def correctness(client: Any, device: torch.device) -> None:
     got = blocks.get(put_keys)
     ok_put = len(got) == count and all(same(got[i], views[i].contiguous()) for i in range(count))
     row("exact", "blocks: get_into device pages, put from device", f"{ok_into and ok_put}")
+    # pages named as pools and page numbers: 8 planes of 4 KiB rows, 2 pages a block (the staging path),
+    # put from the device's pages and read back into others
+    planes = [random_bytes(64 * 4096, 600 + j, device).view(64, 4096) for j in range(8)]
+    into = [torch.zeros_like(plane) for plane in planes]
+    held, target = [[2 * i, 2 * i + 1] for i in range(8)], [[63 - i, 40 - i] for i in range(8)]
+    page_keys = blocks.keys(list(range(70_000, 70_000 + 8 * 16)))
+    blocks.put_pages(page_keys, planes, held, durable=False)
+    n = blocks.get_into_pages(page_keys, into, target)
+    ok_pages = n == 8 and all(
+        same(a[t], b[h]) for a, b in zip(into, planes, strict=True) for t, h in zip(target, held, strict=True)
+    )
+    row("exact", "blocks: put_pages from device, get_into_pages", f"{ok_pages}")
 
     # the memory is given to other bytes: a slab slot punched and filled again, an entry file recycled
     settle(device)
@@ -314,6 +326,21 @@ def block_bandwidth(client: Any, device: torch.device, total: int, sizes: list[i
 
             took = seconds(get, device)
             row("get_into", f"{label} {name}", gbs(total, took), gbs(total, h2d), h2d / took, target=0.85)
+
+        def get_pages(
+            blocks: Any = blocks, keys: list[bytes] = keys, pages: Any = pages, order: Any = order
+        ) -> None:
+            blocks.get_into_pages(keys, pages, order)
+
+        took = seconds(get_pages, device)
+        row(
+            "get_into",
+            f"{label} scattered, pages",
+            gbs(total, took),
+            gbs(total, h2d),
+            h2d / took,
+            target=0.85,
+        )
         round_ = [0]
 
         def put(round_: list[int] = round_, blocks: Any = blocks, count: int = count,
@@ -345,6 +372,39 @@ def block_bandwidth(client: Any, device: torch.device, total: int, sizes: list[i
         took = seconds(put_committed, device, reps=2)
         row("put", f"{label} from device, committed", gbs(total, took), gbs(total, d2h), d2h / took)
         client.evict(model=MODEL, state=f"{STATE}-{nbytes}", blocks=True)
+    paged_bandwidth(client, device, total, h2d)
+
+
+def paged_bandwidth(client: Any, device: torch.device, total: int, h2d: float) -> None:
+    """vLLM's layout of the 7.2B shape (a 16-token block is each layer's K and V page: 64 rows of 32 KiB,
+    2 MiB), blocks into scattered pages: ``get_into`` with the rows as pieces beside ``get_into_pages``."""
+    row_bytes, rows = (32 << 10, 64) if device.type == "cuda" else (4 << 10, 8)
+    nbytes = row_bytes * rows
+    count = total // nbytes
+    blocks = client.blocks(model=MODEL, state=f"{STATE}-paged", block_tokens=16)
+    keys = blocks.keys(list(range(count * 16)))
+    source = random_bytes(total, 77)
+    blocks.put(keys, list(source.view(count, nbytes).unbind(0)), durable=False)
+    planes = [torch.empty((count + 7, row_bytes), dtype=torch.uint8, device=device) for _ in range(rows)]
+    order = torch.randperm(count + 7, generator=torch.Generator().manual_seed(2))[:count].tolist()
+    outs = [[plane[p] for plane in planes] for p in order]
+    label = f"{count} × {nbytes >> 10} KiB as {rows} rows of {row_bytes >> 10} KiB, scattered"
+
+    def by_pieces() -> None:
+        blocks.get_into(keys, outs)
+
+    def by_pages() -> None:
+        blocks.get_into_pages(keys, planes, order)
+
+    for name, call in (("pieces", by_pieces), ("pages", by_pages)):
+        for plane in planes:
+            plane.zero_()
+        took = seconds(call, device)
+        exact = same(torch.cat([plane[order] for plane in planes], dim=1), source.view(count, nbytes))
+        row("get_into", f"{label}, {name}", gbs(total, took), gbs(total, h2d), h2d / took, target=0.85)
+        if not exact:
+            row("exact", f"{label}, {name}", "NOT EXACT")
+    client.evict(model=MODEL, state=f"{STATE}-paged", blocks=True)
 
 
 # ---------------------------------------------------------------- 3. TTFT

@@ -13,6 +13,9 @@ Cases (a daemon started here, no Redis):
 
 * ``get_into`` of 512 MiB in 2048 × 256 KiB, 512 × 1 MiB, 256 × 2 MiB blocks into "device" pages, in
   order (runs merge) and scattered (none do): the first call (registers) and warm calls.
+* ``get_into`` beside ``get_into_pages`` of the same pages (scattered): 2048 × 256 KiB blocks into one
+  pool; vLLM's layout of the 7.2B shape, 256 blocks of 64 rows of 32 KiB (each layer's K and V page).
+  (A ``--compare`` tree without ``get_into_pages`` skips these.)
 * ``skt.restore`` of a Llama-shaped cache at 32k tokens + 1, with the 7.2B counts (32 layers, 8 KV
   heads, head_dim 128, bf16: 128 blocks of 32 MiB, one slab each, as on the GPU) and the 1.1B counts
   (16 layers, head_dim 64: 128 blocks of 8 MiB): ``skt.restore(device=...)`` alone, first and warm.
@@ -37,6 +40,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -167,6 +171,54 @@ def get_into_cases(client: Any, sim: Any, reps: int, profile: str | None) -> lis
     return rows
 
 
+def pages_cases(client: Any, sim: Any, reps: int, profile: str | None) -> list[dict[str, Any]]:
+    """``get_into`` with one tensor (or a list of page rows) per block beside ``get_into_pages`` of the same
+    pages: 2048 × 256 KiB blocks into one pool, scattered; and vLLM's layout of the 7.2B shape (32 layers,
+    K and V, pages of 16 tokens × 8 heads × 128 × bf16 = 32 KiB rows: a 16-token block is 64 rows, 2 MiB)."""
+    rows = []
+    gen = torch.Generator().manual_seed(4)
+    shapes = [("one pool", 2048, [256 * KiB]), ("vLLM 7.2B layout", 256, [32 * KiB] * 64)]
+    for name, count, row_bytes in shapes:
+        nbytes = sum(row_bytes)
+        space = client.blocks(model=MODEL, state=f"pages-{name}", block_tokens=16)
+        keys = space.keys(list(range(count * 16)))
+        source = torch.randint(0, 256, (count, nbytes), dtype=torch.uint8, generator=gen)
+        space.put(keys, list(source.unbind(0)), durable=False)
+        planes = [torch.zeros((count + 7, row), dtype=torch.uint8) for row in row_bytes]  # 7 spare pages
+        order = torch.randperm(count + 7, generator=gen)[:count].tolist()
+        outs = [[plane[p] for plane in planes] if len(planes) > 1 else planes[0][p] for p in order]
+        label = f"{count} × {nbytes // KiB} KiB, {name}, scattered"
+        assert sim.batch is not None
+
+        def by_pieces(space: Any = space, keys: list[bytes] = keys, outs: list[Any] = outs) -> None:
+            space.get_into(keys, outs)
+
+        def by_pages(
+            space: Any = space, keys: list[bytes] = keys, planes: Any = planes, order: Any = order
+        ) -> None:
+            space.get_into_pages(keys, planes, order)
+
+        calls: list[tuple[str, Callable[[], None]]] = [("get_into", by_pieces), ("get_into_pages", by_pages)]
+        for how, call in calls:
+            sim.batch.copy = False
+            case = f"{how} {label}"
+            row = Case(sim, case, count).run(
+                call, reps, gets=partial(_raw_gets, client, space, keys),
+                profile=profile is not None and profile in case,
+            )  # fmt: skip
+            sim.batch.copy = True  # one checked call: every page holds its block's row
+            for plane in planes:
+                plane.zero_()
+            call()
+            sim.transfer.drain()
+            got = torch.cat([plane[order] for plane in planes], dim=1)
+            row["exact"] = bool(torch.equal(got, source))
+            rows.append(row)
+        del planes, source, outs
+        client.evict(model=MODEL, state=f"pages-{name}", blocks=True)
+    return rows
+
+
 def _llama(layers: int, kv_heads: int, head_dim: int) -> Any:
     import transformers as tf
 
@@ -266,6 +318,8 @@ def measure(reps: int, profile: str | None, tokens: int, only: str | None) -> li
     with daemon(None, "10GiB") as path, skippyd.Client(path, timeout=300) as client, simulated() as sim:
         if only in (None, "get_into"):
             rows += get_into_cases(client, sim, reps, profile)
+        if only in (None, "pages"):
+            rows += pages_cases(client, sim, reps, profile)
         if only in (None, "restore"):
             rows += restore_cases(client, sim, reps, profile, tokens)
         if only in (None, "entry"):
@@ -332,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=32768)
-    parser.add_argument("--only", choices=("get_into", "restore", "entry"))
+    parser.add_argument("--only", choices=("get_into", "pages", "restore", "entry"))
     parser.add_argument(
         "--profile", metavar="CASE", help="a cProfile of the warm calls of cases containing CASE"
     )

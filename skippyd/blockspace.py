@@ -37,6 +37,8 @@ from .errors import BadFrame, InvalidArgument, Mismatch
 from .keys import MAX_BLOCK_KEY_BYTES, block_keys, block_space, encode_tokens
 from .protocol import MAX_BLOCKS_PER_REQUEST
 from .transfer import cuda_in_use, in_callers_streams
+from .transfer.pages import LazyPieces, PageLayout
+from .transfer.plan import Flat
 
 if TYPE_CHECKING:
     import torch
@@ -441,6 +443,21 @@ def _no_zero_stride(piece: Any, index: int) -> None:
         raise InvalidArgument(f"out[{index}] has a piece whose elements share memory (a 0 stride)")
 
 
+def _generations(
+    reply: dict[str, Any], fds: list[int], placements: list[tuple[int, int, int]]
+) -> tuple[list[int], list[int] | None] | None:
+    """A reply's descriptor generations and its blocks' slot generations (None: an older daemon's reply
+    has none per slot), or None when the descriptors' are missing."""
+    generations = reply.get("generations")
+    if not isinstance(generations, list) or len(generations) != len(fds):
+        return None
+    slots = reply.get("slot_generations")  # one per placement (an older daemon: absent, per file then)
+    slot_generations = (
+        [int(g) for g in slots] if isinstance(slots, list) and len(slots) == len(placements) else None
+    )
+    return [int(g) for g in generations], slot_generations
+
+
 def _to_cuda(
     reply: dict[str, Any], fds: list[int], placements: list[tuple[int, int, int]], pieces: list[_Dest]
 ) -> bool:
@@ -452,16 +469,52 @@ def _to_cuda(
         return False
     from .transfer.device import transfer
 
-    generations = reply.get("generations")
-    if not isinstance(generations, list) or len(generations) != len(fds):
+    found = _generations(reply, fds, placements)
+    if found is None:
         return False
-    slots = reply.get("slot_generations")  # one per placement (an older daemon: absent, per file then)
-    slot_generations = (
-        [int(g) for g in slots] if isinstance(slots, list) and len(slots) == len(placements) else None
-    )
-    return transfer().pieces_to_device(
-        placements, fds, [int(g) for g in generations], pieces, slot_generations=slot_generations
-    )
+    return transfer().pieces_to_device(placements, fds, found[0], pieces, slot_generations=found[1])
+
+
+def _read_pages(reply: dict[str, Any], fds: list[int], layout: PageLayout, first: int) -> int:
+    """Reads every served block into its pages (``layout``'s rows ``first``, ...); returns how many. On
+    the CPU: every piece planned as arrays, merged into runs, one memcpy a run from the kept slab
+    mappings; CUDA planes go to the device transfer; a descriptor that is not a slab file (an L3 read
+    into a memfd), or planes on another device, take get_into's way with the pages as pieces."""
+    placements = _placements(reply, fds)
+    if not placements:
+        return 0
+    device = layout.device
+    assert device is not None
+    if device.type != "cpu" or _CPU_AS_DEVICE:
+        if device.type == "cuda" or _CPU_AS_DEVICE:
+            from .transfer.device import transfer
+
+            found = _generations(reply, fds, placements)
+            if found is not None and transfer().pages_to_device(
+                placements, fds, found[0], layout, first, slot_generations=found[1]
+            ):
+                return len(placements)
+        return _read_blocks(reply, fds, LazyPieces(layout), first)
+    table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
+    views: list[memoryview] = []
+    bases = np.zeros(len(fds), dtype=np.int64)
+    try:
+        for index in np.unique(table[:, 0]).tolist():
+            mine = table[table[:, 0] == index]
+            view = slab_maps.view(fds[index], int((mine[:, 1] + mine[:, 2]).max()))
+            if view is None:
+                return _read_blocks(reply, fds, LazyPieces(layout), first)
+            views.append(view)
+            bases[index] = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        pieces = layout.pieces(first, bases[table[:, 0]] + table[:, 1], table[:, 2])
+        zero = np.zeros(len(pieces.src), dtype=np.int64)  # (host memory: any two ranges that meet merge)
+        src, dst, size, _, _ = Flat.of([pieces.src, pieces.dst, pieces.size, pieces.rel, zero, zero]).runs()
+        in_two(_memmoves, list(zip(src.tolist(), dst.tolist(), size.tolist(), strict=True)), int(size.sum()))
+    finally:
+        for view in views:
+            with contextlib.suppress(BufferError):
+                view.release()
+    return len(placements)
 
 
 def _read_blocks(reply: dict[str, Any], fds: list[int], out: Sequence[Any], first: int) -> int:
@@ -744,7 +797,9 @@ class _Space:
                 parts.append((yield from self._ask(body)))
         return _sum_puts(parts)
 
-    def _get_steps(self, keys: Sequence[bytes], out: Sequence[Any] | None) -> Steps:
+    def _get_steps(
+        self, keys: Sequence[bytes], out: Sequence[Any] | None, pages: PageLayout | None = None
+    ) -> Steps:
         """Served blocks mapped (``out`` None: the tensors) or read into ``out`` (the count).
 
         A long get is several requests, each sent before the reply in hand is read into ``out`` (or
@@ -773,6 +828,8 @@ class _Space:
                     got = _map_blocks(reply, fds)
                     tensors += got
                     count = len(got)
+                elif pages is not None:
+                    count = yield (_WORK, partial(_read_pages, reply, fds, pages, done), 0, None)
                 else:
                     count = yield (_WORK, partial(_read_blocks, reply, fds, out, done), 0, None)
             finally:
@@ -893,6 +950,35 @@ class BlockSpace(_Space):
         pieces: a page scattered over an engine's layers); returns how many."""
         return int(self._run(self._get_steps(keys, out)))
 
+    def get_into_pages(self, keys: Sequence[bytes], planes: Any, pages: Any) -> int:
+        """Copies the leading held blocks into their pages of an engine's pools; returns how many. Block
+        ``i``'s bytes fill ``planes[0][pages[i]]``, then ``planes[1][pages[i]]``, ... (each plane a tensor
+        whose first axis is the page, each page's bytes contiguous; ``pages[i]`` one page number, or a row
+        of them: the block's pages in each plane, in order): what ``get_into(keys, [[plane[p] for plane
+        in planes for p in pages[i]] ...])`` does, planned as arrays instead of per piece (see
+        :mod:`skippyd.transfer.pages`; on a GPU, small pages go through a device staging buffer)."""
+        layout = _page_layout(planes, pages, keys)
+        return int(self._run(self._get_steps(keys, LazyPieces(layout), layout)))
+
+    def put_pages(
+        self,
+        keys: Sequence[bytes],
+        planes: Any,
+        pages: Any,
+        *,
+        durable: bool | str = True,
+        parent: bytes | None = None,
+    ) -> BlocksPut:
+        """Stores the blocks whose bytes are their pages in ``planes`` (as :meth:`get_into_pages` lays them
+        out): ``put`` with each block's pages as its pieces."""
+        layout = _page_layout(planes, pages, keys)
+        return self.put(keys, LazyPieces(layout), durable=durable, parent=parent)
+
+
+def _page_layout(planes: Any, pages: Any, keys: Sequence[bytes]) -> PageLayout:
+    _torch()  # (the planes are tensors)
+    return PageLayout(planes, pages, len(_check_keys(keys)))
+
 
 AsyncCall = Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], list[int]]]]
 AsyncStaged = Callable[[dict[str, Any], int, Callable[[memoryview], None]], Awaitable[dict[str, Any]]]
@@ -974,3 +1060,21 @@ class AsyncBlockSpace(_Space):
     async def get_into(self, keys: Sequence[bytes], out: Sequence[Any]) -> int:
         """As :meth:`BlockSpace.get_into`; the reads run in a thread."""
         return int(await self._run(self._get_steps(keys, out)))
+
+    async def get_into_pages(self, keys: Sequence[bytes], planes: Any, pages: Any) -> int:
+        """As :meth:`BlockSpace.get_into_pages`; the reads run in a thread."""
+        layout = _page_layout(planes, pages, keys)
+        return int(await self._run(self._get_steps(keys, LazyPieces(layout), layout)))
+
+    async def put_pages(
+        self,
+        keys: Sequence[bytes],
+        planes: Any,
+        pages: Any,
+        *,
+        durable: bool | str = True,
+        parent: bytes | None = None,
+    ) -> BlocksPut:
+        """As :meth:`BlockSpace.put_pages`."""
+        layout = _page_layout(planes, pages, keys)
+        return await self.put(keys, LazyPieces(layout), durable=durable, parent=parent)

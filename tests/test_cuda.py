@@ -272,6 +272,37 @@ def test_get_into_a_vllm_paged_layout_on_cuda_is_bit_exact_in_merged_runs(proc: 
                     assert same_bytes(engine[layer][:, dst], source[layer][:, src])
 
 
+def test_get_into_pages_on_cuda_is_bit_exact_through_staging_and_by_dma_and_put_pages_too(proc: Any) -> None:
+    from paged import same_bytes, vllm_caches
+
+    layers, heads = 4, 8
+    source = vllm_caches(layers, 48, heads, seed=2, device="cuda")
+    engine = vllm_caches(layers, 96, heads, device="cuda")
+    held = [list(range(16 * b, 16 * (b + 1))) for b in range(3)]
+    into = [list(range(48, 64)), list(range(31, 15, -1)), [64 + 2 * i for i in range(16)]]
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=256)
+        keys = blocks.keys(list(range(3 * 256)))
+        planes = [cache[kv] for cache in source for kv in range(2)]
+        assert blocks.put_pages(keys, planes, held, durable=False).stored == 3
+        copies = _transfer().copies
+        assert blocks.get_into_pages(keys, [cache[kv] for cache in engine for kv in range(2)], into) == 3
+        assert _transfer().copies - copies == 1  # 32 KiB rows: the three blocks in one DMA, then scattered
+        for layer in range(layers):  # read on the current stream, no host sync
+            for b in range(3):
+                assert same_bytes(engine[layer][:, into[b]], source[layer][:, held[b]])
+        # rows of 1 MiB go straight into their pages, one DMA a page (scattered: none merge)
+        pool = torch.zeros((8, 1 << 20), dtype=torch.uint8, device="cuda")
+        big = client.blocks(model=MODEL, state="big-pages", block_tokens=BLOCK)
+        big_keys = big.keys(list(range(4 * BLOCK)))
+        data = [_random(torch.uint8, (1 << 20,), 30 + i) for i in range(4)]
+        assert big.put(big_keys, data, durable=False).stored == 4
+        copies = _transfer().copies
+        assert big.get_into_pages(big_keys, pool, [6, 1, 4, 3]) == 4
+        assert _transfer().copies - copies == 4
+        assert all(torch.equal(pool[p].cpu(), d) for p, d in zip([6, 1, 4, 3], data, strict=True))
+
+
 def test_get_into_an_sglang_pool_and_strided_pieces_on_cuda_is_bit_exact(proc: Any) -> None:
     from paged import hf_block, random_like, same_bytes, sglang_block, sglang_pool
 

@@ -302,6 +302,54 @@ def test_get_into_a_vllm_paged_layout_goes_by_dma_one_run_per_consecutive_pages_
     assert transfer.in_flight == 0
 
 
+def test_get_into_pages_sends_large_pages_by_dma_into_them_and_small_ones_through_one_staging_buffer(
+    through_sim: dict[str, Any], make_daemon: Any
+) -> None:
+    from paged import vllm_block, vllm_caches
+
+    transfer, current = through_sim["transfer"], through_sim["current"]
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    with proc.client() as client:
+        # large pages (1 MiB): one DMA each, straight into its page (scattered: none merge)
+        big = client.blocks(model=MODEL, state="big", block_tokens=BLOCK)
+        data = [_random(1 << 20, seed) for seed in range(4)] + [_random(1000, 9)]
+        keys = big.keys(list(range(5 * BLOCK)))
+        assert big.put(keys, data, durable=False).stored == 5
+        pool = torch.zeros(8, 1 << 20, dtype=torch.uint8)
+        before = transfer.copies
+        assert big.get_into_pages(keys, [pool], [6, 1, 4, 3, 0]) == 5
+        assert transfer.copies - before == 5
+        for page, block in zip([6, 1, 4, 3], data, strict=False):
+            assert torch.equal(pool[page], block)
+        assert torch.equal(pool[0, :1000], data[4]) and not pool[0, 1000:].any()  # a short block: its bytes
+        assert not pool[[2, 5, 7]].any()
+        # small pages (vLLM's 8 KiB rows): whole blocks by DMA into a staging buffer, one run for the
+        # reply's consecutive slots, then scattered into the pages on the device
+        layers, heads = 3, 2
+        source = vllm_caches(layers, 48, heads, seed=5)
+        engine = vllm_caches(layers, 96, heads)
+        held = [list(range(16)), list(range(16, 32)), list(range(32, 48))]
+        into = [list(range(48, 64)), list(range(15, -1, -1)), [64 + 2 * i for i in range(16)]]
+        paged = client.blocks(model=MODEL, state="paged", block_tokens=256)
+        keys = paged.keys(list(range(3 * 256)))
+        assert paged.put(keys, [vllm_block(source, pages) for pages in held], durable=False).stored == 3
+        planes = [cache[kv] for cache in engine for kv in range(2)]
+        before = transfer.copies
+        assert paged.get_into_pages(keys, planes, into) == 3
+        assert transfer.copies - before == 1  # 288 pieces of 8 KiB: one DMA of the three blocks
+    for layer in range(layers):
+        for b in range(3):
+            assert torch.equal(
+                engine[layer][:, into[b]].view(torch.uint8), source[layer][:, held[b]].view(torch.uint8)
+            )
+    untouched = sorted(set(range(96)) - {p for pages in into for p in pages})
+    assert not any(cache[:, untouched].view(torch.uint8).any() for cache in engine)
+    assert sum(through_sim["host"]) == 0  # nothing bounced through the host
+    assert current.waited and current.waited[-1][0] == "event"  # the caller's stream waits on skippyd's event
+    transfer.drain()
+    assert transfer.in_flight == 0
+
+
 def test_device_destinations_that_require_grad_are_filled_by_dma_and_by_copy(
     through_sim: dict[str, Any], make_daemon: Any
 ) -> None:

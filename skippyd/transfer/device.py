@@ -42,6 +42,7 @@ import torch
 from skippyd.errors import BadFrame, InvalidArgument, Mismatch, NoDevice
 
 from .book import RegistrationBook
+from .pages import PageLayout
 from .plan import Flat, Run, page_spans, plan_runs, split_runs
 
 __all__ = [
@@ -573,41 +574,12 @@ class DeviceTransfer:
         device = pieces[0][3].device
         with self._lock:
             collecting: Layered | None = getattr(self._local, "layered", None)
-            self.maps.sweep(every=0.1 if collecting is not None else 0.0)  # (a long get: not per reply)
-            sources: dict[int, tuple[Hashable, _Mapped]] = {}
-            ends: dict[int, int] = {}
-            for index, offset, nbytes in placements:
-                ends[index] = max(ends.get(index, 0), offset + nbytes)
-            for index, end in ends.items():
-                if not 0 <= index < len(fds) or index >= len(generations):
-                    raise BadFrame("a blocks_get reply names a descriptor it did not carry")
-                if generations[index] == 0:
-                    return False
-                found = self.maps.get(fds[index], end, needed=[key for key, _ in sources.values()])
-                if found is None:
-                    return False
-                sources[index] = found
-            if slot_generations is not None and len(slot_generations) != len(placements):
-                raise BadFrame("a blocks_get reply's slot generations do not match its blocks")
-            if slot_generations is not None and not all(slot_generations):  # (a slot lent for this reply)
+            found = self._sources(
+                placements, fds, generations, slot_generations, every=collecting is not None
+            )
+            if found is None:
                 return False
-            # what each descriptor's registrations must cover: its blocks' pages, consecutive slots of
-            # one generation as one span (the book's work is per span)
-            table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
-            slot_gens = None if slot_generations is None else np.asarray(slot_generations, dtype=np.int64)
-            needs: list[_Need] = []
-            for index, (source, mapped) in sources.items():
-                rows = table[:, 0] == index if len(sources) > 1 else slice(None)
-                starts = table[rows, 1]
-                spans, gens = page_spans(
-                    starts, starts + table[rows, 2], None if slot_gens is None else slot_gens[rows]
-                )
-                needs.append(
-                    (source, generations[index], mapped.base, spans, None if slot_gens is None else gens)
-                )
-            keys = {index: key for index, (key, _) in sources.items()}
-            hosts = dict(sources.values())
-            leases = [fds[i] for i in sources]
+            needs, keys, hosts, leases = found
             if collecting is not None:  # issued layer by layer when the collection ends
                 copies, dests, scatters = _prepare(pieces, placements, keys, device)
                 used = list(keys.values())
@@ -622,6 +594,174 @@ class DeviceTransfer:
                 flat, reads, buffers = self._flatten(copies, hosts, dests, cuts)
                 self._to_device_flat(flat, reads, buffers, dests, device, leases, scatters, hosts)
             return True
+
+    def _sources(
+        self,
+        placements: Sequence[tuple[int, int, int]],
+        fds: Sequence[int],
+        generations: Sequence[int],
+        slot_generations: Sequence[int] | None,
+        *,
+        every: bool = False,
+    ) -> tuple[list[_Need], dict[int, Hashable], dict[Hashable, _Mapped], list[int]] | None:
+        """What a reply's copies read: what each descriptor needs registered, its mapping's key by
+        descriptor index, the mappings, the descriptors to hold as leases; None when a descriptor is not
+        one to map and register (a memfd read once, a slot lent for the reply). ``every``: a long
+        layered get, whose kept mappings are swept at most every 0.1 s instead of at each reply."""
+        self.maps.sweep(every=0.1 if every else 0.0)
+        sources: dict[int, tuple[Hashable, _Mapped]] = {}
+        ends: dict[int, int] = {}
+        for index, offset, nbytes in placements:
+            ends[index] = max(ends.get(index, 0), offset + nbytes)
+        for index, end in ends.items():
+            if not 0 <= index < len(fds) or index >= len(generations):
+                raise BadFrame("a blocks_get reply names a descriptor it did not carry")
+            if generations[index] == 0:
+                return None
+            found = self.maps.get(fds[index], end, needed=[key for key, _ in sources.values()])
+            if found is None:
+                return None
+            sources[index] = found
+        if slot_generations is not None and len(slot_generations) != len(placements):
+            raise BadFrame("a blocks_get reply's slot generations do not match its blocks")
+        if slot_generations is not None and not all(slot_generations):  # (a slot lent for this reply)
+            return None
+        # what each descriptor's registrations must cover: its blocks' pages, consecutive slots of one
+        # generation as one span (the book's work is per span)
+        table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
+        slot_gens = None if slot_generations is None else np.asarray(slot_generations, dtype=np.int64)
+        needs: list[_Need] = []
+        for index, (source, mapped) in sources.items():
+            rows = table[:, 0] == index if len(sources) > 1 else slice(None)
+            starts = table[rows, 1]
+            spans, gens = page_spans(
+                starts, starts + table[rows, 2], None if slot_gens is None else slot_gens[rows]
+            )
+            needs.append(
+                (source, generations[index], mapped.base, spans, None if slot_gens is None else gens)
+            )
+        keys = {index: key for index, (key, _) in sources.items()}
+        return needs, keys, dict(sources.values()), [fds[i] for i in sources]
+
+    def pages_to_device(
+        self,
+        placements: Sequence[tuple[int, int, int]],
+        fds: Sequence[int],
+        generations: Sequence[int],
+        layout: PageLayout,
+        first: int,
+        *,
+        slot_generations: Sequence[int] | None = None,
+    ) -> bool:
+        """Copies the reply's blocks into their pages (``layout``'s rows ``first``, ``first + 1``, ...:
+        CUDA planes of one device), planned as arrays: where the pieces are large (at least
+        ``_GATHER_BELOW`` a run once merged) one DMA per run straight into the pages; where they are small
+        (a page's rows of one layer are often a few KiB), one DMA per run of whole blocks into a device
+        staging buffer and one ``index_put_`` a plane on skippyd's stream scatters them into the pages.
+        Queued on skippyd's stream, as :meth:`pieces_to_device`; False when a descriptor is not one to map
+        and register, or inside :meth:`layered` (the caller then names the pages as pieces)."""
+        if not placements:
+            return True
+        device = layout.device
+        assert device is not None
+        with self._lock:
+            if getattr(self._local, "layered", None) is not None:
+                return False
+            found = self._sources(placements, fds, generations, slot_generations)
+            if found is None:
+                return False
+            needs, keys, hosts, leases = found
+            cuts = self._register(needs)
+            table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
+            src_keys = list(dict.fromkeys(keys.values()))
+            number = {key: n for n, key in enumerate(src_keys)}
+            s_of = np.zeros(len(fds), dtype=np.int64)
+            for index, key in keys.items():
+                s_of[index] = number[key]
+            s_base = np.asarray([hosts[key].base for key in src_keys], dtype=np.int64)
+            s = s_of[table[:, 0]]
+            offset = table[:, 1]
+            nbytes = table[:, 2]
+            dests: dict[Any, torch.Tensor] = {}
+            plane_dest = np.zeros(len(layout.planes), dtype=np.int64)
+            for j, plane in enumerate(layout.planes):
+                storage = int(plane.untyped_storage().data_ptr())
+                if storage not in dests:
+                    dests[storage] = _storage_bytes(plane)
+                plane_dest[j] = list(dests).index(storage)
+            pieces = layout.pieces(first, s_base[s] + offset, nbytes)
+            ps = s[pieces.block]
+            flat = self._flat_arrays(ps, pieces.src - s_base[ps], pieces.size, pieces.dst, pieces.rel,
+                                     plane_dest[pieces.plane], src_keys, hosts, cuts)  # fmt: skip
+            if flat is None:  # (a piece across a registration boundary: the piece path cuts it)
+                return False
+            runs = flat[0].runs()
+            small = len(runs[0]) and int(runs[2].sum()) < _GATHER_BELOW * len(runs[0])
+            if small and bool((nbytes == layout.capacity).all()):
+                self._gathered(layout, first, s, offset, src_keys, hosts, cuts, leases, dests, device)
+            else:
+                self._to_device_flat(
+                    flat[0], flat[1], (src_keys, list(dests)), dests, device, leases, [], hosts
+                )
+            return True
+
+    def _gathered(  # noqa: PLR0917 - one reply's parts
+        self,
+        layout: PageLayout,
+        first: int,
+        s: Any,
+        offset: Any,
+        src_keys: list[Hashable],
+        hosts: dict[Hashable, _Mapped],
+        cuts: dict[Hashable, list[int]],
+        leases: Sequence[int],
+        dests: dict[Any, torch.Tensor],
+        device: torch.device,
+    ) -> None:
+        """Whole blocks by DMA into a device staging buffer (``_GATHER_BYTES`` at a time, one run per run
+        of consecutive slots), then one ``index_put_`` per plane from it into the pages, all on skippyd's
+        stream (so a chunk's scatter is done before the next chunk's DMA overwrites the buffer)."""
+        capacity, k = layout.capacity, layout.pages_per_block
+        n = len(s)
+        per = max(1, _GATHER_BYTES // capacity)
+        current = torch.cuda.current_stream(device)
+        stream = self._stream(device, "h2d")
+        stream.wait_stream(current)  # whatever the caller queued on the pages comes first
+        staging = torch.empty(min(n, per) * capacity, dtype=torch.uint8, device=device)
+        buffers = {**dests, ("staging", staging.data_ptr()): staging}
+        for tensor in buffers.values():  # the allocator keeps the memory until skippyd's stream is past it
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
+        stage = len(buffers) - 1  # the staging buffer's number among the destinations
+        starts = np.concatenate(([0], np.cumsum(layout.rows)[:-1])) * k
+        reads: set[int] = set()
+        try:
+            with torch.cuda.stream(stream):
+                pages = torch.from_numpy(layout.pages[first : first + n]).to(device)
+                rows = [_rows_of(plane, int(row), int(stride)) for plane, row, stride
+                        in zip(layout.planes, layout.rows, layout.strides, strict=True)]  # fmt: skip
+            for c0 in range(0, n, per):
+                c1 = min(n, c0 + per)
+                count = c1 - c0
+                at = int(staging.data_ptr()) + np.arange(count, dtype=np.int64) * capacity
+                size = np.full(count, capacity, dtype=np.int64)
+                zero, into = np.zeros(count, dtype=np.int64), np.full(count, stage, dtype=np.int64)
+                flat = self._flat_arrays(s[c0:c1], offset[c0:c1], size, at, zero, into, src_keys, hosts, cuts)
+                if flat is None:  # a block is inside one slot, a slot inside one registration
+                    raise AssertionError("a block across a registration boundary")
+                reads |= flat[1]
+                self._issue_flat(flat[0].runs(), (src_keys, list(buffers)), hosts, buffers, stream)
+                with torch.cuda.stream(stream):
+                    blocks = staging[: count * capacity].view(count, capacity)
+                    for rows_j, start, row in zip(rows, starts.tolist(), layout.rows.tolist(), strict=True):
+                        if row:
+                            part = blocks[:, start : start + k * row].view(count, k, row)
+                            _put_rows(rows_j, pages[c0:c1], part)
+        finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+            self._hold(event, leases, reads)
+        current.wait_event(event)  # results are safe on the caller's stream, with no host sync
 
     @contextlib.contextmanager
     def layered(self, spans: Sequence[tuple[int, int]]) -> Iterator[Layered]:
@@ -751,8 +891,30 @@ class DeviceTransfer:
         d_of = {key: n for n, key in enumerate(dst_keys)}
         s = np.fromiter((s_of[k] for k in keys), dtype=np.int64, count=len(keys))
         d = np.fromiter((d_of[k] for k in dests_col), dtype=np.int64, count=len(keys))
-        offset = np.asarray(offsets, dtype=np.int64)
-        size = np.asarray(sizes, dtype=np.int64)
+        dst_base = np.asarray([int(dests[key].data_ptr()) for key in dst_keys], dtype=np.int64)
+        offset, size = np.asarray(offsets, dtype=np.int64), np.asarray(sizes, dtype=np.int64)
+        dst = dst_base[d] + np.asarray(ats, dtype=np.int64)
+        found = self._flat_arrays(
+            s, offset, size, dst, np.asarray(rels, dtype=np.int64), d, src_keys, hosts, cuts
+        )
+        return None if found is None else (found[0], found[1], (src_keys, dst_keys))
+
+    def _flat_arrays(  # noqa: PLR0917 - the pieces' columns
+        self,
+        s: Any,
+        offset: Any,
+        size: Any,
+        dst: Any,
+        rel: Any,
+        d: Any,
+        src_keys: list[Hashable],
+        hosts: dict[Hashable, _Mapped],
+        cuts: dict[Hashable, list[int]],
+    ) -> tuple[Flat, set[int]] | None:
+        """Pieces given as arrays (source number ``s`` into ``src_keys``, ``offset`` in that source,
+        ``size``, absolute ``dst`` address, ``rel`` in the block, destination buffer number ``d``) as a
+        :class:`Flat` grouped by registration and destination, and the addresses of the registrations
+        they read; None where a piece crosses a registration boundary."""
         where: dict[int, tuple[Hashable, int]] = {}
         single = np.zeros(len(src_keys), dtype=np.int64)  # a source read through one registration: 1
         several = []
@@ -765,7 +927,7 @@ class DeviceTransfer:
                 several.append((n, key, bounds))
         seg = single[s]
         for n, key, bounds in several:
-            mine = np.flatnonzero(s == n) if len(src_keys) > 1 else np.arange(len(keys))
+            mine = np.flatnonzero(s == n) if len(src_keys) > 1 else np.arange(len(s))
             edges = np.asarray(bounds, dtype=np.int64)
             at = np.searchsorted(edges, offset[mine], side="right")
             if (np.searchsorted(edges, offset[mine] + size[mine], side="left") > at).any():
@@ -774,16 +936,13 @@ class DeviceTransfer:
             for value, first in zip(*np.unique(at, return_index=True), strict=True):
                 where[(n << 16) | int(value)] = (key, int(offset[mine[first]]))
         src_base = np.asarray([hosts[key].base for key in src_keys], dtype=np.int64)
-        dst_base = np.asarray([int(dests[key].data_ptr()) for key in dst_keys], dtype=np.int64)
         group = (((s << 16) | seg) << 32) | d
         reads: set[int] = set()
         for key, at_offset in where.values():
             address = self.book.registration_at(key, at_offset)
             if address is not None:
                 reads.add(address)
-        flat = Flat.of([src_base[s] + offset, dst_base[d] + np.asarray(ats, dtype=np.int64), size,
-                        np.asarray(rels, dtype=np.int64), group, s])  # fmt: skip
-        return flat, reads, (src_keys, dst_keys)
+        return Flat.of([src_base[s] + offset, dst, size, rel, group, s]), reads
 
     def _issue_flat(
         self,
@@ -1029,6 +1188,22 @@ def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over the whole storage of ``tensor`` (so runs that span tensors are one view)."""
     storage = tensor.untyped_storage()
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+_GATHER_BELOW = 512 << 10  # pages' runs smaller than this on average go through a device staging buffer
+_GATHER_BYTES = 64 << 20  # ... this many bytes of blocks at a time (the buffer: device memory)
+
+
+def _put_rows(rows: torch.Tensor, pages: torch.Tensor, part: torch.Tensor) -> None:
+    """``rows[pages[i, m]] = part[i, m]`` on the device (one kernel; the simulator may only count it)."""
+    rows.index_put_((pages,), part)
+
+
+def _rows_of(plane: torch.Tensor, row: int, stride: int) -> torch.Tensor:
+    """A plane's pages as uint8 rows ``[pages, row]`` over its storage (what ``index_put_`` writes)."""
+    whole = _storage_bytes(plane)
+    start = int(plane.data_ptr()) - int(whole.data_ptr())
+    return whole.as_strided((int(plane.shape[0]), row), (stride, 1), start)
 
 
 _CHUNK_BYTES = 64 << 20  # a get_into's copies are issued this many bytes (and pieces) at a time

@@ -78,6 +78,7 @@ class Batch:
 
     copy: bool = True
     calls: int = 0
+    scatters: int = 0  # device-side scatters of pages out of a staging buffer (one kernel each)
     runs: int = 0
     nbytes: int = 0
 
@@ -138,6 +139,15 @@ def simulated(
         (torch.cuda, "stream", lambda _stream: contextlib.nullcontext()),
         (dev, "_batch", [batch]),
     ]
+    if batch is not None:  # the pages' scatter on the "device" moves bytes only when the batch call does
+        put_rows = dev._put_rows
+
+        def scatter(rows: Any, pages: Any, part: Any) -> None:
+            batch.scatters += 1
+            if batch.copy:
+                put_rows(rows, pages, part)
+
+        patches.append((dev, "_put_rows", scatter))
     if through:
         original = blockspace._memmoves
 
