@@ -198,7 +198,9 @@ def pages_cases(client: Any, sim: Any, reps: int, profile: str | None) -> list[d
         ) -> None:
             space.get_into_pages(keys, planes, order)
 
-        calls: list[tuple[str, Callable[[], None]]] = [("get_into", by_pieces), ("get_into_pages", by_pages)]
+        calls: list[tuple[str, Callable[[], None]]] = [("get_into", by_pieces)]
+        if hasattr(space, "get_into_pages"):  # (a --compare tree from before it: get_into alone)
+            calls.append(("get_into_pages", by_pages))
         for how, call in calls:
             sim.batch.copy = False
             case = f"{how} {label}"
