@@ -404,6 +404,23 @@ def paged_bandwidth(client: Any, device: torch.device, total: int, h2d: float) -
         row("get_into", f"{label}, {name}", gbs(total, took), gbs(total, h2d), h2d / took, target=0.85)
         if not exact:
             row("exact", f"{label}, {name}", "NOT EXACT")
+    _, d2h = pinned_rates(total, device)
+    round_ = [0]
+
+    def fresh() -> list[bytes]:  # new keys each time: every block is copied and stored
+        round_[0] += 1
+        keys: list[bytes] = blocks.keys(list(range(10**6 * round_[0], 10**6 * round_[0] + count * 16)))
+        return keys
+
+    def put_pieces() -> None:
+        blocks.put(fresh(), outs, durable=False)
+
+    def put_pages() -> None:
+        blocks.put_pages(fresh(), planes, order, durable=False)
+
+    for name, call in (("pieces", put_pieces), ("pages", put_pages)):
+        took = seconds(call, device, reps=2)
+        row("put", f"{label} from device, {name}", gbs(total, took), gbs(total, d2h), d2h / took, target=0.5)
     client.evict(model=MODEL, state=f"{STATE}-paged", blocks=True)
 
 

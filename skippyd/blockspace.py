@@ -19,13 +19,14 @@ another space is another block.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import mmap
 import os
 import stat
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -970,14 +971,45 @@ class BlockSpace(_Space):
         parent: bytes | None = None,
     ) -> BlocksPut:
         """Stores the blocks whose bytes are their pages in ``planes`` (as :meth:`get_into_pages` lays them
-        out): ``put`` with each block's pages as its pieces."""
-        layout = _page_layout(planes, pages, keys)
-        return self.put(keys, LazyPieces(layout), durable=durable, parent=parent)
+        out): ``put`` with each block's pages as its pieces; small CUDA pages are gathered on the device
+        first (at most 256 MiB of blocks a ``put``), so each run of blocks is one DMA to the host."""
+        layout = _page_layout(planes, pages, keys, unique=False)
+        listed = _check_keys(keys)
+        parts = [
+            self.put(listed[start:stop], data, durable=durable, parent=listed[start - 1] if start else parent)
+            for start, stop, data in _page_puts(layout, len(listed))
+        ]
+        return _sum_puts_of(parts)
 
 
-def _page_layout(planes: Any, pages: Any, keys: Sequence[bytes]) -> PageLayout:
+_GATHER_PUT_BYTES = 256 << 20  # small CUDA pages a put_pages gathers on the device at a time
+_GATHER_ROW = 512 << 10  # ... when a block's pages are smaller than this on average
+
+
+def _page_puts(layout: PageLayout, count: int) -> Iterator[tuple[int, int, Sequence[Any]]]:
+    """The puts of ``put_pages``: ``(start, stop, data)``; one with the pages as pieces, or, for small
+    pages on a CUDA device, blocks gathered on the device ``_GATHER_PUT_BYTES`` at a time."""
+    device = layout.device
+    pieces = len(layout.rows) * layout.pages_per_block
+    small = layout.capacity < _GATHER_ROW * pieces
+    if not count or device is None or not small or not (device.type == "cuda" or _CPU_AS_DEVICE):
+        yield 0, count, LazyPieces(layout)
+        return
+    from .transfer.device import gather_pages
+
+    per = max(1, _GATHER_PUT_BYTES // max(1, layout.capacity))
+    for start in range(0, count, per):
+        stop = min(count, start + per)
+        yield start, stop, list(gather_pages(layout, start, stop).unbind(0))
+
+
+def _sum_puts_of(parts: list[BlocksPut]) -> BlocksPut:
+    return parts[0] if len(parts) == 1 else _sum_puts([dataclasses.asdict(part) for part in parts])
+
+
+def _page_layout(planes: Any, pages: Any, keys: Sequence[bytes], *, unique: bool = True) -> PageLayout:
     _torch()  # (the planes are tensors)
-    return PageLayout(planes, pages, len(_check_keys(keys)))
+    return PageLayout(planes, pages, len(_check_keys(keys)), unique=unique)
 
 
 AsyncCall = Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], list[int]]]]
@@ -1076,5 +1108,10 @@ class AsyncBlockSpace(_Space):
         parent: bytes | None = None,
     ) -> BlocksPut:
         """As :meth:`BlockSpace.put_pages`."""
-        layout = _page_layout(planes, pages, keys)
-        return await self.put(keys, LazyPieces(layout), durable=durable, parent=parent)
+        layout = _page_layout(planes, pages, keys, unique=False)
+        listed = _check_keys(keys)
+        parts = []
+        for start, stop, data in _page_puts(layout, len(listed)):
+            before = listed[start - 1] if start else parent
+            parts.append(await self.put(listed[start:stop], data, durable=durable, parent=before))
+        return _sum_puts_of(parts)

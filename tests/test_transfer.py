@@ -16,7 +16,7 @@ from daemonutil import DaemonProcess
 
 import skippyd
 from skippyd.errors import NoDevice
-from skippyd.transfer import RegistrationBook, Run, plan_runs, sim, split_runs
+from skippyd.transfer import RegistrationBook, Run, plan, plan_runs, sim, split_runs
 from skippyd.transfer.device import FileMaps, resolve_device
 from skippyd.transfer.plan import page_spans
 
@@ -146,13 +146,15 @@ def test_a_range_over_several_slots_goes_when_one_slot_changed_and_only_what_is_
     assert book.registration_at("slab", 100) == base and book.registration_at("slab", 5000) is None
 
 
+@pytest.mark.parametrize("few", [0, 32])  # numpy for any number of ranges; a loop for up to 32
 @pytest.mark.parametrize("slot_size", [4096, 8192, 6000, 300])
 def test_spans_joined_per_generation_before_the_book_register_exactly_what_one_span_a_block_would(
-    slot_size: int,
+    slot_size: int, few: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """page_spans hands the book one span per run of consecutive slots of one generation instead of one
     per block: over random replies (random slots, sizes, punched slots) both books make the same calls,
     keep the same ranges and report the same boundaries."""
+    monkeypatch.setattr(plan, "_FEW", few)
     rng = random.Random(slot_size)
     raw, joined = Recorder(), Recorder()
     books = raw.book(), joined.book()

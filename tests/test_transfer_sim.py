@@ -350,6 +350,39 @@ def test_get_into_pages_sends_large_pages_by_dma_into_them_and_small_ones_throug
     assert transfer.in_flight == 0
 
 
+def test_put_pages_of_small_device_pages_gathers_them_on_the_device_in_chunks_that_chain(
+    through_sim: dict[str, Any], make_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from paged import vllm_block, vllm_caches
+
+    from skippyd import blockspace
+
+    gathered: list[int] = []
+    real = dev.gather_pages
+
+    def spy(layout: Any, start: int, stop: int) -> torch.Tensor:
+        gathered.append(stop - start)
+        return real(layout, start, stop)
+
+    monkeypatch.setattr(dev, "gather_pages", spy)
+    monkeypatch.setattr(blockspace, "_GATHER_PUT_BYTES", 2 * 512 * 1024)  # two blocks a put
+    source = vllm_caches(2, 96, 2, seed=8)  # a block: 2 layers × K/V × 16 pages of 8 KiB = 512 KiB
+    pages = torch.randperm(96, generator=torch.Generator().manual_seed(8))[:80].view(5, 16).tolist()
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state="put-pages", block_tokens=256)
+        keys = blocks.keys(list(range(5 * 256)))
+        put = blocks.put_pages(keys, [cache[kv] for cache in source for kv in range(2)], pages, durable=False)
+        assert (put.stored, put.present) == (5, 0)
+        assert gathered == [2, 2, 1]
+        assert blocks.contains(keys) == 5  # each put named the block before it: one chain
+        got = [t.clone() for t in blocks.get(keys)]
+        expected = [
+            torch.cat([p.reshape(-1).view(torch.uint8) for p in vllm_block(source, page)]) for page in pages
+        ]
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
 def test_device_destinations_that_require_grad_are_filled_by_dma_and_by_copy(
     through_sim: dict[str, Any], make_daemon: Any
 ) -> None:

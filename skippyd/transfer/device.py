@@ -628,18 +628,33 @@ class DeviceTransfer:
             return None
         # what each descriptor's registrations must cover: its blocks' pages, consecutive slots of one
         # generation as one span (the book's work is per span)
-        table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
-        slot_gens = None if slot_generations is None else np.asarray(slot_generations, dtype=np.int64)
         needs: list[_Need] = []
-        for index, (source, mapped) in sources.items():
-            rows = table[:, 0] == index if len(sources) > 1 else slice(None)
-            starts = table[rows, 1]
-            spans, gens = page_spans(
-                starts, starts + table[rows, 2], None if slot_gens is None else slot_gens[rows]
-            )
-            needs.append(
-                (source, generations[index], mapped.base, spans, None if slot_gens is None else gens)
-            )
+        if len(placements) <= 64:  # (a few blocks: numpy's fixed cost is more than the loop)
+            starts_of: dict[int, list[int]] = {index: [] for index in sources}
+            ends_of: dict[int, list[int]] = {index: [] for index in sources}
+            gens_of: dict[int, list[int]] = {index: [] for index in sources}
+            for n, (index, offset, nbytes) in enumerate(placements):
+                starts_of[index].append(offset)
+                ends_of[index].append(offset + nbytes)
+                if slot_generations is not None:
+                    gens_of[index].append(int(slot_generations[n]))
+            for index, (source, mapped) in sources.items():
+                slots = None if slot_generations is None else gens_of[index]
+                spans, gens = page_spans(starts_of[index], ends_of[index], slots)
+                needs.append(
+                    (source, generations[index], mapped.base, spans, None if slots is None else gens)
+                )
+        else:
+            table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
+            slot_gens = None if slot_generations is None else np.asarray(slot_generations, dtype=np.int64)
+            for index, (source, mapped) in sources.items():
+                rows = table[:, 0] == index if len(sources) > 1 else slice(None)
+                starts = table[rows, 1]
+                picked = slot_gens[rows] if slot_gens is not None else None
+                spans, gens = page_spans(starts, starts + table[rows, 2], picked)
+                needs.append(
+                    (source, generations[index], mapped.base, spans, None if found is None else gens)
+                )
         keys = {index: key for index, (key, _) in sources.items()}
         return needs, keys, dict(sources.values()), [fds[i] for i in sources]
 
@@ -1197,6 +1212,23 @@ _GATHER_BYTES = 64 << 20  # ... this many bytes of blocks at a time (the buffer:
 def _put_rows(rows: torch.Tensor, pages: torch.Tensor, part: torch.Tensor) -> None:
     """``rows[pages[i, m]] = part[i, m]`` on the device (one kernel; the simulator may only count it)."""
     rows.index_put_((pages,), part)
+
+
+def gather_pages(layout: PageLayout, start: int, stop: int) -> torch.Tensor:
+    """Blocks ``start`` to ``stop`` of ``layout`` gathered from their pages into one device tensor
+    ``[blocks, capacity]`` (one indexing copy a plane, queued on the caller's current stream): what a put
+    of small pages copies to the host as one DMA a run of blocks instead of one a page."""
+    device = layout.device
+    assert device is not None
+    k, count = layout.pages_per_block, stop - start
+    out = torch.empty((count, layout.capacity), dtype=torch.uint8, device=device)
+    pages = torch.from_numpy(layout.pages[start:stop]).to(device)
+    at = 0
+    for plane, row, stride in zip(layout.planes, layout.rows.tolist(), layout.strides.tolist(), strict=True):
+        if row:
+            out[:, at : at + k * row].view(count, k, row).copy_(_rows_of(plane, row, stride)[pages])
+        at += k * row
+    return out
 
 
 def _rows_of(plane: torch.Tensor, row: int, stride: int) -> torch.Tensor:

@@ -48,9 +48,10 @@ class PageLayout:
     along its first axis (``plane[p]`` is one page, its bytes contiguous), pages not overlapping.
     ``pages``: one page number per block (a sequence, numpy array or tensor of integers), or a row of
     ``k`` page numbers per block (a block of ``k`` pages per plane); at least ``count`` rows, every number
-    a page of every plane, no page named twice."""
+    a page of every plane, no page named twice (with ``unique``: where blocks land; a put may read a page
+    twice)."""
 
-    def __init__(self, planes: Any, pages: Any, count: int) -> None:
+    def __init__(self, planes: Any, pages: Any, count: int, *, unique: bool = True) -> None:
         listed = list(planes) if isinstance(planes, list | tuple) else [planes]
         if not listed:
             raise InvalidArgument("planes must name at least one tensor")
@@ -87,7 +88,7 @@ class PageLayout:
         self.rows = np.asarray(rows, dtype=np.int64)
         self.strides = np.asarray(strides, dtype=np.int64)
         self.bases = np.asarray(bases, dtype=np.int64)
-        self.pages = _page_table(pages, count, min(lengths))
+        self.pages = _page_table(pages, count, min(lengths), unique=unique)
         k = self.pages.shape[1]
         # piece q = (plane j, page m of the block), plane-major; where its bytes start in the block
         self.piece_plane = np.repeat(np.arange(len(listed), dtype=np.int64), k)
@@ -150,7 +151,7 @@ class LazyPieces(Sequence[Any]):
         return self.layout.block_pieces(int(index))
 
 
-def _page_table(pages: Any, count: int, limit: int) -> Any:
+def _page_table(pages: Any, count: int, limit: int, *, unique: bool) -> Any:
     """``pages`` as an (n, k) int64 array: checked against ``count`` blocks and ``limit`` pages."""
     if hasattr(pages, "detach") and hasattr(pages, "cpu"):  # a tensor (a CUDA one is copied here)
         pages = pages.detach().cpu().numpy()
@@ -171,7 +172,7 @@ def _page_table(pages: Any, count: int, limit: int) -> Any:
     if used.size:
         if int(used.min()) < 0 or int(used.max()) >= limit:
             raise InvalidArgument(f"a page number is outside the planes' {limit} pages")
-        flat = np.sort(used.ravel())
+        flat = np.sort(used.ravel()) if unique else used[:0].ravel()
         twice = flat[1:][flat[1:] == flat[:-1]]
         if len(twice):
             raise InvalidArgument(f"page {int(twice[0])} is named twice (two blocks cannot land in one page)")

@@ -163,6 +163,8 @@ def page_spans(
     for (a reply's blocks in consecutive slots are one span, not one per block). ``generations``: one per
     range (None: all 0). Where two ranges share a page (slots smaller than a page, or not page-aligned)
     nothing is joined: the book settles shared pages itself (one generation for the pair, the newest)."""
+    if len(starts) <= _FEW:  # (a few ranges: numpy's fixed cost is more than the loop)
+        return _page_spans_few(starts, ends, generations, page)
     import numpy as np
 
     lo = np.asarray(starts, dtype=np.int64) // page * page
@@ -184,3 +186,29 @@ def page_spans(
     first = np.flatnonzero(new)
     last = np.append(first[1:], len(lo)) - 1
     return list(zip(lo[first].tolist(), hi[last].tolist(), strict=True)), gen[first].tolist()
+
+
+_FEW = 32
+
+
+def _page_spans_few(
+    starts: Any, ends: Any, generations: Any | None, page: int
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """:func:`page_spans` for a few ranges, in Python (the same result)."""
+    gens = [0] * len(starts) if generations is None else [int(g) for g in generations]
+    ranges = sorted(
+        (int(a) // page * page, -(-int(b) // page) * page, g)
+        for a, b, g in zip(starts, ends, gens, strict=True)
+        if -(-int(b) // page) * page > int(a) // page * page
+    )
+    if any(ranges[i + 1][0] < ranges[i][1] for i in range(len(ranges) - 1)):  # pages shared: as they are
+        return [(a, b) for a, b, _ in ranges], [g for _, _, g in ranges]
+    spans: list[tuple[int, int]] = []
+    out: list[int] = []
+    for a, b, g in ranges:
+        if spans and spans[-1][1] == a and out[-1] == g:
+            spans[-1] = (spans[-1][0], b)
+        else:
+            spans.append((a, b))
+            out.append(g)
+    return spans, out
