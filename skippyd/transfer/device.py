@@ -699,11 +699,13 @@ class DeviceTransfer:
             nbytes = table[:, 2]
             dests: dict[Any, torch.Tensor] = {}
             plane_dest = np.zeros(len(layout.planes), dtype=np.int64)
+            number_of: dict[int, int] = {}  # a storage's number among the destinations
             for j, plane in enumerate(layout.planes):
                 storage = int(plane.untyped_storage().data_ptr())
-                if storage not in dests:
+                if storage not in number_of:
+                    number_of[storage] = len(dests)
                     dests[storage] = _storage_bytes(plane)
-                plane_dest[j] = list(dests).index(storage)
+                plane_dest[j] = number_of[storage]
             pieces = layout.pieces(first, s_base[s] + offset, nbytes)
             ps = s[pieces.block]
             flat = self._flat_arrays(ps, pieces.src - s_base[ps], pieces.size, pieces.dst, pieces.rel,
