@@ -381,11 +381,13 @@ class BlockRules:
         max_fds: int,
         may_read: bool = True,
         may_wait: bool = True,
+        slot_maps: bool = False,
     ) -> Served:
         """The leading held run, leased. Blocks only L3 holds are read (verified) first: into L2 when the
         promotion rules say so, into a sealed memfd otherwise; a run that stops at a block a put's copy
         is still writing waits for it first. With ``may_read=False`` (the event loop) a run that needs
-        the disk or a copy comes back with ``needs_worker`` set and nothing leased."""
+        the disk or a copy comes back with ``needs_worker`` set and nothing leased. ``slot_maps``: the
+        lease carries each slab's slot map (docs/protocol.md "Generations")."""
         bound = bind_keys(space, keys)
         blocks = self.l2.blocks
         with self.l2.lock:
@@ -400,11 +402,11 @@ class BlockRules:
             run = bound[:held]
             from_disk = [key for key in run[in_l2:] if not blocks.holds(key)]
             if not from_disk:
-                lease = blocks.lease(run, max_fds=max_fds)
+                lease = blocks.lease(run, max_fds=max_fds, maps=slot_maps)
                 return self._served(lease, held, len(bound))
         if not may_read:
             return Served(Lease(), held, needs_worker=True)
-        return self._get_with_disk(space, run, from_disk, held, len(bound), max_fds)
+        return self._get_with_disk(space, run, from_disk, held, len(bound), max_fds, slot_maps)
 
     def _served(self, lease: Lease, held: int, asked: int) -> Served:
         if held < asked:
@@ -421,6 +423,7 @@ class BlockRules:
         held: int,
         asked: int,
         max_fds: int,
+        slot_maps: bool,
     ) -> Served:
         assert self.l3 is not None
         records: list[PackRecord] = []
@@ -455,7 +458,7 @@ class BlockRules:
                         break
                     usable.append(key)
                 in_l2 = [key for key in usable if key not in extra]
-                lease = self.l2.blocks.lease(in_l2, max_fds=max(1, max_fds - len(extra_fds)))
+                lease = self.l2.blocks.lease(in_l2, max_fds=max(1, max_fds - len(extra_fds)), maps=slot_maps)
             placements = iter(zip(lease.placements, lease.slot_generations, strict=True))
             merged: list[BlockPlacement] = []
             slot_generations: list[int] = []
@@ -477,6 +480,8 @@ class BlockRules:
             lease.slot_generations = slot_generations
             lease.fds += extra_fds
             lease.generations += [0] * len(extra_fds)  # read for this reply alone: not worth registering
+            if lease.slot_maps is not None:
+                lease.slot_maps += [None] * len(extra_fds)
             extra_fds = []
             return self._served(lease, held, asked)
         finally:

@@ -38,6 +38,7 @@ from .errors import BadFrame, InvalidArgument, Mismatch
 from .keys import MAX_BLOCK_KEY_BYTES, block_keys, block_space, encode_tokens
 from .protocol import MAX_BLOCKS_PER_REQUEST
 from .transfer import cuda_in_use, in_callers_streams
+from .transfer.book import SlotMap
 from .transfer.pages import LazyPieces, PageLayout
 from .transfer.plan import Flat
 
@@ -444,11 +445,18 @@ def _no_zero_stride(piece: Any, index: int) -> None:
         raise InvalidArgument(f"out[{index}] has a piece whose elements share memory (a 0 stride)")
 
 
+@dataclass(frozen=True, slots=True)
+class _Generations:
+    files: list[int]  # each descriptor's
+    slots: list[int] | None  # each block's slot (None: an older daemon's reply has none per slot)
+    maps: list[SlotMap | None] | None  # each descriptor's slab slot map, when asked for and given
+
+
 def _generations(
     reply: dict[str, Any], fds: list[int], placements: list[tuple[int, int, int]]
-) -> tuple[list[int], list[int] | None] | None:
-    """A reply's descriptor generations and its blocks' slot generations (None: an older daemon's reply
-    has none per slot), or None when the descriptors' are missing."""
+) -> _Generations | None:
+    """A reply's descriptor generations, its blocks' slot generations and its slabs' slot maps, or None
+    when the descriptors' generations are missing."""
     generations = reply.get("generations")
     if not isinstance(generations, list) or len(generations) != len(fds):
         return None
@@ -456,7 +464,29 @@ def _generations(
     slot_generations = (
         [int(g) for g in slots] if isinstance(slots, list) and len(slots) == len(placements) else None
     )
-    return [int(g) for g in generations], slot_generations
+    maps = _slot_maps(reply.get("slot_maps"), fds)
+    return _Generations([int(g) for g in generations], slot_generations, maps)
+
+
+def _slot_maps(maps: Any, fds: list[int]) -> list[SlotMap | None] | None:
+    """A reply's ``slot_maps`` (one per descriptor: data start, slot size, 8 bytes a slot), or None when
+    it has none (not asked for, an older daemon) or they do not hold together."""
+    if not isinstance(maps, list) or len(maps) != len(fds):
+        return None
+    out: list[SlotMap | None] = []
+    for item in maps:
+        if item is None:
+            out.append(None)
+            continue
+        if not isinstance(item, list | tuple) or len(item) != 3:
+            return None
+        start, size, table = item
+        if not (type(start) is int and type(size) is int and isinstance(table, bytes)):
+            return None
+        if start < 0 or size <= 0 or len(table) % 8:
+            return None
+        out.append((start, size, table))
+    return out
 
 
 def _to_cuda(
@@ -473,7 +503,9 @@ def _to_cuda(
     found = _generations(reply, fds, placements)
     if found is None:
         return False
-    return transfer().pieces_to_device(placements, fds, found[0], pieces, slot_generations=found[1])
+    return transfer().pieces_to_device(
+        placements, fds, found.files, pieces, slot_generations=found.slots, slot_maps=found.maps
+    )
 
 
 def _read_pages(reply: dict[str, Any], fds: list[int], layout: PageLayout, first: int) -> int:
@@ -492,8 +524,9 @@ def _read_pages(reply: dict[str, Any], fds: list[int], layout: PageLayout, first
 
             found = _generations(reply, fds, placements)
             if found is not None and transfer().pages_to_device(
-                placements, fds, found[0], layout, first, slot_generations=found[1]
-            ):
+                placements, fds, found.files, layout, first,
+                slot_generations=found.slots, slot_maps=found.maps,
+            ):  # fmt: skip
                 return len(placements)
         return _read_blocks(reply, fds, LazyPieces(layout), first)
     table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
@@ -812,8 +845,10 @@ class _Space:
             raise InvalidArgument(f"{len(listed)} keys but only {len(out)} destinations")
         tensors: list[Any] = []
         done = 0
+        # a device's copies keep registrations: its replies say which slots were punched since
+        more = {"slot_maps": True} if _device_bound(out, pages) else {}
         asked = min(len(listed), _FIRST_GET)
-        ahead = (yield (_SEND, self._body("blocks_get", listed[:asked]), 0, None)) if asked else None
+        ahead = (yield (_SEND, self._body("blocks_get", listed[:asked], **more), 0, None)) if asked else None
         while ahead is not None:
             reply, fds = yield (_RECEIVE, ahead, 0, None)
             ahead = None
@@ -824,7 +859,8 @@ class _Space:
                 # or fewer but the run goes on (the reply was full)
                 if served and end < len(listed) and (served >= asked or int(reply.get("held", 0)) > served):
                     asked = min(len(listed) - end, 2 * served, MAX_KEYS_PER_REQUEST)
-                    ahead = yield (_SEND, self._body("blocks_get", listed[end : end + asked]), 0, None)
+                    body = self._body("blocks_get", listed[end : end + asked], **more)
+                    ahead = yield (_SEND, body, 0, None)
                 if out is None:
                     got = _map_blocks(reply, fds)
                     tensors += got
@@ -840,6 +876,19 @@ class _Space:
 
 
 _FIRST_GET = 64  # keys the first blocks_get of a long get asks for
+
+
+def _device_bound(out: Sequence[Any] | None, pages: PageLayout | None) -> bool:
+    """Whether a get's copies go to a device (judged by its first destination: the transfer layer
+    keeps registrations of what they read)."""
+    if pages is not None:
+        device = pages.device
+    else:
+        first = out[0] if out else None
+        if isinstance(first, list | tuple):
+            first = first[0] if first else None
+        device = getattr(first, "device", None)
+    return device is not None and (getattr(device, "type", None) == "cuda" or _CPU_AS_DEVICE)
 
 
 def _served(reply: dict[str, Any]) -> int:

@@ -411,15 +411,15 @@ class Handlers:
 
     def op_blocks_get(self, session: Session, body: dict[str, Any]) -> Reply | Deferred:
         space, keys = _space(body), _block_keys(body)
-        blocks = self.tiers.blocks
-        served = blocks.get(space, keys, max_fds=MAX_FDS, may_read=False)
+        maps = body.get("slot_maps", False)
+        if not isinstance(maps, bool):
+            raise InvalidArgument("slot_maps must be true or false")
+        get = functools.partial(self.tiers.blocks.get, space, keys, max_fds=MAX_FDS, slot_maps=maps)
+        served = get(may_read=False)
         if served.copying:  # parked until the copy commits, then served on a worker (it may read L3)
-            return Deferred(
-                lambda: _blocks_reply(blocks.get(space, keys, max_fds=MAX_FDS, may_wait=False)),
-                park=self._park(space, keys),
-            )
+            return Deferred(lambda: _blocks_reply(get(may_wait=False)), park=self._park(space, keys))
         if served.needs_worker:  # the run needs L3 (read and verified): on a worker
-            return Deferred(lambda: _blocks_reply(blocks.get(space, keys, max_fds=MAX_FDS)))
+            return Deferred(lambda: _blocks_reply(get()))
         return _blocks_reply(served)
 
     def _park(self, space: BlockSpaceId, keys: list[bytes], *, each: bool = False) -> Park:
@@ -535,15 +535,15 @@ def _gated(path: str, run: Callable[[], object]) -> object:
 
 def _blocks_reply(served: Served) -> Reply:
     lease = served.lease
-    return Reply(
-        {
-            "held": served.held,
-            "blocks": lease.placements,
-            "generations": lease.generations,
-            "slot_generations": lease.slot_generations,
-        },
-        lease.fds,
-    )
+    body: dict[str, Any] = {
+        "held": served.held,
+        "blocks": lease.placements,
+        "generations": lease.generations,
+        "slot_generations": lease.slot_generations,
+    }
+    if lease.slot_maps is not None:
+        body["slot_maps"] = lease.slot_maps
+    return Reply(body, lease.fds)
 
 
 def _restore_reply(opened: Opened | None) -> Reply:

@@ -146,6 +146,55 @@ def test_a_range_over_several_slots_goes_when_one_slot_changed_and_only_what_is_
     assert book.registration_at("slab", 100) == base and book.registration_at("slab", 5000) is None
 
 
+def _slot_map(start: int, size: int, generations: list[int]) -> tuple[int, int, bytes]:
+    return start, size, b"".join(g.to_bytes(8, "little") for g in generations)
+
+
+def test_a_reply_whose_slot_map_shows_a_punched_slot_drops_its_registration_though_it_is_not_read() -> None:
+    rec = Recorder()
+    book = rec.book()
+    base, start, size = 0x400000, 8192, 4096
+    book.ensure("slab", 1, base, [(start, start + 2 * size)], readonly=True, span_generations=[10],
+                slot_map=_slot_map(start, size, [10, 10, 10, 10]))  # fmt: skip
+    book.ensure("slab", 1, base, [(start + 3 * size, start + 4 * size)], readonly=True, span_generations=[10],
+                slot_map=_slot_map(start, size, [10, 10, 10, 10]))  # fmt: skip
+    assert book.ranges("slab") == [(start, start + 2 * size), (start + 3 * size, start + 4 * size)]
+    rec.calls.clear()
+    # slot 3 was punched (the file's generation moved); the reply reads slot 0 only: slot 3's range goes,
+    # the range of slots 0-1 stays
+    book.ensure("slab", 2, base, [(start, start + size)], readonly=True, span_generations=[10],
+                slot_map=_slot_map(start, size, [10, 10, 10, 11]))  # fmt: skip
+    assert rec.calls == [("unregister", base + start + 3 * size)]
+    assert book.ranges("slab") == [(start, start + 2 * size)] and book.stats.registered_bytes == 2 * size
+    # slot 1 punched: the range it shares with slot 0 goes whole, and slot 0 comes back
+    rec.calls.clear()
+    book.ensure("slab", 3, base, [(start, start + size)], readonly=True, span_generations=[10],
+                slot_map=_slot_map(start, size, [10, 12, 10, 11]))  # fmt: skip
+    assert rec.calls == [("unregister", base + start), ("register", base + start, size, 8)]
+
+
+def test_a_slot_map_is_read_only_when_the_files_generation_moved_and_never_for_pages_a_slot_shares() -> None:
+    rec = Recorder()
+    book = rec.book()
+    base, start = 0x800000, 4096
+    book.ensure("slab", 5, base, [(start, start + 4096)], readonly=True, span_generations=[10],
+                slot_map=_slot_map(start, 4096, [10, 10]))  # fmt: skip
+    rec.calls.clear()
+    # the same file generation: the map is not compared (a reply of the same moment as the last)
+    book.ensure("slab", 5, base, [(start + 4096, start + 8192)], readonly=True, span_generations=[10],
+                slot_map=_slot_map(start, 4096, [99, 10]))  # fmt: skip
+    assert rec.calls == [("register", base + start + 4096, 4096, 8)]
+    # slots of 3000 bytes: a punch gives back only the pages wholly inside a slot; slot 0 (bytes
+    # 4096-7096) has none, so its registration of the page it shares with slot 1 stays
+    small = rec.book()
+    rec.calls.clear()
+    small.ensure("s", 1, base, [(start, start + 3000)], readonly=True, span_generations=[10],
+                 slot_map=_slot_map(start, 3000, [10, 10, 10]))  # fmt: skip
+    small.ensure("s", 2, base, [(start + 6000, start + 9000)], readonly=True, span_generations=[10],
+                 slot_map=_slot_map(start, 3000, [11, 10, 10]))  # fmt: skip
+    assert [c[0] for c in rec.calls] == ["register", "register"]
+
+
 @pytest.mark.parametrize("few", [0, 32])  # numpy for any number of ranges; a loop for up to 32
 @pytest.mark.parametrize("slot_size", [4096, 8192, 6000, 300])
 def test_spans_joined_per_generation_before_the_book_register_exactly_what_one_span_a_block_would(
@@ -284,6 +333,32 @@ def test_a_slab_whose_slot_was_punched_and_filled_again_shows_a_new_generation_a
         del held
     maps.close()
     assert rec.calls[-1][0] == "unregister" and book.stats.registered_bytes == 0
+
+
+def test_a_get_that_asks_for_slot_maps_gets_every_slot_of_each_slab_and_its_blocks_generations_agree(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--l2-reserve", "0", budget="16MiB").start()
+    with proc.client() as client:
+        blocks = _space(client)
+        keys = blocks.keys(list(range(3 * BLOCK)))
+        blocks.put(keys, _data(1) * 3, durable=False)
+        plain, fds = _raw_get(client, blocks, keys)
+        for fd in fds:
+            os.close(fd)
+        assert "slot_maps" not in plain  # only when asked: a CPU get has no use for them
+        reply, fds = client._call(blocks._body("blocks_get", keys, slot_maps=True))
+        for fd in fds:
+            os.close(fd)
+        assert len(reply["slot_maps"]) == len(fds) == len(reply["generations"])
+        for (index, offset, _), slot_generation in zip(reply["blocks"], reply["slot_generations"], strict=True):
+            start, size, table = reply["slot_maps"][index]
+            assert len(table) % 8 == 0 and len(table) // 8 * size + start >= offset + BLOCK_BYTES
+            slot = (offset - start) // size
+            assert int.from_bytes(table[8 * slot : 8 * slot + 8], "little") == slot_generation
+        with pytest.raises(skippyd.InvalidArgument, match="slot_maps must be true or false"):
+            client._call(blocks._body("blocks_get", keys, slot_maps="yes"))
+        assert blocks.contains(keys) == 3  # the daemon answered on
 
 
 def test_an_entry_file_recycled_for_a_new_entry_keeps_its_generation_and_a_new_file_gets_another(

@@ -778,3 +778,70 @@ def test_a_recycled_entry_file_keeps_its_registration_and_a_punched_slot_does_no
         rec.calls.clear()
         _get_to_device(transfer, client, other, new, [out])
         assert [c[0] for c in rec.calls] == ["unregister", "register"] and torch.equal(out, fresh)
+
+
+def test_a_slot_punched_while_another_of_its_slab_is_read_loses_its_registration_at_that_read(
+    through_sim: dict[str, Any], make_daemon: Any
+) -> None:
+    """A registration pins the pages it was made for: once the daemon punches a slot (an eviction under
+    its budget), the client's registration of it would keep those pages alive outside the daemon's
+    budget. A device get asks for the slabs' slot maps, and the next reply naming that slab (reading
+    another slot of it) lets the book drop the punched slot's registration, not only that slot's next
+    read."""
+    transfer, rec = through_sim["transfer"], through_sim["rec"]
+    proc = make_daemon("--l2-reserve", "0", budget="16MiB").start()
+    nbytes = 256 << 10  # a slab of 1 MiB (a 16th of the budget): four slots
+    with proc.client() as client:
+        kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        first, second = kept.keys(list(range(2 * BLOCK))), kept.keys(list(range(5000, 5000 + 2 * BLOCK)))
+        kept.put(first, [_random(nbytes, 1), _random(nbytes, 2)], durable=False)
+        kept.put(second, [_random(nbytes, 3), _random(nbytes, 4)], durable=False)
+        outs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
+        assert kept.get_into(second, outs) == 2  # registered first (the older use)...
+        assert kept.get_into(first, outs) == 2  # ...then the first chain: two ranges of one slab
+        assert [c[0] for c in rec.calls] == ["register", "register"]
+        second_range = rec.calls[0][1]
+        transfer.drain()
+        other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
+        n = 0
+        while kept.contains(second):  # the second chain (least recently used) goes; the first stays
+            other.put(other.keys(list(range(n * BLOCK, (n + 1) * BLOCK))), [_random(nbytes, 100 + n)],
+                      durable=False)  # fmt: skip
+            n += 1
+            assert n < 256
+        assert kept.contains(first) == 2
+        rec.calls.clear()
+        assert kept.get_into(first, outs) == 2
+        assert rec.calls == [("unregister", second_range)]  # the punched slots' range, read or not
+        assert torch.equal(outs[0], _random(nbytes, 1)) and torch.equal(outs[1], _random(nbytes, 2))
+        assert transfer.book.stats.registered_bytes == 2 * nbytes
+
+
+def test_a_reply_without_slot_generations_keys_its_registrations_by_the_file_generation_however_long(
+    sim: dict[str, Any], make_daemon: Any
+) -> None:
+    """An older daemon's reply names no slot generations: the slab is then one unit, and another file
+    generation drops its registrations, for a few blocks (planned in Python) and for many (numpy)."""
+    transfer, rec = sim["transfer"], sim["rec"]
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    with proc.client() as client:
+        blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        for count in (3, 80):
+            keys = blocks.keys(list(range(10_000 * count, 10_000 * count + count * BLOCK)))
+            blocks.put(keys, [_random(4096, i) for i in range(count)], durable=False)
+            reply, fds = client._call(blocks._body("blocks_get", keys))
+            try:
+                placements = [tuple(p) for p in reply["blocks"]]
+                outs = [torch.zeros(4096, dtype=torch.uint8) for _ in placements]
+                generations = list(reply["generations"])
+                assert transfer.blocks_to_device(placements, fds, generations, outs)
+                transfer.drain()
+                rec.calls.clear()
+                assert transfer.blocks_to_device(placements, fds, [g + 1 for g in generations], outs)
+                transfer.drain()
+                kinds = [c[0] for c in rec.calls]
+                assert kinds.count("unregister") >= 1 and kinds[0] == "unregister", (count, kinds)
+                assert all(torch.equal(outs[i], _random(4096, i)) for i in range(count))
+            finally:
+                for fd in fds:
+                    os.close(fd)

@@ -191,6 +191,10 @@ class DigestJob:
 BlockPlacement = list[int]
 
 
+#: A slab's slots as a ``blocks_get`` reply shows them: (data start, slot size, generations).
+SlotMap = tuple[int, int, bytes]
+
+
 @dataclass(slots=True)
 class Lease:
     """Descriptors (one per slab, each holding read locks on its blocks) and every block's place."""
@@ -199,6 +203,9 @@ class Lease:
     placements: list[BlockPlacement] = field(default_factory=list)
     generations: list[int] = field(default_factory=list)  # each descriptor's slab generation (0: once)
     slot_generations: list[int] = field(default_factory=list)  # each placement's slot generation (0: once)
+    #: asked for: each descriptor's slab as (data start, slot size, every slot's generation as 8 bytes
+    #: little-endian), None for a memfd
+    slot_maps: list[SlotMap | None] | None = None
 
     def close(self) -> None:
         for fd in self.fds:
@@ -262,9 +269,11 @@ class L2Blocks:
         block = self._blocks.get(key)
         return block.record if block is not None else None
 
-    def lease(self, keys: Sequence[bytes], *, max_fds: int, hit: bool = True) -> Lease:
+    def lease(self, keys: Sequence[bytes], *, max_fds: int, hit: bool = True, maps: bool = False) -> Lease:
         """The leading held ``keys`` (at most ``max_fds`` slabs of them) leased for reading; touches
-        them from the last to the first when ``hit``. (One pass: a get of 256 blocks is mostly this.)"""
+        them from the last to the first when ``hit``; with ``maps``, each slab's slot map (every slot's
+        generation: a client drops its registrations of punched slots). (One pass: a get of 256 blocks
+        is mostly this.)"""
         blocks = self._blocks
         chosen: list[_Block] = []
         slots: list[tuple[_SlabState, int]] = []
@@ -274,7 +283,7 @@ class L2Blocks:
                 break
             chosen.append(block)
             slots.append((block.home, block.index))
-        fds, where, generations = _lease_slots(slots, max_fds)
+        fds, where, slabs = _lease_slots(slots, max_fds)
         if len(where) < len(chosen):
             del chosen[len(where) :]
         placements = [[at, offset, b.record.nbytes] for b, (at, offset) in zip(chosen, where, strict=True)]
@@ -283,7 +292,10 @@ class L2Blocks:
             self._stats.block_hits += len(chosen)
             chosen.reverse()
             self._touch_all(chosen)
-        return Lease(fds, placements, generations, slot_generations)
+        slot_maps: list[SlotMap | None] | None = (
+            [(slab.data_start, slab.slot_size, slab.slot_map()) for slab in slabs] if maps else None
+        )
+        return Lease(fds, placements, [slab.generation for slab in slabs], slot_generations, slot_maps)
 
     def count_miss(self, blocks: int = 1) -> None:
         self._stats.block_misses += blocks
@@ -840,10 +852,10 @@ class L2Blocks:
 
 def _lease_slots(
     slots: Sequence[tuple[_SlabState, int]], max_fds: int
-) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+) -> tuple[list[int], list[tuple[int, int]], list[Slab]]:
     """One read-locked descriptor per slab for the leading ``slots`` that fit in ``max_fds`` slabs, each
     holding a lock on every run of consecutive slots it serves; each leased slot's descriptor index and
-    offset, in order; and each descriptor's slab generation."""
+    offset, in order; and each descriptor's slab."""
     at: dict[int, int] = {}  # id(slab state) -> descriptor index
     homes: list[_SlabState] = []
     runs: list[list[tuple[int, int]]] = []
@@ -875,7 +887,7 @@ def _lease_slots(
         for fd in fds:
             os.close(fd)
         raise
-    return fds, where, [home.slab.generation for home in homes]
+    return fds, where, [home.slab for home in homes]
 
 
 def _slot_digest(slab: Slab, index: int, record: SlotRecord) -> bytes:

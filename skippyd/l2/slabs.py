@@ -25,6 +25,8 @@ import fcntl
 import mmap
 import os
 import struct
+import sys
+from array import array
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +161,15 @@ class Slab:
         #: Each slot's own generation: changes when that slot is punched (so a registration of its old
         #: pages is never used for the pages it is filled with again), and only then. A new or adopted
         #: slab's slots start at a number never given before (its file may reuse an old inode).
-        self.slot_generations = [self.generation] * slots
+        self.slot_generations = array("Q", [self.generation]) * slots
+
+    def slot_map(self) -> bytes:
+        """Every slot's generation, 8 bytes little-endian each (a ``blocks_get`` reply's ``slot_maps``)."""
+        if sys.byteorder == "little":
+            return self.slot_generations.tobytes()
+        swapped = array("Q", self.slot_generations)
+        swapped.byteswap()
+        return swapped.tobytes()
 
     @property
     def header_bytes(self) -> int:

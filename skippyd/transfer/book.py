@@ -23,11 +23,13 @@ drive the book with a hook that records them. The device side (:mod:`skippyd.tra
 from __future__ import annotations
 
 import bisect
+import sys
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["PAGE", "BookStats", "RegistrationBook", "page_span"]
+__all__ = ["PAGE", "BookStats", "RegistrationBook", "SlotMap", "page_span"]
 
 PAGE = 4096
 READ_ONLY = 8  # cudaHostRegisterReadOnly
@@ -37,6 +39,10 @@ DEFAULT = 0  # cudaHostRegisterDefault
 #: work, unpinned) and ``unregister(address)``.
 Register = Callable[[int, int, int], bool]
 Unregister = Callable[[int], None]
+
+#: A slab's slots as a ``blocks_get`` reply shows them (``slot_maps``, docs/protocol.md "Generations"):
+#: where its slots start, their size, and every slot's generation (8 bytes little-endian each).
+SlotMap = tuple[int, int, bytes]
 
 
 def page_span(start: int, end: int) -> tuple[int, int]:
@@ -89,6 +95,7 @@ class RegistrationBook:
         *,
         readonly: bool,
         span_generations: Sequence[int] | None = None,
+        slot_map: SlotMap | None = None,
     ) -> list[int] | None:
         """Registers what ``spans`` (byte ranges of the source ``key``, mapped at ``base``) need and is not
         registered for their generation yet; returns the registration boundaries inside them (to cut runs
@@ -97,7 +104,10 @@ class RegistrationBook:
         Without ``span_generations`` every span has the file's ``generation`` (an entry file: another
         generation drops every range of the source). With it (one per span: a slab's slot generations)
         the file's ``generation`` is not compared; a range is dropped and registered again only where a
-        span's generation differs from the one a part of that range was registered for."""
+        span's generation differs from the one a part of that range was registered for. ``slot_map``
+        (a slab's, from the same reply): when the file's generation moved since the last call (a slot of
+        it was punched), every range holding a slot whose generation changed is dropped, wanted or not
+        (its old pages would otherwise stay pinned until that slot is read again)."""
         slotted = span_generations is not None
         source = self._sources.get(key)
         if source is not None and (
@@ -112,6 +122,8 @@ class RegistrationBook:
             source = None
         if source is None:
             source = self._sources[key] = _Source(generation, base, readonly, slotted=slotted)
+        if slot_map is not None and slotted and source.generation != generation:
+            self._drop_punched(source, slot_map)
         source.generation = generation
         self._sources.move_to_end(key)
         if source.unregistrable:
@@ -157,6 +169,30 @@ class RegistrationBook:
                 if parts[j][2] != wg:
                     stale.add(self._range_of(source, parts[j][0]))
                 j += 1
+        self._unregister_ranges(source, stale)
+
+    def _drop_punched(self, source: _Source, slot_map: SlotMap) -> None:
+        """Unregisters every range of ``source`` holding a part registered for a slot whose generation in
+        ``slot_map`` differs: its pages were punched (only pages wholly inside a slot are: a slot smaller
+        than a page, or a page shared with the next, keeps its page; such parts are left alone)."""
+        start, size, table = slot_map
+        generations = array("Q")
+        generations.frombytes(table)
+        if sys.byteorder != "little":
+            generations.byteswap()
+        stale: set[tuple[int, int]] = set()
+        for a, b, g in source.parts:
+            first = max(0, (a - start) // size)
+            last = min(len(generations), -(-(b - start) // size))
+            for slot in range(first, last):
+                at = start + slot * size
+                lo, hi = -(-at // PAGE) * PAGE, (at + size) // PAGE * PAGE  # the pages wholly inside it
+                if hi > lo and lo < b and a < hi and generations[slot] != g:
+                    stale.add(self._range_of(source, a))
+                    break
+        self._unregister_ranges(source, stale)
+
+    def _unregister_ranges(self, source: _Source, stale: set[tuple[int, int]]) -> None:
         for a, b in sorted(stale):
             self.stats.generation_changes += 1
             self._unregister(source.base + a)

@@ -41,7 +41,7 @@ import torch
 
 from skippyd.errors import BadFrame, InvalidArgument, Mismatch, NoDevice
 
-from .book import RegistrationBook
+from .book import RegistrationBook, SlotMap
 from .pages import PageLayout
 from .plan import Flat, Run, page_spans, plan_runs, split_runs
 
@@ -276,8 +276,8 @@ class FileMaps:
 # A copy of one transfer: (source, offset, destination, offset, bytes, offset of its bytes in their block)
 _Piece = tuple[Hashable, int, Any, int, int, int]
 # What one source needs registered: (source, file generation, base, spans, each span's slot generation or
-# None for a file that is one unit)
-_Need = tuple[Hashable, int, int, list[tuple[int, int]], list[int] | None]
+# None for a file that is one unit, the slab's slot map or None)
+_Need = tuple[Hashable, int, int, list[tuple[int, int]], list[int] | None, SlotMap | None]
 # A strided destination: (tensor, staging buffer, offset in it, bytes it takes, offset in its block). Its
 # bytes land in a device staging buffer by DMA, then one copy_ on skippyd's stream lays them into it.
 _Scatter = tuple[torch.Tensor, Any, int, int, int]
@@ -561,6 +561,7 @@ class DeviceTransfer:
         pieces: Sequence[tuple[int, int, int, torch.Tensor]],
         *,
         slot_generations: Sequence[int] | None = None,
+        slot_maps: Sequence[SlotMap | None] | None = None,
     ) -> bool:
         """Copies bytes ``[at, at + take)`` of block ``block`` into each ``(block, at, take, tensor)`` of
         ``pieces`` (CUDA tensors of one device: a contiguous one gets its bytes by DMA, merged with the
@@ -568,14 +569,15 @@ class DeviceTransfer:
         them in a device staging buffer, then one ``copy_`` into it, in its logical order as ``put`` lays
         it out), queued on skippyd's stream; False when a descriptor is not one to map and register.
         ``slot_generations`` (one per placement, the reply's): registrations are kept and renewed per slot;
-        without it, per descriptor (``generations``)."""
+        without it, per descriptor (``generations``). ``slot_maps`` (one per descriptor, the reply's):
+        registrations of the slabs' punched slots are dropped, read now or not."""
         if not pieces:
             return True
         device = pieces[0][3].device
         with self._lock:
             collecting: Layered | None = getattr(self._local, "layered", None)
             found = self._sources(
-                placements, fds, generations, slot_generations, every=collecting is not None
+                placements, fds, generations, slot_generations, slot_maps, every=collecting is not None
             )
             if found is None:
                 return False
@@ -601,6 +603,7 @@ class DeviceTransfer:
         fds: Sequence[int],
         generations: Sequence[int],
         slot_generations: Sequence[int] | None,
+        slot_maps: Sequence[SlotMap | None] | None = None,
         *,
         every: bool = False,
     ) -> tuple[list[_Need], dict[int, Hashable], dict[Hashable, _Mapped], list[int]] | None:
@@ -641,9 +644,10 @@ class DeviceTransfer:
             for index, (source, mapped) in sources.items():
                 slots = None if slot_generations is None else gens_of[index]
                 spans, gens = page_spans(starts_of[index], ends_of[index], slots)
-                needs.append(
-                    (source, generations[index], mapped.base, spans, None if slots is None else gens)
-                )
+                needs.append((
+                    source, generations[index], mapped.base, spans, None if slots is None else gens,
+                    None if slots is None or slot_maps is None else slot_maps[index],
+                ))  # fmt: skip
         else:
             table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
             slot_gens = None if slot_generations is None else np.asarray(slot_generations, dtype=np.int64)
@@ -652,9 +656,10 @@ class DeviceTransfer:
                 starts = table[rows, 1]
                 picked = slot_gens[rows] if slot_gens is not None else None
                 spans, gens = page_spans(starts, starts + table[rows, 2], picked)
-                needs.append(
-                    (source, generations[index], mapped.base, spans, None if found is None else gens)
-                )
+                needs.append((
+                    source, generations[index], mapped.base, spans, None if picked is None else gens,
+                    None if picked is None or slot_maps is None else slot_maps[index],
+                ))  # fmt: skip
         keys = {index: key for index, (key, _) in sources.items()}
         return needs, keys, dict(sources.values()), [fds[i] for i in sources]
 
@@ -667,6 +672,7 @@ class DeviceTransfer:
         first: int,
         *,
         slot_generations: Sequence[int] | None = None,
+        slot_maps: Sequence[SlotMap | None] | None = None,
     ) -> bool:
         """Copies the reply's blocks into their pages (``layout``'s rows ``first``, ``first + 1``, ...:
         CUDA planes of one device), planned as arrays: where the pieces are large (at least
@@ -682,7 +688,7 @@ class DeviceTransfer:
         with self._lock:
             if getattr(self._local, "layered", None) is not None:
                 return False
-            found = self._sources(placements, fds, generations, slot_generations)
+            found = self._sources(placements, fds, generations, slot_generations, slot_maps)
             if found is None:
                 return False
             needs, keys, hosts, leases = found
@@ -803,18 +809,23 @@ class DeviceTransfer:
     def _register(self, needs: Sequence[_Need]) -> dict[Hashable, list[int]]:
         """Registers what each source needs (one call per source, at its newest file generation; slots
         at their own); returns the registration boundaries to cut runs at."""
-        merged: dict[Hashable, tuple[int, int, list[tuple[int, int]], list[int] | None]] = {}
-        for key, generation, base, spans, slots in needs:
+        merged: dict[Hashable, _Need] = {}
+        for need in needs:
+            key, generation, base, spans, slots, slot_map = need
             seen = merged.get(key)
             if seen is None:
-                merged[key] = (generation, base, list(spans), None if slots is None else list(slots))
+                listed = None if slots is None else list(slots)
+                merged[key] = (key, generation, base, list(spans), listed, slot_map)
             else:
-                seen[2].extend(spans)
-                both = None if seen[3] is None or slots is None else [*seen[3], *slots]
-                merged[key] = (max(seen[0], generation), base, seen[2], both)
+                seen[3].extend(spans)
+                both = None if seen[4] is None or slots is None else [*seen[4], *slots]
+                newest = slot_map if generation >= seen[1] else seen[5]  # the map of the newest reply
+                merged[key] = (key, max(seen[1], generation), base, seen[3], both, newest)
         cuts: dict[Hashable, list[int]] = {}
-        for key, (generation, base, spans, slots) in merged.items():
-            got = self.book.ensure(key, generation, base, spans, readonly=True, span_generations=slots)
+        for key, generation, base, spans, slots, slot_map in merged.values():
+            got = self.book.ensure(
+                key, generation, base, spans, readonly=True, span_generations=slots, slot_map=slot_map
+            )
             if got is not None:
                 cuts[key] = got
         return cuts
