@@ -55,6 +55,14 @@ MODEL = "bench-gpu-host@sha256:0"
 SHAPES = {"7.2B": (32, 8, 128), "1.1B": (16, 8, 64)}
 
 
+def hashed(client: Any, timeout: float = 60.0) -> None:
+    """Waits (``timeout`` at most) until the daemon's digester has hashed every block the puts before
+    committed unhashed: rows timed after a large put would otherwise share the CPU with that BLAKE3."""
+    deadline = time.monotonic() + timeout
+    while int(client.stats()["l2"].get("block_unhashed", 0)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _median_ms(samples: list[float]) -> float:
     return statistics.median(samples) * 1e3
 
@@ -144,6 +152,7 @@ def get_into_cases(client: Any, sim: Any, reps: int, profile: str | None) -> lis
             0, 256, (count, nbytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(1)
         )
         space.put(keys, list(source.unbind(0)), durable=False)
+        hashed(client)
         pages = torch.empty((count, nbytes), dtype=torch.uint8)
         order = torch.randperm(count, generator=torch.Generator().manual_seed(2)).tolist()
         for name, outs in (("in order", list(pages.unbind(0))), ("scattered", [pages[i] for i in order])):
@@ -184,6 +193,7 @@ def pages_cases(client: Any, sim: Any, reps: int, profile: str | None) -> list[d
         keys = space.keys(list(range(count * 16)))
         source = torch.randint(0, 256, (count, nbytes), dtype=torch.uint8, generator=gen)
         space.put(keys, list(source.unbind(0)), durable=False)
+        hashed(client)
         planes = [torch.zeros((count + 7, row), dtype=torch.uint8) for row in row_bytes]  # 7 spare pages
         order = torch.randperm(count + 7, generator=gen)[:count].tolist()
         outs = [[plane[p] for plane in planes] if len(planes) > 1 else planes[0][p] for p in order]
@@ -259,6 +269,7 @@ def restore_cases(client: Any, sim: Any, reps: int, profile: str | None, tokens:
                 row_v.expand(1, heads, tokens, dim),
             )
         skt.capture(client, model, cache, tokens=prompt[:tokens], durable=False)
+        hashed(client)
         del cache
         blocks = tokens // skt.DEFAULT_BLOCK_TOKENS
         label = f"skt.restore {shape} counts {tokens // 1024}k+1 ({layers} layers × {blocks} blocks)"
