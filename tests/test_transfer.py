@@ -230,6 +230,28 @@ def test_spans_joined_per_generation_before_the_book_register_exactly_what_one_s
     assert fewer  # (some replies were joined: the comparison covers joins)
 
 
+@pytest.mark.parametrize("slot_size", [4096, 8192, 6000, 300])
+def test_spans_of_several_sources_at_once_are_each_sources_own_spans(slot_size: int) -> None:
+    """page_spans_of (a reply's slabs in one pass) gives every source exactly what page_spans gives
+    for that source's ranges alone: joins, generations, shared pages left as they are."""
+    rng = random.Random(slot_size + 1)
+    for _ in range(200):
+        count = rng.randrange(0, 60)
+        sources = [rng.randrange(8) for _ in range(count)]
+        slots = [rng.randrange(40) for _ in range(count)]
+        length = [rng.randrange(0, slot_size + 1) for _ in range(40)]  # a slot's block and generation
+        generation = [rng.choice([5, 5, 5, 6]) for _ in range(40)]
+        starts = [4096 + i * slot_size for i in slots]
+        ends = [4096 + i * slot_size + length[i] for i in slots]
+        gens = [generation[i] for i in slots]
+        both = plan.page_spans_of(sources, starts, ends, gens)
+        for source in set(sources):
+            mine = [n for n in range(count) if sources[n] == source]
+            alone = page_spans([starts[n] for n in mine], [ends[n] for n in mine], [gens[n] for n in mine])
+            assert both.get(source, ([], [])) == alone
+        assert set(both) <= set(sources)
+
+
 def test_an_entry_file_keeps_one_generation_for_the_whole_file() -> None:
     rec = Recorder()
     book = rec.book()

@@ -43,7 +43,7 @@ from skippyd.errors import BadFrame, InvalidArgument, Mismatch, NoDevice
 
 from .book import RegistrationBook, SlotMap
 from .pages import PageLayout
-from .plan import Flat, Run, page_spans, plan_runs, split_runs
+from .plan import Flat, Run, page_spans, page_spans_of, plan_runs, split_runs
 
 __all__ = [
     "DeviceTransfer",
@@ -614,8 +614,18 @@ class DeviceTransfer:
         self.maps.sweep(every=0.1 if every else 0.0)
         sources: dict[int, tuple[Hashable, _Mapped]] = {}
         ends: dict[int, int] = {}
-        for index, offset, nbytes in placements:
-            ends[index] = max(ends.get(index, 0), offset + nbytes)
+        few = len(placements) <= 64  # (a few blocks: numpy's fixed cost is more than the loop)
+        if few:
+            for index, offset, nbytes in placements:
+                ends[index] = max(ends.get(index, 0), offset + nbytes)
+        else:
+            table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
+            column, end_of = table[:, 0], table[:, 1] + table[:, 2]
+            found_at = np.unique(column, return_index=True)
+            for index in found_at[0][np.argsort(found_at[1])].tolist():  # (in the reply's order)
+                ends[index] = (
+                    int(end_of[column == index].max()) if len(found_at[0]) > 1 else int(end_of.max())
+                )
         for index, end in ends.items():
             if not 0 <= index < len(fds) or index >= len(generations):
                 raise BadFrame("a blocks_get reply names a descriptor it did not carry")
@@ -632,7 +642,7 @@ class DeviceTransfer:
         # what each descriptor's registrations must cover: its blocks' pages, consecutive slots of one
         # generation as one span (the book's work is per span)
         needs: list[_Need] = []
-        if len(placements) <= 64:  # (a few blocks: numpy's fixed cost is more than the loop)
+        if few:
             starts_of: dict[int, list[int]] = {index: [] for index in sources}
             ends_of: dict[int, list[int]] = {index: [] for index in sources}
             gens_of: dict[int, list[int]] = {index: [] for index in sources}
@@ -649,16 +659,13 @@ class DeviceTransfer:
                     None if slots is None or slot_maps is None else slot_maps[index],
                 ))  # fmt: skip
         else:
-            table = np.asarray(placements, dtype=np.int64).reshape(-1, 3)
             slot_gens = None if slot_generations is None else np.asarray(slot_generations, dtype=np.int64)
+            spans_of = page_spans_of(column, table[:, 1], end_of, slot_gens)  # (every slab in one pass)
             for index, (source, mapped) in sources.items():
-                rows = table[:, 0] == index if len(sources) > 1 else slice(None)
-                starts = table[rows, 1]
-                picked = slot_gens[rows] if slot_gens is not None else None
-                spans, gens = page_spans(starts, starts + table[rows, 2], picked)
+                spans, gens = spans_of.get(index, ([], []))
                 needs.append((
-                    source, generations[index], mapped.base, spans, None if picked is None else gens,
-                    None if picked is None or slot_maps is None else slot_maps[index],
+                    source, generations[index], mapped.base, spans, None if slot_gens is None else gens,
+                    None if slot_gens is None or slot_maps is None else slot_maps[index],
                 ))  # fmt: skip
         keys = {index: key for index, (key, _) in sources.items()}
         return needs, keys, dict(sources.values()), [fds[i] for i in sources]
