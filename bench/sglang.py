@@ -10,7 +10,9 @@ One page is 64 tokens of a 7.2B-shape model: 8 KV heads × 128 × bf16 × 32 lay
   time, so every page is copied; L2 has room for all of them), with ``durable`` off and on (on: the
   pages are queued for L3 and written to disk beside the next calls; the rows after wait until the L3
   writer is done);
-* ``batch_get_v1`` of those 64 pages from skippyd's L2 straight into another host pool's pages;
+* ``batch_get_v1`` of those 64 pages from skippyd's L2 straight into another host pool's pages, by page
+  numbers into the pool's planes (``get_into_pages``, what the backend does) and, beside it, as each
+  page's pieces (``get_into``, what it did before);
 * both beside a numpy memcpy of the same 512 MiB, in the same run;
 * for the page-first layout (two pieces a page: K and V) and the layer-first one (64 pieces a page);
 * ``batch_exists`` of 128 page hashes, all held and none held;
@@ -109,6 +111,12 @@ def _rows(socket: Path, layout: str, reps: int, memcpy: float) -> tuple[list[lis
     # every page came back bit for bit (compared as bytes: random bits make NaNs of bf16)
     assert torch.equal(source.kv_buffer.view(torch.uint8), target.kv_buffer.view(torch.uint8))
     rows.append([f"batch_get_v1 64 × 8 MiB, {layout}", fmt_time(took), f"{memcpy / took:.2f}×"])
+    planes, reader._planes = reader._planes, None  # the same loads as each page's pieces (get_into)
+    target.kv_buffer.zero_()
+    took = median(_times(load, reps))
+    assert torch.equal(source.kv_buffer.view(torch.uint8), target.kv_buffer.view(torch.uint8))
+    reader._planes = planes
+    rows.append([f"... the same, as each page's pieces ({layout})", fmt_time(took), f"{memcpy / took:.2f}×"])
     hit = median(_times(lambda _: reader.batch_exists(keys["last"] * 2), reps * 5))  # 128 held
     absent = page_hashes(128, seed=3)
     miss = median(_times(lambda _: reader.batch_exists(absent), reps * 5))

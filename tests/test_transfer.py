@@ -373,7 +373,8 @@ def test_a_get_that_asks_for_slot_maps_gets_every_slot_of_each_slab_and_its_bloc
         for fd in fds:
             os.close(fd)
         assert len(reply["slot_maps"]) == len(fds) == len(reply["generations"])
-        for (index, offset, _), slot_generation in zip(reply["blocks"], reply["slot_generations"], strict=True):
+        served = zip(reply["blocks"], reply["slot_generations"], strict=True)
+        for (index, offset, _), slot_generation in served:
             start, size, table = reply["slot_maps"][index]
             assert len(table) % 8 == 0 and len(table) // 8 * size + start >= offset + BLOCK_BYTES
             slot = (offset - start) // size

@@ -84,6 +84,56 @@ def test_batch_set_v1_then_batch_get_v1_moves_host_pages_bit_exact_between_two_w
     assert all(page_bytes(target, p) == untouched for p in (1, 3, 4, 5, 7))
 
 
+@pytest.mark.parametrize(("layout", "mla"), LAYOUTS)
+def test_the_host_pool_seen_as_page_planes_is_every_pages_own_pieces(layout: str, mla: bool) -> None:
+    """``page_planes`` (what ``batch_get_v1`` hands ``get_into_pages``) names exactly the memory of each
+    page's pieces, in their order, for every page of each of SGLang's layouts."""
+    from skippyd.integrations.sglang import page_pieces, page_planes
+
+    pool = make_pool(layout, mla=mla)
+    planes = page_planes(pool)
+    assert planes is not None
+    pages = pool.size // pool.page_size
+    for page in range(pages):
+        pieces = page_pieces(pool.get_data_page(page * pool.page_size, flat=False))
+        assert [(plane[page].data_ptr(), plane[page].nbytes) for plane in planes] == [
+            (piece.data_ptr(), piece.nbytes) for piece in pieces
+        ]
+    assert all(plane.shape[0] == pages for plane in planes)
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_batch_get_v1_reads_by_page_numbers_and_falls_back_to_pieces_for_a_page_off_its_boundary(
+    layout: str, daemon: DaemonProcess, backends: Backends, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skippyd.blockspace import BlockSpace
+
+    calls: list[str] = []
+    for name in ("get_into", "get_into_pages"):
+        original = getattr(BlockSpace, name)
+
+        def spy(self: Any, *args: Any, _original: Any = original, _name: str = name) -> Any:
+            calls.append(_name)
+            return _original(self, *args)
+
+        monkeypatch.setattr(BlockSpace, name, spy)
+    source, target = make_pool(layout), make_pool(layout)
+    keys = page_hashes(3, seed=11)
+    written = fill_pages(source, [0, 2, 5], seed=11)
+    one, two = backends(source, daemon), backends(target, daemon)
+    assert one.batch_set_v1(keys, host_indices(source, [0, 2, 5])) == [True] * 3
+    assert two.batch_get_v1(keys, host_indices(target, [7, 1, 3])) == [True] * 3
+    assert calls == ["get_into_pages"]
+    assert [page_bytes(target, p) for p in (7, 1, 3)] == written
+    # a page that does not start on a page boundary (SGLang never asks for one): each page's pieces
+    calls.clear()
+    shifted = host_indices(target, [4]) + 1
+    assert two.batch_get_v1(keys[:1], shifted) == [True]
+    assert calls == ["get_into"]
+    flat = target.get_data_page(4 * target.page_size + 1).contiguous().view(torch.uint8).numpy().tobytes()
+    assert flat == written[0]
+
+
 def test_the_generic_path_and_the_zero_copy_path_share_pages(
     daemon: DaemonProcess, backends: Backends
 ) -> None:

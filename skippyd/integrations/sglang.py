@@ -17,8 +17,10 @@ stores one skippyd block per HiCache page, keyed by SGLang's page hash (its hex 
 * ``batch_get_v1``/``batch_set_v1`` (``interface_v1``) copy straight between the host pool's pages and
   skippyd's shared memory: a page is the pieces of the pool's own page view (two for the page-first
   layouts, two per layer for layer-first), written into the connection's staging buffer by ``put``
-  and read out of skippyd's slabs by ``get_into``; no Python ``bytes`` in between. The bytes are the
-  pool's flat page (``get_data_page``), so the ``get``/``set`` path and the v1 path share pages;
+  and read out of skippyd's slabs by ``get_into_pages`` into the pool seen as page planes
+  (:func:`page_planes`: a reply's pieces planned as arrays; ``get_into`` with each page's pieces where
+  the pool's pages are not that regular); no Python ``bytes`` in between. The bytes are the pool's
+  flat page (``get_data_page``), so the ``get``/``set`` path and the v1 path share pages;
 * ``get``/``batch_get``/``set``/``batch_set`` take the flat pages SGLang's generic path hands them;
 * ``clear`` drops every page of this worker's identity (shared with the workers of the same layout);
   ``get_stats`` reports the pages and bandwidth of each transfer since the last call.
@@ -61,7 +63,7 @@ from skippyd.blockspace import BlockSpace
 from skippyd.errors import SkippydError
 from skippyd.integrations._common import admission, check_durable, check_options, layout_state, why
 
-__all__ = ["LAYOUT_VERSION", "SkippydStorage", "page_pieces", "storage_identity"]
+__all__ = ["LAYOUT_VERSION", "SkippydStorage", "page_pieces", "page_planes", "storage_identity"]
 
 log = logging.getLogger("skippyd.sglang")
 
@@ -130,6 +132,39 @@ def page_pieces(page: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def page_planes(pool: Any) -> list[torch.Tensor] | None:
+    """The host pool as page planes (what ``BlockSpace.get_into_pages`` takes): one uint8 tensor per
+    contiguous piece of a page (:func:`page_pieces`), its first axis the page number (token index //
+    page size), over the pool's own memory; None when the pool's pages are not laid out that regularly
+    (each piece at one stride from page to page, checked at the first, second and last page)."""
+    size = int(pool.page_size)
+    pages = int(getattr(pool, "size", 0)) // max(size, 1)
+    if pages < 2:
+        return None
+    first, second, last = (
+        page_pieces(pool.get_data_page(page * size, flat=False)) for page in (0, 1, pages - 1)
+    )
+    if not len(first) == len(second) == len(last):
+        return None
+    storage = first[0].untyped_storage()
+    base = storage.data_ptr()
+    whole = torch.empty(0, dtype=torch.uint8, device=first[0].device).set_(
+        storage, 0, (storage.nbytes(),), (1,)
+    )
+    planes: list[torch.Tensor] = []
+    for a, b, c in zip(first, second, last, strict=True):
+        nbytes, stride = a.nbytes, b.data_ptr() - a.data_ptr()
+        if (
+            {b.nbytes, c.nbytes} != {nbytes}
+            or stride < nbytes
+            or c.data_ptr() != a.data_ptr() + (pages - 1) * stride
+            or any(t.untyped_storage().data_ptr() != base for t in (a, b, c))
+        ):
+            return None
+        planes.append(whole.as_strided((pages, nbytes), (stride, 1), a.data_ptr() - base))
+    return planes
+
+
 def _check_page_view(pool: Any) -> None:
     """Refuses, at engine start, a host pool whose page is not a view of its buffer (pages are read
     straight into that view: into a copy, HiCache would take pages that were never loaded)."""
@@ -182,6 +217,7 @@ class SkippydStorage(HiCacheStorage):
                                                "prefetch_bandwidth": [], "backup_bandwidth": []}  # fmt: skip
         self._warned = False
         self.mem_pool_host: Any = None
+        self._planes: list[torch.Tensor] | None = None  # the pool's pages as planes, where regular
 
     # ----------------------------------------------------------------- binding to the host pool
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
@@ -194,6 +230,7 @@ class SkippydStorage(HiCacheStorage):
         self.block_tokens = block_tokens
         page = mem_pool_host.get_data_page(0, flat=False)
         self.page_bytes = int(page.numel() * page.element_size())
+        self._planes = page_planes(mem_pool_host)
         self._spaces = {
             kind: client.blocks(
                 model=self.model, state=self.state, namespace=self.namespace, block_tokens=block_tokens
@@ -208,6 +245,17 @@ class SkippydStorage(HiCacheStorage):
         size = int(pool.page_size)
         starts = host_indices[: count * size : size].tolist()
         return [page_pieces(pool.get_data_page(int(start), flat=False)) for start in starts]
+
+    def _load_into_pool(self, host_indices: torch.Tensor) -> Callable[[BlockSpace, list[bytes]], int]:
+        """What reads a run of blocks into the pool's pages ``host_indices`` names: by page numbers
+        into the pool's planes (planned as arrays) where its pages are regular and every page starts
+        on a page boundary, else as each page's pieces."""
+        planes, size = self._planes, int(self.mem_pool_host.page_size)
+        starts = host_indices[::size]
+        if planes is not None and not bool((starts % size).any()):
+            numbers = (starts // size).tolist()
+            return lambda space, run: space.get_into_pages(run, planes, numbers[: len(run)])
+        return lambda space, run: space.get_into(run, self._pages(host_indices, len(run)))
 
     # ----------------------------------------------------------------- calls that never raise
     def _run(self, kind: str, what: str, call: Callable[[BlockSpace], T], fallback: T, nbytes: int = 0) -> T:
@@ -243,9 +291,9 @@ class SkippydStorage(HiCacheStorage):
     def _held(self, keys: list[bytes]) -> int:
         return self._run("query", "lookup", lambda space: space.contains(keys), 0)
 
-    def _read(self, keys: list[str], out: Callable[[int], list[Any]]) -> int:
-        """How many leading pages were read into ``out(count)`` (asked first on the lookup connection,
-        so a stalled daemon answers within ``timeout``)."""
+    def _read(self, keys: list[str], load: Callable[[BlockSpace, list[bytes]], int]) -> int:
+        """How many leading pages ``load(space, run)`` read (the run asked first on the lookup
+        connection, so a stalled daemon answers within ``timeout``)."""
         if not keys:
             return 0
         bound = self._bind(keys, "load")
@@ -256,7 +304,7 @@ class SkippydStorage(HiCacheStorage):
             return 0
         started = time.perf_counter()
         got = self._run(
-            "load", f"load of {held} pages", lambda space: space.get_into(bound[:held], out(held)), 0,
+            "load", f"load of {held} pages", lambda space: load(space, bound[:held]), 0,
             nbytes=held * self.page_bytes,
         )  # fmt: skip
         self._record("prefetch", got, time.perf_counter() - started)
@@ -322,7 +370,7 @@ class SkippydStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Reads the leading held pages straight into the host pool's pages ``host_indices`` names."""
-        got = self._read(list(keys), lambda count: self._pages(host_indices, count))
+        got = self._read(list(keys), self._load_into_pool(host_indices))
         return [True] * got + [False] * (len(keys) - got)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
@@ -341,7 +389,7 @@ class SkippydStorage(HiCacheStorage):
             size = max(self.page_bytes, 1)
             target_locations = [torch.empty(size // dtype.itemsize, dtype=dtype) for _ in keys]
         targets = list(target_locations)
-        got = self._read(keys, lambda count: targets[:count])
+        got = self._read(keys, lambda space, run: space.get_into(run, targets[: len(run)]))
         return [targets[i] if i < got else None for i in range(len(keys))]
 
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
