@@ -165,27 +165,7 @@ def page_spans(
     nothing is joined: the book settles shared pages itself (one generation for the pair, the newest)."""
     if len(starts) <= _FEW:  # (a few ranges: numpy's fixed cost is more than the loop)
         return _page_spans_few(starts, ends, generations, page)
-    import numpy as np
-
-    lo = np.asarray(starts, dtype=np.int64) // page * page
-    hi = -(-np.asarray(ends, dtype=np.int64) // page) * page
-    gen = (
-        np.zeros(len(lo), dtype=np.int64) if generations is None else np.asarray(generations, dtype=np.int64)
-    )
-    keep = hi > lo
-    if not keep.all():
-        lo, hi, gen = lo[keep], hi[keep], gen[keep]
-    if not len(lo):
-        return [], []
-    order = np.lexsort((gen, hi, lo))  # (as the loop for a few sorts them)
-    lo, hi, gen = lo[order], hi[order], gen[order]
-    if (lo[1:] < hi[:-1]).any():  # pages shared: as they are
-        return list(zip(lo.tolist(), hi.tolist(), strict=True)), gen.tolist()
-    new = np.ones(len(lo), dtype=bool)
-    new[1:] = (lo[1:] != hi[:-1]) | (gen[1:] != gen[:-1])
-    first = np.flatnonzero(new)
-    last = np.append(first[1:], len(lo)) - 1
-    return list(zip(lo[first].tolist(), hi[last].tolist(), strict=True)), gen[first].tolist()
+    return page_spans_of([0] * len(starts), starts, ends, generations, page=page).get(0, ([], []))
 
 
 def page_spans_of(
