@@ -884,7 +884,7 @@ def _device_bound(out: Sequence[Any] | None, pages: PageLayout | None) -> bool:
     if pages is not None:
         device = pages.device
     else:
-        first = out[0] if out else None
+        first = out[0] if out is not None and len(out) else None  # a 2-D tensor or array has no truth
         if isinstance(first, list | tuple):
             first = first[0] if first else None
         device = getattr(first, "device", None)

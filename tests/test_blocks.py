@@ -660,3 +660,19 @@ def test_get_into_strided_pieces_gets_their_elements_in_the_order_put_stored_the
             blocks.get_into(short, [np.zeros((16, 8), dtype=np.uint8)[:, ::2]])
         with pytest.raises(InvalidArgument, match="0 stride"):
             blocks.get_into(short, [torch.zeros(1, dtype=torch.float32).expand(16)])
+
+
+def test_get_into_the_rows_of_a_2d_tensor_or_array_fills_each_row_with_its_block(
+    daemon: DaemonProcess,
+) -> None:
+    with daemon.client() as client:
+        blocks = space(client)
+        keys = [b"r0", b"r1", b"r2"]
+        data = block_data(3, seed=7, nbytes=4096)
+        assert blocks.put(keys, data).stored == 3
+        rows = torch.zeros((3, 4096), dtype=torch.uint8)
+        assert blocks.get_into(keys, rows) == 3
+        assert all(torch.equal(rows[i], data[i]) for i in range(3))
+        array = np.zeros((3, 4096), dtype=np.uint8)
+        assert blocks.get_into(keys, array) == 3
+        assert all(array[i].tobytes() == data[i].numpy().tobytes() for i in range(3))

@@ -134,6 +134,24 @@ def test_batch_get_v1_reads_by_page_numbers_and_falls_back_to_pieces_for_a_page_
     assert flat == written[0]
 
 
+def test_a_load_before_the_host_pool_is_bound_or_into_pages_past_the_pool_misses_and_never_raises(
+    daemon: DaemonProcess, backends: Backends, pool: Any
+) -> None:
+    keys = page_hashes(2, seed=13)
+    written = fill_pages(pool, [0, 1], seed=13)
+    backend = backends(pool, daemon)
+    assert backend.batch_set_v1(keys, host_indices(pool, [0, 1])) == [True, True]
+    unbound = SkippydStorage(storage_config({"socket": str(daemon.socket)}))
+    try:
+        assert unbound.batch_get_v1(keys, host_indices(pool, [0, 1])) == [False, False]
+    finally:
+        unbound.close()
+    pages = int(pool.size) // int(pool.page_size)
+    assert backend.batch_get_v1(keys, host_indices(pool, [pages, pages + 1])) == [False, False]
+    assert backend.batch_get_v1(keys, host_indices(pool, [3, 4])) == [True, True], "the backend goes on"
+    assert [page_bytes(pool, p) for p in (3, 4)] == written
+
+
 def test_the_generic_path_and_the_zero_copy_path_share_pages(
     daemon: DaemonProcess, backends: Backends
 ) -> None:

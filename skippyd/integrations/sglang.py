@@ -230,7 +230,12 @@ class SkippydStorage(HiCacheStorage):
         self.block_tokens = block_tokens
         page = mem_pool_host.get_data_page(0, flat=False)
         self.page_bytes = int(page.numel() * page.element_size())
-        self._planes = page_planes(mem_pool_host)
+        try:
+            self._planes = page_planes(mem_pool_host)
+        except Exception as exc:  # an unusual pool: its pages are read as pieces
+            name = type(mem_pool_host).__name__
+            log.warning("skippyd HiCache storage reads %s pages as pieces: %s", name, why(exc))
+            self._planes = None
         self._spaces = {
             kind: client.blocks(
                 model=self.model, state=self.state, namespace=self.namespace, block_tokens=block_tokens
@@ -246,16 +251,18 @@ class SkippydStorage(HiCacheStorage):
         starts = host_indices[: count * size : size].tolist()
         return [page_pieces(pool.get_data_page(int(start), flat=False)) for start in starts]
 
-    def _load_into_pool(self, host_indices: torch.Tensor) -> Callable[[BlockSpace, list[bytes]], int]:
-        """What reads a run of blocks into the pool's pages ``host_indices`` names: by page numbers
-        into the pool's planes (planned as arrays) where its pages are regular and every page starts
-        on a page boundary, else as each page's pieces."""
+    def _load_into_pool(self, space: BlockSpace, run: list[bytes], host_indices: torch.Tensor) -> int:
+        """Reads a run of blocks into the pool's pages ``host_indices`` names: by page numbers into the
+        pool's planes (planned as arrays) where its pages are regular and every page starts on a page
+        boundary within the pool, else as each page's pieces (which check what they are given)."""
         planes, size = self._planes, int(self.mem_pool_host.page_size)
-        starts = host_indices[::size]
-        if planes is not None and not bool((starts % size).any()):
-            numbers = (starts // size).tolist()
-            return lambda space, run: space.get_into_pages(run, planes, numbers[: len(run)])
-        return lambda space, run: space.get_into(run, self._pages(host_indices, len(run)))
+        starts = host_indices[: len(run) * size : size]
+        if planes is not None and len(starts) == len(run):
+            numbers = starts // size
+            inside = 0 <= int(numbers.min()) <= int(numbers.max()) < len(planes[0])
+            if inside and not bool((starts % size).any()):
+                return space.get_into_pages(run, planes, numbers.tolist())
+        return space.get_into(run, self._pages(host_indices, len(run)))
 
     # ----------------------------------------------------------------- calls that never raise
     def _run(self, kind: str, what: str, call: Callable[[BlockSpace], T], fallback: T, nbytes: int = 0) -> T:
@@ -370,7 +377,7 @@ class SkippydStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
         """Reads the leading held pages straight into the host pool's pages ``host_indices`` names."""
-        got = self._read(list(keys), self._load_into_pool(host_indices))
+        got = self._read(list(keys), lambda space, run: self._load_into_pool(space, run, host_indices))
         return [True] * got + [False] * (len(keys) - got)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None) -> list[bool]:
