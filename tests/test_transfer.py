@@ -195,6 +195,30 @@ def test_a_slot_map_is_read_only_when_the_files_generation_moved_and_never_for_p
     assert [c[0] for c in rec.calls] == ["register", "register"]
 
 
+def test_a_reply_without_a_map_or_answered_late_does_not_hide_a_punch_or_drop_a_fresh_registration() -> None:
+    rec = Recorder()
+    book = rec.book()
+    base, start, size = 0x400000, 8192, 4096
+    slot0, slot2 = [(start, start + size)], [(start + 2 * size, start + 3 * size)]
+    book.ensure("slab", 1, base, slot0 + slot2, readonly=True, span_generations=[10, 10],
+                slot_map=_slot_map(start, size, [10, 10, 10]))  # fmt: skip
+    rec.calls.clear()
+    # slot 2 is punched (file generation 2); a reply that carries no map reads slot 0: nothing compared
+    book.ensure("slab", 2, base, slot0, readonly=True, span_generations=[10])
+    assert rec.calls == []
+    # the next reply of generation 2 with its map: slot 2's registration goes
+    book.ensure("slab", 2, base, slot0, readonly=True, span_generations=[10],
+                slot_map=_slot_map(start, size, [10, 10, 11]))  # fmt: skip
+    assert rec.calls == [("unregister", base + slot2[0][0])]
+    book.ensure("slab", 2, base, slot2, readonly=True, span_generations=[11],
+                slot_map=_slot_map(start, size, [10, 10, 11]))  # fmt: skip
+    rec.calls.clear()
+    # a reply of generation 1 answered late, its map from before the punch: slot 2's new registration stays
+    book.ensure("slab", 1, base, slot0, readonly=True, span_generations=[10],
+                slot_map=_slot_map(start, size, [10, 10, 10]))  # fmt: skip
+    assert rec.calls == [] and book.ranges("slab") == slot0 + slot2
+
+
 @pytest.mark.parametrize("few", [0, 32])  # numpy for any number of ranges; a loop for up to 32
 @pytest.mark.parametrize("slot_size", [4096, 8192, 6000, 300])
 def test_spans_joined_per_generation_before_the_book_register_exactly_what_one_span_a_block_would(

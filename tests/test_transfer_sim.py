@@ -16,11 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from daemonutil import eventually
 
 from skippyd.keys import encode_tokens
 from skippyd.payload import TensorSpec
 from skippyd.tensors import device_views
 from skippyd.transfer import device as dev
+from skippyd.transfer import plan
 from skippyd.transfer.sim import FakeEvent, FakeStream, Recorder
 
 MODEL, STATE = "sim-model@sha256:0", "paged-kv-v1"
@@ -603,7 +605,6 @@ _DECAYING = ("--l2-reserve", "1MiB", "--l2-reserve-window", "1s")
 
 
 def _until_free_slots_are_punched(client: Any) -> None:
-    from daemonutil import eventually
 
     assert eventually(lambda: client.stats()["l2"]["block_free_slots"] == 0, timeout=15)
 
@@ -780,41 +781,95 @@ def test_a_recycled_entry_file_keeps_its_registration_and_a_punched_slot_does_no
         assert [c[0] for c in rec.calls] == ["unregister", "register"] and torch.equal(out, fresh)
 
 
+@pytest.mark.parametrize("into", ["pieces", "pages"])  # get_into; get_into_pages
+@pytest.mark.parametrize("many", [False, True], ids=["few", "many"])  # the reply planned in Python; as arrays
 def test_a_slot_punched_while_another_of_its_slab_is_read_loses_its_registration_at_that_read(
-    through_sim: dict[str, Any], make_daemon: Any
+    through_sim: dict[str, Any], make_daemon: Any, monkeypatch: pytest.MonkeyPatch, many: bool, into: str
 ) -> None:
     """A registration pins the pages it was made for: once the daemon punches a slot (an eviction under
     its budget), the client's registration of it would keep those pages alive outside the daemon's
     budget. A device get asks for the slabs' slot maps, and the next reply naming that slab (reading
     another slot of it) lets the book drop the punched slot's registration, not only that slot's next
-    read."""
+    read: in a reply of a few blocks and in one of more than 64 (planned as arrays)."""
     transfer, rec = through_sim["transfer"], through_sim["rec"]
+    planned: list[int] = []
+    original = plan.page_spans_of
+
+    def spans_of(column: Any, *rest: Any) -> Any:
+        planned.append(len(column))
+        return original(column, *rest)
+
+    monkeypatch.setattr(dev, "page_spans_of", spans_of)
     proc = make_daemon("--l2-reserve", "0", budget="16MiB").start()
-    nbytes = 256 << 10  # a slab of 1 MiB (a 16th of the budget): four slots
+    # slabs of at most 256 slots. Few: 2 blocks a chain, both chains in one slab of 4 slots of 256 KiB.
+    # Many: 4 KiB blocks; a chain of 192 fills slab A to its last 64 slots, where the first 64 blocks of
+    # the first chain go (its first reply), its other 128 to slab B (its second reply, planned as arrays)
+    # and the second chain's 100 after them in B
+    nbytes, count, filler, second_count = (4096, 192, 192, 100) if many else (256 << 10, 2, 0, 2)
+    pool = torch.zeros(count, nbytes, dtype=torch.uint8)
+    outs = list(pool.unbind(0))
+
+    def read(space: Any, keys: list[bytes]) -> int:
+        if into == "pages":
+            return int(space.get_into_pages(keys, [pool], list(range(len(keys)))))
+        return int(space.get_into(keys, outs[: len(keys)]))
+
     with proc.client() as client:
         kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
-        first, second = kept.keys(list(range(2 * BLOCK))), kept.keys(list(range(5000, 5000 + 2 * BLOCK)))
-        kept.put(first, [_random(nbytes, 1), _random(nbytes, 2)], durable=False)
-        kept.put(second, [_random(nbytes, 3), _random(nbytes, 4)], durable=False)
-        outs = [torch.zeros(nbytes, dtype=torch.uint8) for _ in range(2)]
-        assert kept.get_into(second, outs) == 2  # registered first (the older use)...
-        assert kept.get_into(first, outs) == 2  # ...then the first chain: two ranges of one slab
-        assert [c[0] for c in rec.calls] == ["register", "register"]
-        second_range = rec.calls[0][1]
+        if filler:
+            kept.put(kept.keys(list(range(10**7, 10**7 + filler * BLOCK))), [_random(nbytes, 0)] * filler,
+                     durable=False)  # fmt: skip
+        first = kept.keys(list(range(count * BLOCK)))
+        second = kept.keys(list(range(10**6, 10**6 + second_count * BLOCK)))
+        kept.put(first, [_random(nbytes, i) for i in range(count)], durable=False)
+        kept.put(second, [_random(nbytes, 1000 + i) for i in range(second_count)], durable=False)
+        assert read(kept, second) == second_count  # registered first (the older use)...
+        second_ranges = [c[1] for c in rec.calls]
+        assert read(kept, first) == count  # ...then the first chain: ranges of the same slab
+        assert {c[0] for c in rec.calls} == {"register"}
         transfer.drain()
         other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
         n = 0
         while kept.contains(second):  # the second chain (least recently used) goes; the first stays
-            other.put(other.keys(list(range(n * BLOCK, (n + 1) * BLOCK))), [_random(nbytes, 100 + n)],
+            assert (
+                len(kept.get(first)) == count
+            )  # (the first chain used again: newer than all but the last put)
+            other.put(other.keys(list(range(n * BLOCK, (n + 1) * BLOCK))), [_random(256 << 10, 100 + n)],
                       durable=False)  # fmt: skip
             n += 1
             assert n < 256
-        assert kept.contains(first) == 2
+        assert kept.contains(first) == count  # (each block evicted was punched: its bytes made room)
         rec.calls.clear()
-        assert kept.get_into(first, outs) == 2
-        assert rec.calls == [("unregister", second_range)]  # the punched slots' range, read or not
-        assert torch.equal(outs[0], _random(nbytes, 1)) and torch.equal(outs[1], _random(nbytes, 2))
-        assert transfer.book.stats.registered_bytes == 2 * nbytes
+        planned.clear()
+        assert read(kept, first) == count
+        assert rec.calls == [
+            ("unregister", at) for at in sorted(second_ranges)
+        ]  # punched slots', read or not
+        assert planned == ([128] if many else [])
+        transfer.drain()
+        assert all(torch.equal(pool[i], _random(nbytes, i)) for i in range(count))
+        assert transfer.book.stats.registered_bytes == count * nbytes
+
+
+def test_descriptors_of_one_slab_in_replies_of_several_generations_are_judged_by_the_newest_map(
+    sim: dict[str, Any],
+) -> None:
+    """A layered get hands the book one need per source made of several replies' descriptors: the slab's
+    newest generation and that reply's slot map decide what was punched, in whatever order they came."""
+    transfer, rec = sim["transfer"], sim["rec"]
+    base, start, size = 0x400000, 8192, 4096
+
+    def slot_map(generations: list[int]) -> tuple[int, int, bytes]:
+        return start, size, b"".join(g.to_bytes(8, "little") for g in generations)
+
+    slot0, slot2 = [(start, start + size)], [(start + 2 * size, start + 3 * size)]
+    transfer._register([("slab", 1, base, slot0 + slot2, [10, 10], slot_map([10, 10, 10]))])
+    rec.calls.clear()
+    newest = ("slab", 3, base, slot0, [10], slot_map([10, 10, 11]))  # slot 2 punched since
+    older = ("slab", 2, base, slot0, [10], slot_map([10, 10, 10]))
+    transfer._register([newest, older])
+    assert rec.calls == [("unregister", base + slot2[0][0])]
+    assert transfer.book.ranges("slab") == slot0
 
 
 def test_a_reply_without_slot_generations_keys_its_registrations_by_the_file_generation_however_long(

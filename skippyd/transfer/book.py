@@ -105,8 +105,8 @@ class RegistrationBook:
         generation drops every range of the source). With it (one per span: a slab's slot generations)
         the file's ``generation`` is not compared; a range is dropped and registered again only where a
         span's generation differs from the one a part of that range was registered for. ``slot_map``
-        (a slab's, from the same reply): when the file's generation moved since the last call (a slot of
-        it was punched), every range holding a slot whose generation changed is dropped, wanted or not
+        (a slab's, from the same reply): when the file's generation grew since the last map compared (a
+        slot of it was punched), every range holding a slot whose generation changed is dropped, wanted or not
         (its old pages would otherwise stay pinned until that slot is read again)."""
         slotted = span_generations is not None
         source = self._sources.get(key)
@@ -122,9 +122,13 @@ class RegistrationBook:
             source = None
         if source is None:
             source = self._sources[key] = _Source(generation, base, readonly, slotted=slotted)
-        if slot_map is not None and slotted and source.generation != generation:
+        if not slotted:
+            source.generation = generation
+        elif slot_map is not None and generation > source.generation:
+            # the file's generation only grows; it is recorded where a map was compared (a reply without
+            # one, or an older reply answered late, must not hide a punch from the next map)
             self._drop_punched(source, slot_map)
-        source.generation = generation
+            source.generation = generation
         self._sources.move_to_end(key)
         if source.unregistrable:
             return None
