@@ -474,6 +474,78 @@ def test_kept_mappings_hold_no_lease_and_are_dropped_once_the_file_is_removed(sh
     assert len(maps) == 0 and rec.calls[-1][0] == "unregister"
 
 
+def test_past_256_kept_files_a_sweep_looks_for_removed_ones_only_every_so_often(shm_dir: Path) -> None:
+    dropped: list[Any] = []
+    maps = FileMaps(dropped.append, limit=1000)
+    fds = []
+    try:
+        for n in range(300):
+            (shm_dir / f"f{n}").write_bytes(b"x" * 4096)
+            fds.append(os.open(shm_dir / f"f{n}", os.O_RDONLY))
+            assert maps.get(fds[-1], 4096) is not None
+        maps.sweep()  # looks at all 300 (the first look)
+        os.unlink(shm_dir / "f0")
+        maps.sweep()  # the next look is 0.1 s × 300 / 256 after the last: not yet
+        assert dropped == [] and len(maps) == 300
+        maps._swept -= 0.2
+        maps.sweep()
+        assert len(dropped) == 1 and len(maps) == 299
+    finally:
+        for fd in fds:
+            os.close(fd)
+        maps.close()
+
+
+@pytest.mark.parametrize(
+    ("soft", "expected"), [(1024, 256), (4096, 1024), (65535, 16383), (1 << 20, 16384), (-1, 16384)]
+)
+def test_the_kept_files_follow_the_open_file_limit_unless_set(soft: int, expected: int) -> None:
+    from skippyd.transfer.limits import kept_files
+
+    assert kept_files({}, soft_limit=soft) == expected
+    assert kept_files({"SKIPPYD_KEPT_FILES": " 40 "}, soft_limit=soft) == 40
+
+
+def test_the_registered_bytes_follow_the_hosts_memory_unless_set() -> None:
+    from skippyd.transfer.limits import pin_limit
+
+    assert pin_limit({}, memory=2 << 40) == 1 << 40
+    assert pin_limit({}, memory=16 << 30) == 64 << 30
+    assert pin_limit({"SKIPPYD_PIN_LIMIT": "256GiB"}, memory=16 << 30) == 256 << 30
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "says"),
+    [
+        ("SKIPPYD_KEPT_FILES", "many", "SKIPPYD_KEPT_FILES='many' is not a whole number"),
+        ("SKIPPYD_KEPT_FILES", "8", "SKIPPYD_KEPT_FILES=8 is below 16"),
+        ("SKIPPYD_PIN_LIMIT", "lots", "SKIPPYD_PIN_LIMIT: 'lots' is not a size (try 512MiB or 8GiB)"),
+        ("SKIPPYD_PIN_LIMIT", "1KiB", "SKIPPYD_PIN_LIMIT=1KiB is below 1MiB"),
+    ],
+)
+def test_a_limit_set_wrong_is_a_config_error_naming_its_variable(
+    name: str, value: str, says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skippyd.transfer.device import DeviceTransfer
+
+    monkeypatch.setenv(name, value)
+    with pytest.raises(skippyd.ConfigError) as raised:
+        DeviceTransfer(register=lambda *_: True, unregister=lambda _: None)
+    assert str(raised.value) == says and "\n" not in str(raised.value)
+
+
+def test_the_device_transfer_takes_its_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from skippyd.transfer.device import DeviceTransfer
+
+    monkeypatch.setenv("SKIPPYD_KEPT_FILES", "4096")
+    monkeypatch.setenv("SKIPPYD_PIN_LIMIT", "3GiB")
+    made = DeviceTransfer(register=lambda *_: True, unregister=lambda _: None)
+    try:
+        assert (made.maps.limit, made.book.limit_bytes) == (4096, 3 << 30)
+    finally:
+        made.close()
+
+
 # ---------------------------------------------------------------- no CUDA here
 
 

@@ -42,6 +42,7 @@ import torch
 from skippyd.errors import BadFrame, InvalidArgument, Mismatch, NoDevice
 
 from .book import RegistrationBook, SlotMap
+from .limits import kept_files, pin_limit
 from .pages import PageLayout
 from .plan import Flat, Run, page_spans, page_spans_of, plan_runs, split_runs
 
@@ -183,6 +184,9 @@ def _linked(fd: int) -> bool:
         return False
 
 
+_LOOK_EVERY_CALL = 256  # kept mappings up to which every sweep looks at all of them
+
+
 class FileMaps:
     """Shared mappings of the daemon's linked files (slabs, entry files), kept across calls by (device,
     inode): the ``limit`` most recently used. Made through ``/proc/self/fd`` (a fresh description: no
@@ -233,10 +237,17 @@ class FileMaps:
 
     def sweep(self, *, every: float = 0.0) -> None:
         """Drops mappings of files the daemon removed (their pages would stay alive through us), and the
-        least recently used past the limit; with ``every``, only if the last sweep is that many seconds
-        old (a call's own mappings are checked by :meth:`get` either way)."""
+        least recently used past the limit; with ``every``, looks for removed files only if the last
+        look is that many seconds old (a call's own mappings are checked by :meth:`get` either way).
+        Past ``_LOOK_EVERY_CALL`` mappings the looks are spaced out in proportion (0.1 s a 256: one
+        ``fstat`` a mapping), so a large working set costs each call nothing and a removed file's
+        pages go within seconds."""
+        for key in [k for k in self._maps if not self.pinned[k]][: max(0, len(self._maps) - self.limit)]:
+            self.drop(key)  # past the limit (a layered get may pass it): the least recently used go
         now = time.monotonic()
-        if every and now - self._swept < every and len(self._maps) <= self.limit:
+        if len(self._maps) > _LOOK_EVERY_CALL:
+            every = max(every, 0.1 * len(self._maps) / _LOOK_EVERY_CALL)
+        if every and now - self._swept < every:
             return
         self._swept = now
         for key, mapped in list(self._maps.items()):
@@ -248,8 +259,6 @@ class FileMaps:
                 gone = True
             if gone:
                 self.drop(key)
-        for key in [k for k in self._maps if not self.pinned[k]][: max(0, len(self._maps) - self.limit)]:
-            self.drop(key)  # past the limit (a layered get may pass it): the least recently used go
 
     def drop(self, key: Hashable) -> None:
         mapped = self._maps.pop(key, None)
@@ -415,10 +424,14 @@ class DeviceTransfer:
         *,
         register: Callable[[int, int, int], bool] | None = None,
         unregister: Callable[[int], None] | None = None,
-        limit_bytes: int = 64 << 30,
-        maps: int = 256,
+        limit_bytes: int | None = None,
+        maps: int | None = None,
         batch: bool = True,
     ) -> None:
+        """``limit_bytes`` registered and ``maps`` kept files at most (defaults: :mod:`.limits`, from the
+        host, the open-file limit and ``SKIPPYD_PIN_LIMIT`` / ``SKIPPYD_KEPT_FILES``)."""
+        limit_bytes = pin_limit() if limit_bytes is None else limit_bytes
+        maps = kept_files() if maps is None else maps
         undo = unregister or _cuda_unregister
 
         def unregister_idle(address: int) -> None:  # never under a copy still in flight that reads it
