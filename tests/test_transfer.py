@@ -546,6 +546,51 @@ def test_the_device_transfer_takes_its_limits_from_the_environment(monkeypatch: 
         made.close()
 
 
+def test_a_slabs_records_carry_its_slots_generations_where_a_client_reads_them_and_old_records_still_hold(
+    shm_dir: Path,
+) -> None:
+    import numpy as np
+
+    from skippyd.l2 import slabs
+    from skippyd.shm import PAGE
+    from skippyd.transfer import device
+
+    assert (device._SLAB_MAGIC, device._SLAB_VERSION, device._RECORDS_AT, device._RECORD_BYTES) == (
+        slabs.SLAB_MAGIC, slabs.SLAB_VERSION, PAGE, slabs.RECORD_SIZE,
+    )  # fmt: skip
+    assert (device._GENERATION_AT, device._MAX_SLOTS) == (slabs.GENERATION_AT, slabs.MAX_SLOTS)
+    made = slabs.Slab.create(shm_dir, 8192, 4)
+
+    def read(slab: slabs.Slab) -> Any:
+        return device.slab_slot_map(np.frombuffer(bytes(slab.mapping), dtype=np.uint8))
+
+    try:
+        assert read(made) == (made.data_start, 8192, made.slot_map())
+        record = slabs.SlotRecord(key=b"k" * 32, space=b"s" * 32, identity=b"i" * 32, block_tokens=16,
+                                  parent=None, nbytes=10, digest=b"d" * 32)  # fmt: skip
+        made.allocate(1)
+        made.punch(2)
+        made.write_record(1, record)
+        assert read(made) == (made.data_start, 8192, made.slot_map())
+        generations = np.frombuffer(made.slot_map(), dtype="<u8")
+        assert generations[2] > generations[1] == generations[0] == generations[3]
+        assert made.record(1) == record
+        # a record of a slab made before the field (zero there) still holds
+        at = PAGE + slabs.RECORD_SIZE + slabs.GENERATION_AT
+        made.mapping[at : at + 8] = bytes(8)
+        assert made.record(1) == record
+        adopted = slabs.Slab.open(made.path)  # a restart: new numbers, in the file too
+        try:
+            assert adopted.record(1) == record
+            assert read(adopted) == (made.data_start, 8192, adopted.slot_map())
+            assert adopted.slot_map() != made.slot_map()
+        finally:
+            adopted.close()
+    finally:
+        made.close()
+    assert device.slab_slot_map(np.zeros(8192, dtype=np.uint8)) is None  # not a slab
+
+
 # ---------------------------------------------------------------- no CUDA here
 
 

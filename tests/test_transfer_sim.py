@@ -851,6 +851,45 @@ def test_a_slot_punched_while_another_of_its_slab_is_read_loses_its_registration
         assert transfer.book.stats.registered_bytes == count * nbytes
 
 
+def test_a_punched_slot_of_a_slab_no_reply_names_again_loses_its_registration_at_the_next_sweep(
+    through_sim: dict[str, Any], make_daemon: Any
+) -> None:
+    """The slab's records carry its slots' generations: the transfer reads them from its kept mapping
+    (about once a second, while it transfers), so a slab this process never reads again does not keep a
+    punched slot's old pages pinned. A sweep that finds nothing moved does no work."""
+    transfer, rec = through_sim["transfer"], through_sim["rec"]
+    proc = make_daemon("--l2-reserve", "0", budget="16MiB").start()
+    nbytes = 256 << 10  # a slab of 1 MiB: four slots
+    with proc.client() as client:
+        kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        first, second = kept.keys(list(range(BLOCK))), kept.keys(list(range(5000, 5000 + BLOCK)))
+        kept.put(first, [_random(nbytes, 1)], durable=False)
+        kept.put(second, [_random(nbytes, 2)], durable=False)
+        out = [torch.zeros(nbytes, dtype=torch.uint8)]
+        assert kept.get_into(second, out) == 1 and kept.get_into(first, out) == 1
+        second_range = rec.calls[0][1]
+        transfer.drain()
+        rec.calls.clear()
+        transfer.sweep_punched(every=0)
+        assert rec.calls == []  # nothing punched
+        other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
+        n = 0
+        while kept.contains(second):  # the second block (least recently used) goes; the first stays
+            assert len(kept.get(first)) == 1  # (a CPU get: no device transfer, no reply for the book)
+            other.put(other.keys(list(range(n * BLOCK, (n + 1) * BLOCK))), [_random(nbytes, 100 + n)],
+                      durable=False)  # fmt: skip
+            n += 1
+            assert n < 256
+        assert kept.contains(first) == 1 and rec.calls == []
+        transfer.sweep_punched(every=3600)  # swept less than an hour ago: not yet
+        assert rec.calls == []
+        transfer.sweep_punched(every=0)
+        assert rec.calls == [("unregister", second_range)]
+        assert transfer.book.stats.registered_bytes == nbytes
+        transfer.sweep_punched(every=0)
+        assert rec.calls == [("unregister", second_range)]
+
+
 def test_descriptors_of_one_slab_in_replies_of_several_generations_are_judged_by_the_newest_map(
     sim: dict[str, Any],
 ) -> None:

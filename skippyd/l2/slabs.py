@@ -15,6 +15,10 @@ page names its geometry; the next pages hold one 256-byte record per slot; slot 
 * **Memory is charged per slot.** A slot's pages exist from the moment it is allocated
   (``posix_fallocate``: a full tmpfs is ``NoSpace``, never SIGBUS) until it is punched
   (``MADV_REMOVE``), so the tier can give a free slot's memory back without touching its neighbours.
+* **Slot generations in the file.** Each record carries its slot's generation at ``GENERATION_AT``
+  (outside the record's checksum, as ``last_use`` is; free slots too): a client that keeps a slab mapped
+  and registered with CUDA reads them there to learn which slots were punched since, without asking
+  (docs/protocol.md, "Generations").
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ _SLAB_HEADER = struct.Struct("<8sIIQQ")  # magic, version, slots, slot_size, dat
 _RECORD = struct.Struct("<8sQQII32s32s32s32s32s48x")  # checksum follows at 240
 _CHECKSUM_AT = 240
 _LAST_USE_AT = 16
+GENERATION_AT = 192  # a record's slot generation (8 bytes LE, in what was padding; not checksummed)
+_GENERATION = struct.Struct("<Q")
 _FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64/aarch64
 _SMALL_LIMIT = 64 * 1024
 _STEPS_PER_DOUBLING = 8
@@ -134,9 +140,17 @@ class SlotRecord:
 
 
 def _record_checksum(body: bytes | memoryview) -> bytes:
-    # last_use is outside the checksum: recency is rewritten in place, 8 bytes at a time
+    # last_use is outside the checksum: recency is rewritten in place, 8 bytes at a time; the slot
+    # generation is checksummed as zero (what the records of slabs made before it hold there)
     raw = bytes(body)
-    return bytes(blake3(raw[:_LAST_USE_AT] + raw[_LAST_USE_AT + 8 : _CHECKSUM_AT]).digest())[:16]
+    return bytes(
+        blake3(
+            raw[:_LAST_USE_AT]
+            + raw[_LAST_USE_AT + 8 : GENERATION_AT]
+            + bytes(8)
+            + raw[GENERATION_AT + 8 : _CHECKSUM_AT]
+        ).digest()
+    )[:16]
 
 
 def _header(slots: int, slot_size: int, data_start: int) -> bytes:
@@ -162,6 +176,8 @@ class Slab:
         #: pages is never used for the pages it is filled with again), and only then. A new or adopted
         #: slab's slots start at a number never given before (its file may reuse an old inode).
         self.slot_generations = array("Q", [self.generation]) * slots
+        for index in range(slots):
+            self._write_generation(index)
 
     def slot_map(self) -> bytes:
         """Every slot's generation, 8 bytes little-endian each (a ``blocks_get`` reply's ``slot_maps``)."""
@@ -218,7 +234,9 @@ class Slab:
 
     def write_record(self, index: int, record: SlotRecord) -> None:
         start = PAGE + index * RECORD_SIZE
-        self.mapping[start : start + RECORD_SIZE] = record.encode()
+        raw = bytearray(record.encode())
+        _GENERATION.pack_into(raw, GENERATION_AT, self.slot_generations[index])  # (never seen as zero)
+        self.mapping[start : start + RECORD_SIZE] = raw
 
     def clear_record(self, index: int) -> None:
         start = PAGE + index * RECORD_SIZE
@@ -239,6 +257,12 @@ class Slab:
         self.mapping.madvise(mmap.MADV_REMOVE, self.offset(index), self.slot_size)
         self.generation = next_generation()
         self.slot_generations[index] = self.generation
+        self._write_generation(index)
+
+    def _write_generation(self, index: int) -> None:
+        _GENERATION.pack_into(
+            self.mapping, PAGE + index * RECORD_SIZE + GENERATION_AT, self.slot_generations[index]
+        )
 
     # ------------------------------------------------------------------ leases
     def has_readers(self, index: int) -> bool:

@@ -70,6 +70,7 @@ class _Source:
     parts: list[tuple[int, int, int]] = field(default_factory=list)
     unregistrable: bool = False
     slotted: bool = False  # generations per span (a slab's slots), not one for the file
+    seen_map: bytes = b""  # the slot generations last compared (a slab's map: the same one needs no look)
 
     def nbytes(self) -> int:
         return sum(b - a for a, b in self.ranges)
@@ -184,6 +185,7 @@ class RegistrationBook:
         generations.frombytes(table)
         if sys.byteorder != "little":
             generations.byteswap()
+        source.seen_map = table
         stale: set[tuple[int, int]] = set()
         for a, b, g in source.parts:
             first = max(0, (a - start) // size)
@@ -195,6 +197,18 @@ class RegistrationBook:
                     stale.add(self._range_of(source, a))
                     break
         self._unregister_ranges(source, stale)
+
+    def slotted(self) -> list[Hashable]:
+        """The sources registered per slot (slabs) that hold registrations, least recently used first."""
+        return [key for key, source in self._sources.items() if source.slotted and source.ranges]
+
+    def drop_punched(self, key: Hashable, slot_map: SlotMap) -> None:
+        """Unregisters every range of the slab ``key`` holding a part registered for a slot whose
+        generation in ``slot_map`` (read from the slab file itself: docs/protocol.md) differs; no work
+        when the generations are the ones last compared."""
+        source = self._sources.get(key)
+        if source is not None and source.slotted and slot_map[2] != source.seen_map:
+            self._drop_punched(source, slot_map)
 
     def _unregister_ranges(self, source: _Source, stale: set[tuple[int, int]]) -> None:
         for a, b in sorted(stale):

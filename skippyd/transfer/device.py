@@ -28,6 +28,7 @@ import logging
 import mmap
 import os
 import stat
+import struct
 import threading
 import time
 import warnings
@@ -53,6 +54,7 @@ __all__ = [
     "batch_available",
     "forget_host",
     "resolve_device",
+    "slab_slot_map",
     "transfer",
 ]
 
@@ -271,12 +273,41 @@ class FileMaps:
         with contextlib.suppress(OSError):
             os.close(mapped.keep)
 
+    def peek(self, key: Hashable) -> _Mapped | None:
+        """The kept mapping of ``key``, if any (its recency unchanged)."""
+        return self._maps.get(key)
+
     def close(self) -> None:
         for key in list(self._maps):
             self.drop(key)
 
     def __len__(self) -> int:
         return len(self._maps)
+
+
+# The slab file layout a client reads slot generations from (docs/format.md, "Block slabs"; the daemon's
+# skippyd.l2.slabs writes it, and a test holds the two to the same numbers)
+_SLAB_MAGIC, _SLAB_VERSION = b"SKPSLAB1", 1
+_SLAB_HEAD = struct.Struct("<8sIIQQ")  # magic, version, slots, slot_size, data_start
+_RECORDS_AT, _RECORD_BYTES, _GENERATION_AT, _MAX_SLOTS = 4096, 256, 192, 256
+
+
+def slab_slot_map(host: np.ndarray) -> SlotMap | None:
+    """A mapped slab's slot generations, as a ``blocks_get`` reply's slot map gives them, read from its
+    records (``host``: uint8 over the whole file); None when it is not a slab of this layout."""
+    if len(host) < _RECORDS_AT:
+        return None
+    magic, version, slots, slot_size, data_start = _SLAB_HEAD.unpack(host[: _SLAB_HEAD.size].tobytes())
+    if (
+        magic != _SLAB_MAGIC
+        or version != _SLAB_VERSION
+        or not 1 <= slots <= _MAX_SLOTS
+        or data_start < _RECORDS_AT + slots * _RECORD_BYTES
+        or len(host) < data_start + slots * slot_size
+    ):
+        return None
+    records = host[_RECORDS_AT : _RECORDS_AT + slots * _RECORD_BYTES].reshape(slots, _RECORD_BYTES)
+    return data_start, slot_size, records[:, _GENERATION_AT : _GENERATION_AT + 8].tobytes()
 
 
 # ---------------------------------------------------------------- the transfer
@@ -445,6 +476,7 @@ class DeviceTransfer:
         self._lock = threading.RLock()
         self._local = threading.local()  # a layered collection in progress on this thread
         self._use_batch = batch
+        self._punch_swept = time.monotonic()  # when the kept slabs' records were last read
         self.copies = 0  # runs issued (for tests and benchmarks)
         self.calls = 0  # batch calls or copy_ calls issued
 
@@ -610,6 +642,22 @@ class DeviceTransfer:
                 self._to_device_flat(flat, reads, buffers, dests, device, leases, scatters, hosts)
             return True
 
+    def sweep_punched(self, every: float = 1.0) -> None:
+        """Drops the registrations of punched slots in every slab kept mapped and registered, read from
+        the slabs' own records (so also in slabs no reply names any more: their old pages would stay
+        pinned outside the daemon's budget); at most every ``every`` s, spaced out past 256 slabs as the
+        sweep of removed files is (each slab whose generations did not move costs one look)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._punch_swept < max(every, 0.1 * len(self.maps) / _LOOK_EVERY_CALL):
+                return
+            self._punch_swept = now
+            for key in self.book.slotted():
+                mapped = self.maps.peek(key)
+                found = None if mapped is None else slab_slot_map(mapped.host.numpy())
+                if found is not None:
+                    self.book.drop_punched(key, found)
+
     def _sources(
         self,
         placements: Sequence[tuple[int, int, int]],
@@ -625,6 +673,7 @@ class DeviceTransfer:
         one to map and register (a memfd read once, a slot lent for the reply). ``every``: a long
         layered get, whose kept mappings are swept at most every 0.1 s instead of at each reply."""
         self.maps.sweep(every=0.1 if every else 0.0)
+        self.sweep_punched()
         sources: dict[int, tuple[Hashable, _Mapped]] = {}
         ends: dict[int, int] = {}
         few = len(placements) <= 64  # (a few blocks: numpy's fixed cost is more than the loop)
