@@ -496,22 +496,12 @@ def test_past_256_kept_files_a_sweep_looks_for_removed_ones_only_every_so_often(
         maps.close()
 
 
-@pytest.mark.parametrize(
-    ("soft", "expected"), [(1024, 256), (4096, 1024), (65535, 16383), (1 << 20, 16384), (-1, 16384)]
-)
-def test_the_kept_files_follow_the_open_file_limit_unless_set(soft: int, expected: int) -> None:
-    from skippyd.transfer.limits import kept_files
+def test_the_kept_files_and_registered_bytes_are_256_and_64_gib_unless_set() -> None:
+    from skippyd.transfer.limits import kept_files, pin_limit
 
-    assert kept_files({}, soft_limit=soft) == expected
-    assert kept_files({"SKIPPYD_KEPT_FILES": " 40 "}, soft_limit=soft) == 40
-
-
-def test_the_registered_bytes_follow_the_hosts_memory_unless_set() -> None:
-    from skippyd.transfer.limits import pin_limit
-
-    assert pin_limit({}, memory=2 << 40) == 1 << 40
-    assert pin_limit({}, memory=16 << 30) == 64 << 30
-    assert pin_limit({"SKIPPYD_PIN_LIMIT": "256GiB"}, memory=16 << 30) == 256 << 30
+    assert (kept_files({}), pin_limit({})) == (256, 64 << 30)
+    assert kept_files({"SKIPPYD_KEPT_FILES": " 4096 "}) == 4096
+    assert pin_limit({"SKIPPYD_PIN_LIMIT": "256GiB"}) == 256 << 30
 
 
 @pytest.mark.parametrize(
@@ -579,6 +569,7 @@ def test_a_slabs_records_carry_its_slots_generations_where_a_client_reads_them_a
         at = PAGE + slabs.RECORD_SIZE + slabs.GENERATION_AT
         made.mapping[at : at + 8] = bytes(8)
         assert made.record(1) == record
+        assert read(made) is None  # (generations an older daemon did not write: none read)
         adopted = slabs.Slab.open(made.path)  # a restart: new numbers, in the file too
         try:
             assert adopted.record(1) == record

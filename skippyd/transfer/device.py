@@ -238,28 +238,28 @@ class FileMaps:
         return key, self._maps[key]
 
     def sweep(self, *, every: float = 0.0) -> None:
-        """Drops mappings of files the daemon removed (their pages would stay alive through us), and the
+        """Drops mappings of files the daemon removed (their pages would stay alive through us), then the
         least recently used past the limit; with ``every``, looks for removed files only if the last
         look is that many seconds old (a call's own mappings are checked by :meth:`get` either way).
-        Past ``_LOOK_EVERY_CALL`` mappings the looks are spaced out in proportion (0.1 s a 256: one
-        ``fstat`` a mapping), so a large working set costs each call nothing and a removed file's
-        pages go within seconds."""
-        for key in [k for k in self._maps if not self.pinned[k]][: max(0, len(self._maps) - self.limit)]:
-            self.drop(key)  # past the limit (a layered get may pass it): the least recently used go
+        Past ``_LOOK_EVERY_CALL`` mappings (a raised ``SKIPPYD_KEPT_FILES``) the looks are spaced out in
+        proportion (0.1 s a 256: one ``fstat`` a mapping), so a large working set does not cost each
+        call milliseconds and a removed file's pages go within seconds."""
         now = time.monotonic()
         if len(self._maps) > _LOOK_EVERY_CALL:
             every = max(every, 0.1 * len(self._maps) / _LOOK_EVERY_CALL)
-        if every and now - self._swept < every:
-            return
-        self._swept = now
-        for key, mapped in list(self._maps.items()):
-            if self.pinned[key]:
-                continue
-            try:
-                gone = os.fstat(mapped.keep).st_nlink == 0
-            except OSError:
-                gone = True
-            if gone:
+        if not every or now - self._swept >= every:
+            self._swept = now
+            for key, mapped in list(self._maps.items()):
+                if self.pinned[key]:
+                    continue
+                try:
+                    gone = os.fstat(mapped.keep).st_nlink == 0
+                except OSError:
+                    gone = True
+                if gone:
+                    self.drop(key)
+        if len(self._maps) > self.limit:  # (a layered get may pass it): the least recently used go
+            for key in [k for k in self._maps if not self.pinned[k]][: len(self._maps) - self.limit]:
                 self.drop(key)
 
     def drop(self, key: Hashable) -> None:
@@ -294,7 +294,8 @@ _RECORDS_AT, _RECORD_BYTES, _GENERATION_AT, _MAX_SLOTS = 4096, 256, 192, 256
 
 def slab_slot_map(host: np.ndarray) -> SlotMap | None:
     """A mapped slab's slot generations, as a ``blocks_get`` reply's slot map gives them, read from its
-    records (``host``: uint8 over the whole file); None when it is not a slab of this layout."""
+    records (``host``: uint8 over the whole file); None when it is not a slab of this layout, or one
+    whose records do not carry them (an older daemon's: zero)."""
     if len(host) < _RECORDS_AT:
         return None
     magic, version, slots, slot_size, data_start = _SLAB_HEAD.unpack(host[: _SLAB_HEAD.size].tobytes())
@@ -307,7 +308,10 @@ def slab_slot_map(host: np.ndarray) -> SlotMap | None:
     ):
         return None
     records = host[_RECORDS_AT : _RECORDS_AT + slots * _RECORD_BYTES].reshape(slots, _RECORD_BYTES)
-    return data_start, slot_size, records[:, _GENERATION_AT : _GENERATION_AT + 8].tobytes()
+    fields = records[:, _GENERATION_AT : _GENERATION_AT + 8]
+    if not fields.any(axis=1).all():
+        return None  # a slab of a daemon that does not write them (generation 0 is never given)
+    return data_start, slot_size, fields.tobytes()
 
 
 # ---------------------------------------------------------------- the transfer
@@ -646,10 +650,11 @@ class DeviceTransfer:
         """Drops the registrations of punched slots in every slab kept mapped and registered, read from
         the slabs' own records (so also in slabs no reply names any more: their old pages would stay
         pinned outside the daemon's budget); at most every ``every`` s, spaced out past 256 slabs as the
-        sweep of removed files is (each slab whose generations did not move costs one look)."""
+        sweep of removed files is (each slab whose generations did not move costs one look); with
+        ``every=0``, now."""
         with self._lock:
             now = time.monotonic()
-            if now - self._punch_swept < max(every, 0.1 * len(self.maps) / _LOOK_EVERY_CALL):
+            if every and now - self._punch_swept < max(every, 0.1 * len(self.maps) / _LOOK_EVERY_CALL):
                 return
             self._punch_swept = now
             for key in self.book.slotted():
