@@ -463,8 +463,8 @@ class DeviceTransfer:
         maps: int | None = None,
         batch: bool = True,
     ) -> None:
-        """``limit_bytes`` registered and ``maps`` kept files at most (defaults: :mod:`.limits`, from the
-        host, the open-file limit and ``SKIPPYD_PIN_LIMIT`` / ``SKIPPYD_KEPT_FILES``)."""
+        """``limit_bytes`` registered and ``maps`` kept files at most (defaults: :mod:`.limits`: 64 GiB
+        and 256, or ``SKIPPYD_PIN_LIMIT`` / ``SKIPPYD_KEPT_FILES``)."""
         limit_bytes = pin_limit() if limit_bytes is None else limit_bytes
         maps = kept_files() if maps is None else maps
         undo = unregister or _cuda_unregister
