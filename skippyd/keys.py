@@ -14,6 +14,7 @@ O(prompt + candidates), never O(prompt²).
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import sys
 from array import array
@@ -210,9 +211,9 @@ WARM_CHAIN_CONTEXT = "skippyd 2026-12-02 warm-prefix block chain v1"
 WARM_HASH_BYTES = 8
 
 _c_chain: Callable[[Any, Any, int, int], bytes] | None
-_c_bind: Callable[[bytes, list[bytes]], bytes] | None
+_c_bind: Callable[[bytes, list[bytes]], list[bytes]] | None
 try:  # the C extension (vendored BLAKE3, SIMD); the same values come from the blake3 package below
-    from ._chain import bind as _c_bind
+    from ._chain import bind_each as _c_bind
     from ._chain import chain as _c_chain
 except ImportError:  # pragma: no cover - built wherever a C compiler was available at install
     _c_chain = None
@@ -321,13 +322,13 @@ def bind_keys(space: BlockSpaceId, keys: Sequence[bytes]) -> list[bytes]:
     """The key every tier stores a block under: ``BLAKE3_keyed(S, u8(len(k)) || k)`` of each client key
     ``k`` (1 to 64 bytes: skippyd's own from :func:`block_keys` or an engine's block hashes)."""
     listed = keys if isinstance(keys, list) else list(keys)
+    if _c_bind is not None:  # (it checks every key as below: the loop only names the first bad one)
+        with contextlib.suppress(TypeError, ValueError):
+            return _c_bind(space.key, listed)
     for index, key in enumerate(listed):
         if not isinstance(key, bytes) or not 1 <= len(key) <= MAX_BLOCK_KEY_BYTES:
             raise InvalidArgument(
                 f"block key {index} must be 1 to {MAX_BLOCK_KEY_BYTES} bytes"
                 + (f", not {len(key)}" if isinstance(key, bytes) else f", not a {type(key).__name__}")
             )
-    if _c_bind is not None:
-        packed = _c_bind(space.key, listed)
-        return [packed[i : i + 32] for i in range(0, len(packed), 32)]
     return [bytes(blake3(bytes([len(k)]) + k, key=space.key).digest()) for k in listed]

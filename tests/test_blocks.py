@@ -529,6 +529,24 @@ def test_a_restart_keeps_a_chains_tail_first_eviction_order(make_daemon: Any) ->
         assert client.stats()["l2"]["block_count"] == held + blocks.contains(other)
 
 
+def test_a_get_leaves_the_chains_head_newest_across_a_restart(make_daemon: Any) -> None:
+    proc = make_daemon(budget="2MiB").start()
+    with proc.client() as client:
+        blocks = space(client)
+        chain = blocks.keys(list(range(8 * BLOCK)))
+        data = block_data(8, seed=19)
+        blocks.put(chain[:4], data[:4], durable=False)
+        blocks.put(chain[4:], data[4:], durable=False, parent=chain[3])  # the tail is the newest now
+        assert len(blocks.get(chain)) == 8  # ... and the head after the get, its order kept in the records
+    assert proc.stop() == 0
+    proc.start()
+    with proc.client() as client:
+        blocks = space(client)
+        other = blocks.keys(list(range(70_000, 70_000 + 26 * BLOCK)))
+        blocks.put(other, block_data(26, seed=20), durable=False)
+        assert 0 < blocks.contains(chain) < 8  # the chain lost blocks from its end, not its head
+
+
 def _copy_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records how many memcpys each get_into's host copy makes (the runs after merging)."""
     from skippyd import blockspace

@@ -224,3 +224,28 @@ def test_warm_chains_bind_the_model_the_block_size_and_every_earlier_block(chain
     assert warm_chain("m", a, block=32)[w : 2 * w] != chain_a[:w]
     with pytest.raises(ValueError, match="block"):
         warm_chain("m", a, block=65)
+
+
+@pytest.mark.parametrize("use_c", [True, False], ids=["c-extension", "blake3-package"])
+def test_block_keys_bind_to_their_space_the_same_with_or_without_the_extension_and_name_a_bad_key(
+    use_c: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skippyd.errors import InvalidArgument
+    from skippyd.keys import bind_keys, block_space
+
+    if use_c:
+        assert keys._c_bind is not None, "the C extension is built by the install"
+    else:
+        monkeypatch.setattr(keys, "_c_bind", None)
+    space = block_space("bind-model@sha256:1", "kv", "", 16)
+    given = [b"a", b"k" * 64, bytes(range(32))]
+    bound = bind_keys(space, given)
+    assert bound == [blake3(bytes([len(k)]) + k, key=space.key).digest() for k in given]
+    assert all(type(b) is bytes and len(b) == 32 for b in bound)
+    assert bind_keys(block_space("bind-model@sha256:2", "kv", "", 16), given)[0] != bound[0]
+    with pytest.raises(InvalidArgument, match="block key 1 must be 1 to 64 bytes, not 65"):
+        bind_keys(space, [b"a", b"k" * 65])
+    with pytest.raises(InvalidArgument, match="block key 2 must be 1 to 64 bytes, not a str"):
+        bind_keys(space, [b"a", b"b", "c"])  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match="block key 0 must be 1 to 64 bytes, not 0"):
+        bind_keys(space, [b""])

@@ -84,6 +84,48 @@ done:
  */
 #define BIND_MAX_KEY 64
 
+/* The digests of bind(), into out (n * 32 bytes); 0, or -1 with an exception set. */
+static int bind_into(Py_buffer *key, PyObject *keys, uint8_t *out) {
+    if (key->len != BLAKE3_KEY_LEN) {
+        PyErr_SetString(PyExc_ValueError, "the key must be 32 bytes");
+        return -1;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(keys);
+    uint8_t *packed = PyMem_Malloc((size_t)(n > 0 ? n : 1) * (BIND_MAX_KEY + 1));
+    if (packed == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(keys, i);
+        if (!PyBytes_Check(item)) {
+            PyErr_Format(PyExc_TypeError, "key %zd is not bytes", i);
+            PyMem_Free(packed);
+            return -1;
+        }
+        Py_ssize_t len = PyBytes_GET_SIZE(item);
+        if (len < 1 || len > BIND_MAX_KEY) {
+            PyErr_Format(PyExc_ValueError, "key %zd is %zd bytes; keys are 1 to 64 bytes", i, len);
+            PyMem_Free(packed);
+            return -1;
+        }
+        uint8_t *slot = packed + i * (BIND_MAX_KEY + 1);
+        slot[0] = (uint8_t)len;
+        memcpy(slot + 1, PyBytes_AS_STRING(item), (size_t)len);
+    }
+    Py_BEGIN_ALLOW_THREADS
+    blake3_hasher hasher;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *slot = packed + i * (BIND_MAX_KEY + 1);
+        blake3_hasher_init_keyed(&hasher, (const uint8_t *)key->buf);
+        blake3_hasher_update(&hasher, slot, (size_t)slot[0] + 1);
+        blake3_hasher_finalize(&hasher, out + i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(packed);
+    return 0;
+}
+
 static PyObject *bind(PyObject *self, PyObject *args) {
     Py_buffer key;
     PyObject *keys;
@@ -91,49 +133,49 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*O!", &key, &PyList_Type, &keys)) {
         return NULL;
     }
-    PyObject *result = NULL;
-    uint8_t *packed = NULL;
-    if (key.len != BLAKE3_KEY_LEN) {
-        PyErr_SetString(PyExc_ValueError, "the key must be 32 bytes");
-        goto done;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, PyList_GET_SIZE(keys) * BLAKE3_OUT_LEN);
+    if (result != NULL && bind_into(&key, keys, (uint8_t *)PyBytes_AS_STRING(result)) < 0) {
+        Py_CLEAR(result);
     }
+    PyBuffer_Release(&key);
+    return result;
+}
+
+/*
+ * bind_each(key, keys) -> list[bytes]: what bind() gives, as one 32-byte bytes per key (what the tiers
+ * index by; no slicing in Python).
+ */
+static PyObject *bind_each(PyObject *self, PyObject *args) {
+    Py_buffer key;
+    PyObject *keys;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*O!", &key, &PyList_Type, &keys)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
     Py_ssize_t n = PyList_GET_SIZE(keys);
-    packed = PyMem_Malloc((size_t)(n > 0 ? n : 1) * (BIND_MAX_KEY + 1));
-    if (packed == NULL) {
+    uint8_t *out = PyMem_Malloc((size_t)(n > 0 ? n : 1) * BLAKE3_OUT_LEN);
+    if (out == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(keys, i);
-        if (!PyBytes_Check(item)) {
-            PyErr_Format(PyExc_TypeError, "key %zd is not bytes", i);
-            goto done;
-        }
-        Py_ssize_t len = PyBytes_GET_SIZE(item);
-        if (len < 1 || len > BIND_MAX_KEY) {
-            PyErr_Format(PyExc_ValueError, "key %zd is %zd bytes; keys are 1 to 64 bytes", i, len);
-            goto done;
-        }
-        uint8_t *slot = packed + i * (BIND_MAX_KEY + 1);
-        slot[0] = (uint8_t)len;
-        memcpy(slot + 1, PyBytes_AS_STRING(item), (size_t)len);
+    if (bind_into(&key, keys, out) < 0) {
+        goto done;
     }
-    result = PyBytes_FromStringAndSize(NULL, n * BLAKE3_OUT_LEN);
+    result = PyList_New(n);
     if (result == NULL) {
         goto done;
     }
-    uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
-    Py_BEGIN_ALLOW_THREADS
-    blake3_hasher hasher;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *slot = packed + i * (BIND_MAX_KEY + 1);
-        blake3_hasher_init_keyed(&hasher, (const uint8_t *)key.buf);
-        blake3_hasher_update(&hasher, slot, (size_t)slot[0] + 1);
-        blake3_hasher_finalize(&hasher, out + i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+        PyObject *digest = PyBytes_FromStringAndSize((const char *)out + i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+        if (digest == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, digest);
     }
-    Py_END_ALLOW_THREADS
 done:
-    PyMem_Free(packed);
+    PyMem_Free(out);
     PyBuffer_Release(&key);
     return result;
 }
@@ -147,6 +189,7 @@ static PyObject *implementation(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "chain(key, data, block_bytes, out_len) -> bytes"},
     {"bind", bind, METH_VARARGS, "bind(key, keys) -> bytes: each key bound to the 32-byte key"},
+    {"bind_each", bind_each, METH_VARARGS, "bind_each(key, keys) -> list[bytes]: bind's digests, one each"},
     {"simd_degree", implementation, METH_NOARGS, "how many inputs BLAKE3 hashes at once here"},
     {NULL, NULL, 0, NULL},
 };

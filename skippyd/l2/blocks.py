@@ -34,6 +34,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any, Protocol
 
 from blake3 import blake3
 
@@ -276,22 +277,17 @@ class L2Blocks:
         is mostly this.)"""
         blocks = self._blocks
         chosen: list[_Block] = []
-        slots: list[tuple[_SlabState, int]] = []
         for key in keys:
             block = blocks.get(key)
             if block is None:
                 break
             chosen.append(block)
-            slots.append((block.home, block.index))
-        fds, where, slabs = _lease_slots(slots, max_fds)
-        if len(where) < len(chosen):
-            del chosen[len(where) :]
-        placements = [[at, offset, b.record.nbytes] for b, (at, offset) in zip(chosen, where, strict=True)]
-        slot_generations = [b.home.slab.slot_generations[b.index] for b in chosen]
+        fds, placements, slabs, slot_generations = _lease_slots(chosen, max_fds)
+        if len(placements) < len(chosen):
+            del chosen[len(placements) :]
         if hit:
             self._stats.block_hits += len(chosen)
-            chosen.reverse()
-            self._touch_all(chosen)
+            self._touch_leased(chosen, keys)
         slot_maps: list[SlotMap | None] | None = (
             [(slab.data_start, slab.slot_size, slab.slot_map()) for slab in slabs] if maps else None
         )
@@ -470,8 +466,8 @@ class L2Blocks:
 
     def lease_pending(self, pending: Sequence[Pending]) -> tuple[list[int], list[tuple[int, int]]]:
         """Read leases on slots still being filled (descriptors, and each slot's descriptor and offset)."""
-        fds, where, _ = _lease_slots([(p.home, p.index) for p in pending], max_fds=len(pending))
-        return fds, where
+        fds, placements, _, _ = _lease_slots(pending, max_fds=len(pending))
+        return fds, [(at, offset) for at, offset, _ in placements]
 
     def _take_free(self, group: _Group) -> tuple[_SlabState, int] | None:
         """A free, pre-faulted slot of ``group`` that nobody still reads."""
@@ -539,7 +535,7 @@ class L2Blocks:
         if not chosen:
             return None
         self.hashing_begun(b.record.key for b in chosen)
-        fds, _, _ = _lease_slots([(b.home, b.index) for b in chosen], max_fds=len(chosen))
+        fds, _, _, _ = _lease_slots(chosen, max_fds=len(chosen))
         items = [
             (b.record.key, b.home.slab, b.index, b.home.slab.data(b.index, b.record.nbytes)) for b in chosen
         ]
@@ -844,26 +840,53 @@ class L2Blocks:
             order.move_to_end(block.record.key)
             dirty.add(block.record.key)
 
+    def _touch_leased(self, chosen: list[_Block], keys: Sequence[bytes]) -> None:
+        """:meth:`_touch_all` of the leading ``chosen`` blocks of ``keys`` (their keys), the last first."""
+        count = len(chosen)
+        tick = self._tick(count) + count - 1
+        to_end = self._blocks.move_to_end
+        for block in chosen:  # (the first is the newest)
+            block.last_use = tick
+            tick -= 1
+        for index in range(count - 1, -1, -1):
+            to_end(keys[index])
+        self._dirty.update(keys[:count] if isinstance(keys, list) else list(keys)[:count])
+
     def touch(self, keys: Sequence[bytes]) -> None:
         """Marks held ``keys`` used, the last first (so a chain's head stays its newest)."""
         found = (self._blocks.get(key) for key in reversed(keys))
         self._touch_all(block for block in found if block is not None)
 
 
+class _InSlot(Protocol):
+    """A slot of a slab (a held block, or one a put is filling)."""
+
+    @property
+    def record(self) -> SlotRecord: ...
+    @property
+    def home(self) -> _SlabState: ...
+    @property
+    def index(self) -> int: ...
+
+
 def _lease_slots(
-    slots: Sequence[tuple[_SlabState, int]], max_fds: int
-) -> tuple[list[int], list[tuple[int, int]], list[Slab]]:
+    slots: Sequence[_InSlot], max_fds: int
+) -> tuple[list[int], list[BlockPlacement], list[Slab], list[int]]:
     """One read-locked descriptor per slab for the leading ``slots`` that fit in ``max_fds`` slabs, each
-    holding a lock on every run of consecutive slots it serves; each leased slot's descriptor index and
-    offset, in order; and each descriptor's slab."""
+    holding a lock on every run of consecutive slots it serves; each leased slot's placement (descriptor
+    index, offset, bytes), in order; each descriptor's slab; and each leased slot's generation. (One pass:
+    a get of 256 blocks is mostly this.)"""
     at: dict[int, int] = {}  # id(slab state) -> descriptor index
     homes: list[_SlabState] = []
     runs: list[list[tuple[int, int]]] = []
-    where: list[tuple[int, int]] = []
+    placements: list[BlockPlacement] = []
+    generations: list[int] = []
     last: _SlabState | None = None
     fd_index = start = stride = 0
     spans: list[tuple[int, int]] = []
-    for home, index in slots:
+    slot_generations: Any = ()
+    for slot in slots:
+        home, index = slot.home, slot.index
         if home is not last:  # a run of slots from one slab is the common case: one lookup per run
             found = at.get(id(home))
             if found is None:
@@ -873,12 +896,14 @@ def _lease_slots(
                 homes.append(home)
                 runs.append([])
             last, fd_index, spans = home, found, runs[found]
-            start, stride = home.slab.data_start, home.slab.slot_size
+            slab = home.slab
+            start, stride, slot_generations = slab.data_start, slab.slot_size, slab.slot_generations
         if spans and spans[-1][1] + 1 == index:
             spans[-1] = (spans[-1][0], index)
         else:
             spans.append((index, index))
-        where.append((fd_index, start + index * stride))
+        placements.append([fd_index, start + index * stride, slot.record.nbytes])
+        generations.append(slot_generations[index])
     fds: list[int] = []
     try:
         for home, spans in zip(homes, runs, strict=True):
@@ -887,7 +912,7 @@ def _lease_slots(
         for fd in fds:
             os.close(fd)
         raise
-    return fds, where, [home.slab for home in homes]
+    return fds, placements, [home.slab for home in homes], generations
 
 
 def _slot_digest(slab: Slab, index: int, record: SlotRecord) -> bytes:
