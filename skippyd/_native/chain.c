@@ -79,12 +79,13 @@ done:
 }
 
 /*
- * bind(key, keys) -> bytes: BLAKE3_keyed(key, u8(len(k)) || k)[:32] for every k of the list (each 1 to 64
- * bytes), concatenated. The public BLAKE3 API only; the GIL is released while it hashes.
+ * bind_each(key, keys) -> list[bytes]: BLAKE3_keyed(key, u8(len(k)) || k)[:32] for every k of the list
+ * (each 1 to 64 bytes), one bytes each (what the tiers index by). The public BLAKE3 API only; the GIL is
+ * released while it hashes.
  */
 #define BIND_MAX_KEY 64
 
-/* The digests of bind(), into out (n * 32 bytes); 0, or -1 with an exception set. */
+/* bind_each's digests, into out (n * 32 bytes); 0, or -1 with an exception set. */
 static int bind_into(Py_buffer *key, PyObject *keys, uint8_t *out) {
     if (key->len != BLAKE3_KEY_LEN) {
         PyErr_SetString(PyExc_ValueError, "the key must be 32 bytes");
@@ -126,25 +127,6 @@ static int bind_into(Py_buffer *key, PyObject *keys, uint8_t *out) {
     return 0;
 }
 
-static PyObject *bind(PyObject *self, PyObject *args) {
-    Py_buffer key;
-    PyObject *keys;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*O!", &key, &PyList_Type, &keys)) {
-        return NULL;
-    }
-    PyObject *result = PyBytes_FromStringAndSize(NULL, PyList_GET_SIZE(keys) * BLAKE3_OUT_LEN);
-    if (result != NULL && bind_into(&key, keys, (uint8_t *)PyBytes_AS_STRING(result)) < 0) {
-        Py_CLEAR(result);
-    }
-    PyBuffer_Release(&key);
-    return result;
-}
-
-/*
- * bind_each(key, keys) -> list[bytes]: what bind() gives, as one 32-byte bytes per key (what the tiers
- * index by; no slicing in Python).
- */
 static PyObject *bind_each(PyObject *self, PyObject *args) {
     Py_buffer key;
     PyObject *keys;
@@ -188,8 +170,7 @@ static PyObject *implementation(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"chain", chain, METH_VARARGS, "chain(key, data, block_bytes, out_len) -> bytes"},
-    {"bind", bind, METH_VARARGS, "bind(key, keys) -> bytes: each key bound to the 32-byte key"},
-    {"bind_each", bind_each, METH_VARARGS, "bind_each(key, keys) -> list[bytes]: bind's digests, one each"},
+    {"bind_each", bind_each, METH_VARARGS, "bind_each(key, keys) -> list[bytes]: each key bound to the 32-byte key"},
     {"simd_degree", implementation, METH_NOARGS, "how many inputs BLAKE3 hashes at once here"},
     {NULL, NULL, 0, NULL},
 };

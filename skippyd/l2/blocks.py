@@ -34,7 +34,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from blake3 import blake3
 
@@ -287,7 +287,7 @@ class L2Blocks:
             del chosen[len(placements) :]
         if hit:
             self._stats.block_hits += len(chosen)
-            self._touch_leased(chosen, keys)
+            self._touch_all(reversed(chosen))
         slot_maps: list[SlotMap | None] | None = (
             [(slab.data_start, slab.slot_size, slab.slot_map()) for slab in slabs] if maps else None
         )
@@ -833,24 +833,15 @@ class L2Blocks:
         in their records, so a restart keeps the order)."""
         listed = list(blocks)
         tick = self._tick(len(listed))
-        order, dirty = self._blocks, self._dirty
+        to_end = self._blocks.move_to_end
+        keys: list[bytes] = []
         for block in listed:
             block.last_use = tick
             tick += 1
-            order.move_to_end(block.record.key)
-            dirty.add(block.record.key)
-
-    def _touch_leased(self, chosen: list[_Block], keys: Sequence[bytes]) -> None:
-        """:meth:`_touch_all` of the leading ``chosen`` blocks of ``keys`` (their keys), the last first."""
-        count = len(chosen)
-        tick = self._tick(count) + count - 1
-        to_end = self._blocks.move_to_end
-        for block in chosen:  # (the first is the newest)
-            block.last_use = tick
-            tick -= 1
-        for index in range(count - 1, -1, -1):
-            to_end(keys[index])
-        self._dirty.update(keys[:count] if isinstance(keys, list) else list(keys)[:count])
+            key = block.record.key
+            to_end(key)
+            keys.append(key)
+        self._dirty.update(keys)
 
     def touch(self, keys: Sequence[bytes]) -> None:
         """Marks held ``keys`` used, the last first (so a chain's head stays its newest)."""
@@ -884,7 +875,7 @@ def _lease_slots(
     last: _SlabState | None = None
     fd_index = start = stride = 0
     spans: list[tuple[int, int]] = []
-    slot_generations: Any = ()
+    slot_generations: Sequence[int] = ()
     for slot in slots:
         home, index = slot.home, slot.index
         if home is not last:  # a run of slots from one slab is the common case: one lookup per run
