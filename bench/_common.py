@@ -175,3 +175,19 @@ class BenchDaemon:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.shm, ignore_errors=True)
+
+
+def alternate(module: str, before: str, args: list[str], runs: int = 5) -> dict[str, list[str]]:
+    """Runs ``python -m bench.<module> --one *args`` from the checkout ``before`` and from this one, one
+    after the other, ``runs`` times each; the last line each printed, by ``before``/``after``. (The other
+    checkout needs its own copy of the module, and its C extension built in place.)"""
+    here = str(Path(__file__).resolve().parents[1])
+    out: dict[str, list[str]] = {"before": [], "after": []}
+    for _ in range(runs):
+        for name, tree in (("before", before), ("after", here)):
+            done = subprocess.run(
+                [sys.executable, "-m", f"bench.{module}", "--one", *args],
+                cwd=tree, env={**os.environ, "PYTHONPATH": tree}, check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            out[name].append(done.stdout.strip().splitlines()[-1])
+    return out

@@ -15,8 +15,6 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -77,16 +75,10 @@ def main() -> None:
         figure = measure(args.blocks, args.reps)
         print(f"{figure:.3f}" if args.one else f"blocks_get, daemon's work: {figure:.2f} µs a block")
         return
-    here = str(Path(__file__).resolve().parents[1])
-    runs: dict[str, list[float]] = {"before": [], "after": []}
-    for _ in range(5):
-        for name, tree in (("before", args.compare), ("after", here)):
-            out = subprocess.run(
-                [sys.executable, "-m", "bench.blocks_get", "--one", "--blocks", str(args.blocks),
-                 "--reps", str(args.reps)],
-                cwd=tree, env={**os.environ, "PYTHONPATH": tree}, check=True, capture_output=True, text=True,
-            )  # fmt: skip
-            runs[name].append(float(out.stdout.split()[-1]))
+    from bench._common import alternate
+
+    lines = alternate("blocks_get", args.compare, ["--blocks", str(args.blocks), "--reps", str(args.reps)])
+    runs = {name: [float(line.split()[-1]) for line in got] for name, got in lines.items()}
     before, after = statistics.median(runs["before"]), statistics.median(runs["after"])
     shown = {name: ", ".join(f"{v:.2f}" for v in values) for name, values in runs.items()}
     print(f"blocks_get, daemon's work, µs a 256 KiB block ({args.blocks} blocks, gets of {PER_GET})\n")

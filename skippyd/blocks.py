@@ -39,6 +39,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -49,7 +50,7 @@ from .errors import InvalidArgument, NoSpace, SkippydError, TooLarge
 from .fills import PromotionPolicy
 from .keys import BlockSpaceId, bind_keys
 from .l2 import L2Tier
-from .l2.blocks import BlockPlacement, Lease, Pending
+from .l2.blocks import BlockPlacement, Lease, Pending, allocate_runs, allocation_runs
 from .l2.digests import Digester
 from .l2.slabs import SlotRecord, block_digest
 from .l3 import L3Store
@@ -692,7 +693,7 @@ class BlockRules:
                     parent=previous, nbytes=sizes[index], digest=bytes(32),
                 )  # fmt: skip
                 try:
-                    pending.append((index, blocks.reserve(record, mine=mine)))
+                    pending.append((index, blocks.reserve(record, mine=mine, allocate=False)))
                     mine += pending[-1][1].home.slab.slot_size
                 except (NoSpace, TooLarge) as exc:
                     failure = exc
@@ -710,6 +711,18 @@ class BlockRules:
             new_bytes = sum(sizes[index] for index, _ in pending)
             defer = self.digester is not None and self.digester.may_defer(new_bytes)
             epoch = self._evict_epoch
+        cut = self._allocate(pending)
+        if cut is not None:
+            at, full = cut
+            with self.l2.lock:
+                self._unreserve(pending[at:])
+                for _, slot in pending[at:]:
+                    blocks.abort(slot)
+                skipped += len(pending) - at
+                del pending[at:]
+                self._wake_parked()
+            if not pending and present == 0:
+                raise full
         return PutJob(
             self, space, bound, pending, sizes, offsets, source, durable, seq,
             present=present, skipped=skipped, hashed=not defer, epoch=epoch, identity=identity,
@@ -877,6 +890,62 @@ class BlockRules:
                     nbytes += size
         self._count(block_admission_waits=len(waiting) - len(admitted), block_admissions=len(admitted))
         return admitted, nbytes
+
+    def _allocate(self, pending: list[tuple[int, Pending]]) -> tuple[int, NoSpace] | None:
+        """Gives the fresh slots of a put their pages, outside the tier's lock, several slabs at once on
+        the copy threads; None, or where in ``pending`` the first slot that got none is and why (the put
+        stores the blocks before it). Any other failure gives every slot back and raises."""
+        slabs = allocation_runs(slot for _, slot in pending)
+        if not slabs:
+            return None
+        full: list[NoSpace] = []
+
+        def allocate(runs: list[list[Pending]]) -> None:
+            try:
+                allocate_runs(runs)
+            except NoSpace as exc:
+                full.append(exc)
+
+        try:
+            if self._copy_threads <= 1 or len(slabs) < 2:
+                for runs in slabs:
+                    allocate(runs)
+                    if full:
+                        break
+            else:
+                futures = [_copy_pool().submit(allocate, runs) for runs in slabs[1:]]
+                try:
+                    allocate(slabs[0])
+                finally:
+                    wait(futures)  # (no slot is given back while a thread may still allocate it)
+                for future in futures:
+                    future.result()
+            if not full:
+                return None
+            at = next(i for i, (_, slot) in enumerate(pending) if slot.unallocated)
+            later = [slot for _, slot in pending[at + 1 :] if not slot.unallocated]
+            if later:  # slabs after it took pages the ones before them lacked: in put order again
+                with self.l2.lock:
+                    for slot in later:
+                        self.l2.blocks.unallocate(slot)
+                for _, slot in pending[at:]:
+                    try:
+                        slot.home.slab.allocate(slot.index, populate=False)
+                    except NoSpace as exc:
+                        full[0] = exc
+                        break
+                    slot.unallocated = False
+        except BaseException:
+            with self.l2.lock:
+                self._unreserve(pending)
+                for _, slot in pending:
+                    self.l2.blocks.abort(slot)
+                self._wake_parked()
+            raise
+        for at, (_, slot) in enumerate(pending):
+            if slot.unallocated:
+                return at, full[0]
+        return None
 
     def _fill(
         self,

@@ -37,7 +37,7 @@ import numpy as np
 from .errors import BadFrame, InvalidArgument, Mismatch
 from .keys import MAX_BLOCK_KEY_BYTES, block_keys, block_space, encode_tokens
 from .protocol import MAX_BLOCKS_PER_REQUEST
-from .transfer import cuda_in_use, in_callers_streams
+from .transfer import cuda_in_use, in_callers_streams, map_without_leases
 from .transfer.book import SlotMap
 from .transfer.pages import LazyPieces, PageLayout
 from .transfer.plan import Flat
@@ -292,11 +292,15 @@ def _map_blocks(reply: dict[str, Any], fds: list[int]) -> list[torch.Tensor]:
 
 class SlabMaps:
     """Read-only shared mappings of the daemon's slab files, kept across ``get_into`` calls (the ``limit``
-    most recently used), so copying a block out is a memcpy from mapped memory. A mapping never pins
+    most recently used), so copying a block out is a memcpy from mapped memory. A mapping is made through
+    a fresh open file description (``/proc/self/fd``), never the reply's: the reply's holds the read
+    leases on the slots it served (``F_OFD_SETLK``), and a kept mapping of it would keep them, so the
+    daemon could neither reuse nor give back those slots after they were evicted. A mapping never pins
     memory the daemon gave back: an evicted slot's pages are punched out of the file (and out of every
     mapping of it), and a slab file is removed only once all its slots are. A slab found removed (its
     file's link count 0, say after its directory was wiped) is unmapped at the next call. Descriptors
-    that are not linked files (the memfds of L3 reads) are never mapped here. Thread-safe."""
+    that are not linked files (the memfds of L3 reads), or that this process may not open again (a
+    daemon of another user), are never mapped here. Thread-safe."""
 
     def __init__(self, limit: int = 16) -> None:
         self.limit = limit
@@ -315,8 +319,10 @@ class SlabMaps:
             if found is not None and found[2] >= end:
                 self._maps.move_to_end(key)
                 return memoryview(found[1])
-        mapping = mmap.mmap(fd, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        keep = os.dup(fd)  # to notice the file is gone; its read locks are the reply's, not this fd's
+        made = map_without_leases(fd, info.st_size)
+        if made is None:  # (a daemon of another user: its slabs are read through the reply's fd)
+            return None
+        keep, mapping = made
         with self._lock:
             old = self._maps.pop(key, None)
             self._maps[key] = (keep, mapping, info.st_size)

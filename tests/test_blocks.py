@@ -195,6 +195,34 @@ def test_get_into_copies_through_a_kept_slab_mapping_and_a_reused_slot_gives_its
         assert len(slab_maps) <= slab_maps.limit
 
 
+def test_a_kept_slab_mapping_holds_no_lease_so_evicted_slots_are_taken_again_at_once(
+    make_daemon: Any,
+) -> None:
+    from skippyd.blockspace import slab_maps
+
+    slab_maps.close()
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    with proc.client() as client:
+        blocks = space(client)
+        first = blocks.keys(list(range(8 * BLOCK)))
+        blocks.put(first, block_data(8, seed=51), durable=False)
+        out = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in first]
+        assert blocks.get_into(first, out) == 8
+        assert len(slab_maps) >= 1  # the slab stays mapped in this process
+        assert eventually(lambda: client.stats()["l2"]["block_unhashed"] == 0)  # (no digester lease left)
+        fresh = client.stats()["l2"]["block_fresh_slots"]
+        client.evict(model=MODEL, state=STATE, blocks=True)
+        second = blocks.keys(list(range(50_000, 50_000 + 8 * BLOCK)))
+        newer = block_data(8, seed=52)
+        assert blocks.put(second, newer, durable=False).stored == 8
+        # the eight freed slots were taken again (a mapping of the get's own descriptor kept its leases:
+        # they counted as still read, and the put faulted in eight fresh slots beside them)
+        assert client.stats()["l2"]["block_fresh_slots"] == fresh
+        got = [torch.empty(BLOCK_BYTES, dtype=torch.uint8) for _ in second]
+        assert blocks.get_into(second, got) == 8
+        assert all(torch.equal(a, b) for a, b in zip(got, newer, strict=True))
+
+
 def test_slab_maps_keep_slab_files_only_and_drop_one_whose_file_is_gone(shm_dir: Path) -> None:
     import os
 

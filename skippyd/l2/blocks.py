@@ -138,13 +138,16 @@ class _Block:
 
 @dataclass(slots=True)
 class Pending:
-    """A slot taken for one block of a put: write :attr:`view`, then commit with its digest."""
+    """A slot taken for one block of a put: write :attr:`view`, then commit with its digest. A fresh slot
+    reserved with ``allocate=False`` is :attr:`unallocated` until :func:`allocate_pending` gives it its
+    pages, outside the tier's lock (write nothing to it before)."""
 
     record: SlotRecord
     home: _SlabState
     index: int
     view: memoryview
     recycled: bool
+    unallocated: bool = False
 
 
 @dataclass(slots=True)
@@ -342,9 +345,12 @@ class L2Blocks:
         a hint, never a decision about the blocks themselves)."""
         return self._filling > 0
 
-    def reserve(self, record: SlotRecord, *, mine: int = 0) -> Pending:
+    def reserve(self, record: SlotRecord, *, mine: int = 0, allocate: bool = True) -> Pending:
         """A slot for a new block (may evict the least recently used entries and blocks first); ``mine``:
-        the bytes of slots the calling fill holds reserved already (what it must not wait for)."""
+        the bytes of slots the calling fill holds reserved already (what it must not wait for). A fresh
+        slot (not a free one reused) gets its pages here, or with ``allocate=False`` is charged and set
+        aside :attr:`~Pending.unallocated`: the caller allocates it with :func:`allocate_pending` after
+        the lock (faulting fresh tmpfs pages runs at ≈ 1-3 GB/s a core, too long to hold the lock for)."""
         if record.nbytes > self.max_block:
             raise TooLarge(f"a block of {record.nbytes} bytes is larger than L2 takes ({self.max_block})")
         size = slot_class(max(record.nbytes, 1))
@@ -366,17 +372,18 @@ class L2Blocks:
             return Pending(record, home, index, home.slab.data(index, record.nbytes), True)
         self._make_room(size, mine)
         home, index = self._hole(group, record.space, size, mine)
-        try:
-            home.slab.allocate(index)
-        except NoSpace:
-            group.holes.append((home, index))
-            self._drop_if_empty(home, group)
-            raise
+        if allocate:
+            try:
+                home.slab.allocate(index)
+            except NoSpace:
+                group.holes.append((home, index))
+                self._drop_if_empty(home, group)
+                raise
         home.state[index] = _WRITING
         self.charged += size
         self.pending_bytes += size
         self._stats.block_fresh_slots += 1
-        return Pending(record, home, index, home.slab.data(index, record.nbytes), False)
+        return Pending(record, home, index, home.slab.data(index, record.nbytes), False, not allocate)
 
     def _group(self, space: bytes, size: int) -> _Group:
         group = self._groups.get((space, size))
@@ -574,7 +581,18 @@ class L2Blocks:
         if pending.home.state[pending.index] != _WRITING:
             return  # given back already, or committed
         self.pending_bytes -= pending.home.slab.slot_size
+        if pending.unallocated:  # (or its allocation failed part way): a hole again, never a free slot
+            home = pending.home
+            self._punch(self._groups[(home.space, home.slab.slot_size)], home, pending.index)
+            return
         self._free(pending.home, pending.index)
+
+    def unallocate(self, pending: Pending) -> None:
+        """Gives a reserved slot's pages back and keeps the slot reserved, :attr:`~Pending.unallocated`
+        (a put whose slabs got their pages at once found the tmpfs full: it allocates again in put order,
+        so the blocks stored are the leading ones). Under the lock."""
+        pending.home.slab.punch(pending.index)
+        pending.unallocated = True
 
     def room_changed(self) -> None:
         """Fills' slots were committed (evictable now) or given back: puts waiting for room look again."""
@@ -847,6 +865,41 @@ class L2Blocks:
         """Marks held ``keys`` used, the last first (so a chain's head stays its newest)."""
         found = (self._blocks.get(key) for key in reversed(keys))
         self._touch_all(block for block in found if block is not None)
+
+
+def allocation_runs(pending: Iterable[Pending]) -> list[list[list[Pending]]]:
+    """The :attr:`~Pending.unallocated` slots among ``pending`` as runs of adjacent slots (one
+    ``fallocate`` each), the runs of each slab in one list (a tmpfs file allocates under its inode's lock,
+    so only different slabs allocate at once)."""
+    slabs: dict[int, list[list[Pending]]] = {}
+    for slot in pending:
+        if not slot.unallocated:
+            continue
+        runs = slabs.setdefault(id(slot.home), [])
+        if runs and runs[-1][-1].index + 1 == slot.index:
+            runs[-1].append(slot)
+        else:
+            runs.append([slot])
+    return list(slabs.values())
+
+
+def allocate_runs(runs: Sequence[Sequence[Pending]]) -> None:
+    """Gives each run of one slab its pages, in order, without the tier's lock (the slots are the
+    caller's until it commits or aborts them); stops at the first slot that gets no pages and raises its
+    :class:`NoSpace` (a run the tmpfs cannot hold whole is given its pages slot by slot, to keep what fits).
+    The pages are not faulted in here: the copy into the slot maps each one, on the copy's threads."""
+    for run in runs:
+        first = run[0]
+        try:
+            first.home.slab.allocate(first.index, len(run), populate=False)
+        except NoSpace:
+            if len(run) == 1:
+                raise
+            for slot in run:  # (a failed fallocate leaves none of its range allocated)
+                slot.home.slab.allocate(slot.index, populate=False)
+                slot.unallocated = False
+        for slot in run:
+            slot.unallocated = False
 
 
 class _InSlot(Protocol):

@@ -246,11 +246,14 @@ class Slab:
         start = PAGE + index * RECORD_SIZE + _LAST_USE_AT
         self.mapping[start : start + 8] = struct.pack("<Q", tick)
 
-    def allocate(self, index: int) -> None:
-        """Gives slot ``index`` its pages (:class:`NoSpace` when the tmpfs has none), pre-faulted."""
+    def allocate(self, index: int, count: int = 1, *, populate: bool = True) -> None:
+        """Gives the ``count`` slots from ``index`` their pages (:class:`NoSpace` when the tmpfs has none),
+        faulted into this process's mapping with ``populate``; without it the first write to each page maps
+        it (the page exists, so no write can fail), on whichever thread writes it."""
         start = self.offset(index)
-        _allocate(self._fd, start, self.slot_size, self.path)
-        populate_write(self.mapping, start, self.slot_size)
+        _allocate(self._fd, start, count * self.slot_size, self.path)
+        if populate:
+            populate_write(self.mapping, start, count * self.slot_size)
 
     def punch(self, index: int) -> None:
         """Gives slot ``index``'s pages back to the system (call only when :meth:`has_readers` is False)."""

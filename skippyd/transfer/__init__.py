@@ -14,6 +14,8 @@ The daemon never imports this package. CPU copies do not go through it (they sta
 
 from __future__ import annotations
 
+import mmap
+import os
 import sys
 
 from .book import BookStats, RegistrationBook, page_span
@@ -27,6 +29,7 @@ __all__ = [
     "cuda_in_use",
     "forget_host",
     "in_callers_streams",
+    "map_without_leases",
     "page_span",
     "plan_runs",
     "split_runs",
@@ -40,3 +43,22 @@ def forget_host(address: int) -> None:
     device = sys.modules.get("skippyd.transfer.device")
     if device is not None:
         device.forget_host(address)
+
+
+def map_without_leases(fd: int, size: int) -> tuple[int, mmap.mmap] | None:
+    """A read-only shared mapping of ``size`` bytes of the file open as ``fd``, made through a fresh open
+    file description (``/proc/self/fd``) and that description's fd (to notice the file unlinked); None
+    where this process may not open the file again (a daemon of another user: use the reply's fd).
+
+    Never the reply's own descriptor: it holds the read leases (``F_OFD_SETLK``) on what the reply
+    served, and an OFD lock lives as long as its description, mappings included; a mapping kept across
+    calls would keep them, and the daemon could neither reuse nor give back those slots."""
+    try:
+        keep = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return keep, mmap.mmap(keep, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except BaseException:
+        os.close(keep)
+        raise

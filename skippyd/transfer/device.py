@@ -42,6 +42,7 @@ import torch
 
 from skippyd.errors import BadFrame, InvalidArgument, Mismatch, NoDevice
 
+from . import map_without_leases
 from .book import RegistrationBook, SlotMap
 from .limits import kept_files, pin_limit
 from .pages import PageLayout
@@ -219,15 +220,10 @@ class FileMaps:
             return key, found
         if found is not None:
             self.drop(key)
-        try:
-            keep = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:  # (a daemon of another user: its files can only be used through the reply's fd)
+        made = map_without_leases(fd, info.st_size)
+        if made is None:  # (a daemon of another user: its files can only be used through the reply's fd)
             return None
-        try:
-            mapping = mmap.mmap(keep, info.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-        except BaseException:
-            os.close(keep)
-            raise
+        keep, mapping = made
         base, host = _address_of(mapping)
         self._maps[key] = _Mapped(keep, mapping, info.st_size, base, host, False)
         if len(self._maps) > self.limit:
