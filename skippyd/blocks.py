@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -706,23 +706,25 @@ class BlockRules:
                 taken.add(key)
             if failure is not None and not pending and present == 0:
                 raise failure
-            for key in taken:
-                reserved[key] = reserved.get(key, 0) + 1
             new_bytes = sum(sizes[index] for index, _ in pending)
             defer = self.digester is not None and self.digester.may_defer(new_bytes)
             epoch = self._evict_epoch
+        # The keys count as reserved (a block of another put whose parent is one of them is no hole; reads
+        # reaching them wait for the commit) only once their slots have pages: until then a full tmpfs
+        # may still leave them out, and another put must not be promised a child of a block never stored.
         cut = self._allocate(pending)
-        if cut is not None:
-            at, full = cut
-            with self.l2.lock:
-                self._unreserve(pending[at:])
-                for _, slot in pending[at:]:
+        with self.l2.lock:
+            if cut is not None:
+                for _, slot in pending[cut[0] :]:
                     blocks.abort(slot)
-                skipped += len(pending) - at
-                del pending[at:]
-                self._wake_parked()
-            if not pending and present == 0:
-                raise full
+                skipped += len(pending) - cut[0]
+                del pending[cut[0] :]
+                blocks.room_changed()  # (puts waiting for room: the slots given back are room)
+            for _, slot in pending:
+                key = slot.record.key
+                reserved[key] = reserved.get(key, 0) + 1
+        if cut is not None and not pending and present == 0:
+            raise cut[1]
         return PutJob(
             self, space, bound, pending, sizes, offsets, source, durable, seq,
             present=present, skipped=skipped, hashed=not defer, epoch=epoch, identity=identity,
@@ -913,8 +915,10 @@ class BlockRules:
                     if full:
                         break
             else:
-                futures = [_copy_pool().submit(allocate, runs) for runs in slabs[1:]]
+                futures: list[Future[None]] = []
                 try:
+                    for runs in slabs[1:]:
+                        futures.append(_copy_pool().submit(allocate, runs))
                     allocate(slabs[0])
                 finally:
                     wait(futures)  # (no slot is given back while a thread may still allocate it)
@@ -936,11 +940,10 @@ class BlockRules:
                         break
                     slot.unallocated = False
         except BaseException:
-            with self.l2.lock:
-                self._unreserve(pending)
+            with self.l2.lock:  # (none of its keys is reserved yet)
                 for _, slot in pending:
                     self.l2.blocks.abort(slot)
-                self._wake_parked()
+                self.l2.blocks.room_changed()
             raise
         for at, (_, slot) in enumerate(pending):
             if slot.unallocated:
@@ -966,8 +969,13 @@ class BlockRules:
                 return run(jobs)
             step = -(-len(jobs) // self._copy_threads)
             pool = _copy_pool()
-            futures = [pool.submit(run, jobs[i : i + step]) for i in range(step, len(jobs), step)]
-            first = run(jobs[:step])
+            futures: list[Future[list[bytes | None]]] = []
+            try:  # (no slot is given back while a thread may still copy into it)
+                for i in range(step, len(jobs), step):
+                    futures.append(pool.submit(run, jobs[i : i + step]))
+                first = run(jobs[:step])
+            finally:
+                wait(futures)
             return first + [digest for future in futures for digest in future.result()]
         finally:
             for _, src in jobs:

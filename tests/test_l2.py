@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import subprocess
 import sys
@@ -369,6 +370,41 @@ def test_a_full_tmpfs_is_a_typed_error_with_no_partial_entry_visible(tiny_tmpfs:
         admit_bytes(tier, "still-works", 50 * KB)
     with L2Tier.open(tiny_tmpfs / "l2", 64 << 20) as tier:
         assert tier.stats().entries == 2
+
+
+def test_a_large_fresh_entry_file_is_faulted_in_by_several_threads_and_a_full_tmpfs_leaves_nothing(
+    mount_tmpfs: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skippyd import shm
+
+    fs = Path(mount_tmpfs("48m"))
+    faulting: set[int] = set()
+    real = shm._populate
+
+    def seen(mapping: Any, offset: int, length: int) -> int:
+        faulting.add(threading.get_ident())
+        return real(mapping, offset, length)
+
+    monkeypatch.setattr(shm, "_populate", seen)
+    mapping = shm.allocate_mapped(fs / "a", 32 << 20, threads=2)
+    assert len(faulting) == 2, "two threads faulted the file in"
+    assert os.stat(fs / "a").st_blocks * 512 >= 32 << 20  # every page given (none left to fault later)
+    mapping[:4] = b"abcd"
+    mapping[-4:] = b"wxyz"
+    assert bytes(mapping[:4]) + bytes(mapping[-4:]) == b"abcdwxyz"
+    mapping.close()
+    with pytest.raises(NoSpace, match="tmpfs is full"):  # 32 MiB more do not fit in 48: nothing is left
+        shm.allocate_mapped(fs / "b", 32 << 20, threads=2)
+    assert not (fs / "b").exists()
+    assert os.statvfs(fs).f_bfree * os.statvfs(fs).f_frsize >= 15 << 20, "the pages it took are given back"
+    # a kernel without MADV_POPULATE_WRITE: fallocate gives the pages (and says when it cannot)
+    monkeypatch.setattr(shm, "_populate", lambda *_: errno.EINVAL)
+    (fs / "a").unlink()
+    shm.allocate_mapped(fs / "c", 32 << 20, threads=2).close()
+    assert os.stat(fs / "c").st_blocks * 512 >= 32 << 20
+    with pytest.raises(NoSpace):
+        shm.allocate_mapped(fs / "e", 32 << 20, threads=2)
+    assert not (fs / "e").exists()
 
 
 def test_size_classes_are_stable_cover_the_request_and_waste_at_most_an_eighth() -> None:

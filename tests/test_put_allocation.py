@@ -25,7 +25,7 @@ BLOCK_BYTES = 256 << 10
 def test_a_put_gives_its_fresh_slots_their_pages_without_holding_the_tiers_lock(
     shm_dir: Path, monkeypatch: Any
 ) -> None:
-    with L2Tier.open(shm_dir, 64 << 20) as tier:  # slabs of 4 MiB: 16 blocks span several
+    with L2Tier.open(shm_dir, 64 << 20) as tier:  # slabs of 4 MiB: 40 blocks of 256 KiB span three
         rules = BlockRules(tier, copy_threads=2)
         space = block_space(MODEL, STATE, "", 16)
         allocating, go = threading.Event(), threading.Event()
@@ -37,13 +37,13 @@ def test_a_put_gives_its_fresh_slots_their_pages_without_holding_the_tiers_lock(
             real(self, index, count, populate=populate)
 
         monkeypatch.setattr(Slab, "allocate", held)
-        keys = [b"k%d" % i for i in range(16)]
-        raw = bytes(torch.randint(0, 256, (16 * BLOCK_BYTES,), dtype=torch.uint8).numpy())
+        keys = [b"k%d" % i for i in range(40)]
+        raw = bytes(torch.randint(0, 256, (40 * BLOCK_BYTES,), dtype=torch.uint8).numpy())
         done: list[int] = []
-        offsets = [i * BLOCK_BYTES for i in range(16)]
+        offsets = [i * BLOCK_BYTES for i in range(40)]
 
         def put() -> None:
-            sizes = [BLOCK_BYTES] * 16
+            sizes = [BLOCK_BYTES] * 40
             stored = rules.put(space, keys, sizes, offsets, memoryview(raw), durable=False).stored
             done.append(stored)
 
@@ -58,8 +58,58 @@ def test_a_put_gives_its_fresh_slots_their_pages_without_holding_the_tiers_lock(
         finally:
             go.set()
             putting.join(30)
-        assert done == [16]
-        assert rules.contains(space, keys) == 16
+        assert done == [40]
+        assert rules.contains(space, keys) == 40
+        assert tier.stats().block_slabs == 3  # (the slabs got their pages on two threads at once)
+
+
+def test_a_put_is_never_promised_a_child_of_a_block_another_put_then_cannot_store(
+    shm_dir: Path, monkeypatch: Any
+) -> None:
+    """Put A's slots get their pages outside the lock; put B, whose parent is A's last block, asks
+    meanwhile. If the tmpfs then fails A, B's reply must not have counted B's blocks as stored (its
+    children of a block that never came): A's keys count as reserved only once their slots have pages."""
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
+        rules = BlockRules(tier, copy_threads=1)
+        space = block_space(MODEL, STATE, "", 16)
+        allocating, go = threading.Event(), threading.Event()
+        real = Slab.allocate
+
+        def full_for_a(self: Slab, index: int, count: int = 1, *, populate: bool = True) -> None:
+            if threading.current_thread().name == "put-a":
+                allocating.set()
+                assert go.wait(30)
+                raise NoSpace("the tmpfs is full (as if another process took the rest)")
+            real(self, index, count, populate=populate)
+
+        monkeypatch.setattr(Slab, "allocate", full_for_a)
+        a_keys, b_keys = [b"a%d" % i for i in range(4)], [b"b%d" % i for i in range(4)]
+        raw, sizes, offsets = (
+            memoryview(bytes(4 * BLOCK_BYTES)),
+            [BLOCK_BYTES] * 4,
+            [i * BLOCK_BYTES for i in range(4)],
+        )
+        failed: list[BaseException] = []
+
+        def put_a() -> None:
+            try:
+                rules.put(space, a_keys, sizes, offsets, raw, durable=False)
+            except NoSpace as exc:
+                failed.append(exc)
+
+        putting = threading.Thread(target=put_a, name="put-a")
+        putting.start()
+        try:
+            assert allocating.wait(10)
+            job = rules.begin_put(space, b_keys, sizes, offsets, raw, parent=a_keys[-1], durable=False)
+        finally:
+            go.set()
+            putting.join(30)
+        promised = job.promised()
+        outcome = job.finish()
+        assert len(failed) == 1, "A found the tmpfs full and stored nothing"
+        assert promised.stored == outcome.stored == 0 and promised.skipped == 4, (promised, outcome)
+        assert rules.contains(space, a_keys) == 0
 
 
 def test_a_tmpfs_full_part_way_through_a_put_keeps_the_leading_blocks_and_no_slot_without_pages_is_reused(
@@ -99,7 +149,7 @@ def test_a_tmpfs_full_part_way_through_a_put_keeps_the_leading_blocks_and_no_slo
         assert blocks.get_into(others, got) == second
         assert all(torch.equal(got[i], data[i]) for i in range(second))
         assert all(t["alive"] for t in client.stats()["threads"].values())
-    with proc.client(timeout=30.0) as client:  # (the first one's mappings lease slots until it closes)
+    with proc.client(timeout=30.0) as client:
         # the blocks go (their slots free for the next put, which stores whole again)
         client.evict(model=MODEL, state=STATE, blocks=True)
         blocks = client.blocks(model=MODEL, state=STATE, block_tokens=16)

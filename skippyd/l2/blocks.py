@@ -139,7 +139,7 @@ class _Block:
 @dataclass(slots=True)
 class Pending:
     """A slot taken for one block of a put: write :attr:`view`, then commit with its digest. A fresh slot
-    reserved with ``allocate=False`` is :attr:`unallocated` until :func:`allocate_pending` gives it its
+    reserved with ``allocate=False`` is :attr:`unallocated` until :func:`allocate_runs` gives it its
     pages, outside the tier's lock (write nothing to it before)."""
 
     record: SlotRecord
@@ -349,7 +349,7 @@ class L2Blocks:
         """A slot for a new block (may evict the least recently used entries and blocks first); ``mine``:
         the bytes of slots the calling fill holds reserved already (what it must not wait for). A fresh
         slot (not a free one reused) gets its pages here, or with ``allocate=False`` is charged and set
-        aside :attr:`~Pending.unallocated`: the caller allocates it with :func:`allocate_pending` after
+        aside :attr:`~Pending.unallocated`: the caller allocates it with :func:`allocate_runs` after
         the lock (faulting fresh tmpfs pages runs at ≈ 1-3 GB/s a core, too long to hold the lock for)."""
         if record.nbytes > self.max_block:
             raise TooLarge(f"a block of {record.nbytes} bytes is larger than L2 takes ({self.max_block})")

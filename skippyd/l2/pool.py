@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from skippyd.files import remove
-from skippyd.shm import allocate_file, has_readers, map_rw, new_name, next_generation, populate_write
+from skippyd.shm import allocate_mapped, has_readers, map_rw, new_name, next_generation, populate_write
 
 __all__ = ["File", "FilePool", "PoolStats"]
 
@@ -79,6 +79,7 @@ class FilePool:
     free_dir: Path
     tmp_dir: Path
     map_threshold: int  # files at least this large keep their mapping between uses
+    threads: int = 1  # a large fresh file is faulted in by this many threads (shm.allocate_mapped)
     _free: dict[int, list[File]] = field(default_factory=dict)
     free_bytes: int = 0
     _reused: int = 0
@@ -198,14 +199,7 @@ class FilePool:
         never SIGBUS) and mapped. Called without the tier's lock, so it counts nothing: the tier calls
         :meth:`note_fresh` under its lock."""
         path = self.tmp_dir / new_name(".part")
-        fd = allocate_file(path, size)
-        try:
-            mapping = map_rw(fd, size)
-        except BaseException:
-            remove(path)
-            raise
-        finally:
-            os.close(fd)
+        mapping = allocate_mapped(path, size, threads=self.threads)
         return File(path, size, mapping=mapping, fresh=True)
 
     def note_fresh(self) -> None:

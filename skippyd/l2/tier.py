@@ -257,7 +257,10 @@ class L2Tier:
         # Files at least this large keep their mapping between uses (re-mapping costs a page-table
         # fault per page); the floor keeps the number of mappings under the kernel's vm.max_map_count.
         self._pool = FilePool(
-            self.directory / "free", self.directory / "tmp", max(map_threshold, self.budget_bytes // 16384)
+            self.directory / "free",
+            self.directory / "tmp",
+            max(map_threshold, self.budget_bytes // 16384),
+            threads=self._hash_threads,
         )
         private_dirs(self.directory)
         # before anything under the directory is touched
