@@ -547,10 +547,17 @@ class BlockRules:
                 if blocks.holds(record.key):
                     continue
                 try:
-                    pending.append(blocks.reserve(_slot_record(record), mine=mine))
+                    pending.append(blocks.reserve(_slot_record(record), mine=mine, allocate=False))
                 except (NoSpace, TooLarge):
                     break
                 mine += pending[-1].home.slab.slot_size
+        cut = self._allocate(pending)  # (the pages after the lock, as a put's)
+        if cut is not None:
+            with self.l2.lock:
+                for slot in pending[cut[0] :]:
+                    blocks.abort(slot)
+                del pending[cut[0] :]
+                blocks.room_changed()
         done = 0
         try:
             done = self.l3.blocks.read_into([p.record.key for p in pending], [p.view for p in pending])
@@ -712,7 +719,7 @@ class BlockRules:
         # The keys count as reserved (a block of another put whose parent is one of them is no hole; reads
         # reaching them wait for the commit) only once their slots have pages: until then a full tmpfs
         # may still leave them out, and another put must not be promised a child of a block never stored.
-        cut = self._allocate(pending)
+        cut = self._allocate([slot for _, slot in pending])
         with self.l2.lock:
             if cut is not None:
                 for _, slot in pending[cut[0] :]:
@@ -893,11 +900,12 @@ class BlockRules:
         self._count(block_admission_waits=len(waiting) - len(admitted), block_admissions=len(admitted))
         return admitted, nbytes
 
-    def _allocate(self, pending: list[tuple[int, Pending]]) -> tuple[int, NoSpace] | None:
-        """Gives the fresh slots of a put their pages, outside the tier's lock, several slabs at once on
-        the copy threads; None, or where in ``pending`` the first slot that got none is and why (the put
-        stores the blocks before it). Any other failure gives every slot back and raises."""
-        slabs = allocation_runs(slot for _, slot in pending)
+    def _allocate(self, pending: list[Pending]) -> tuple[int, NoSpace] | None:
+        """Gives the fresh slots of a put (or a promotion) their pages, outside the tier's lock, several
+        slabs at once on the copy threads; None, or where in ``pending`` the first slot that got none is
+        and why (the fill keeps the blocks before it). Any other failure gives every slot back and
+        raises."""
+        slabs = allocation_runs(pending)
         if not slabs:
             return None
         full: list[NoSpace] = []
@@ -926,13 +934,13 @@ class BlockRules:
                     future.result()
             if not full:
                 return None
-            at = next(i for i, (_, slot) in enumerate(pending) if slot.unallocated)
-            later = [slot for _, slot in pending[at + 1 :] if not slot.unallocated]
+            at = next(i for i, slot in enumerate(pending) if slot.unallocated)
+            later = [slot for slot in pending[at + 1 :] if not slot.unallocated]
             if later:  # slabs after it took pages the ones before them lacked: in put order again
                 with self.l2.lock:
                     for slot in later:
                         self.l2.blocks.unallocate(slot)
-                for _, slot in pending[at:]:
+                for slot in pending[at:]:
                     try:
                         slot.home.slab.allocate(slot.index, populate=False)
                     except NoSpace as exc:
@@ -941,11 +949,11 @@ class BlockRules:
                     slot.unallocated = False
         except BaseException:
             with self.l2.lock:  # (none of its keys is reserved yet)
-                for _, slot in pending:
+                for slot in pending:
                     self.l2.blocks.abort(slot)
                 self.l2.blocks.room_changed()
             raise
-        for at, (_, slot) in enumerate(pending):
+        for at, slot in enumerate(pending):
             if slot.unallocated:
                 return at, full[0]
         return None
