@@ -223,6 +223,38 @@ def test_a_kept_slab_mapping_holds_no_lease_so_evicted_slots_are_taken_again_at_
         assert all(torch.equal(a, b) for a, b in zip(got, newer, strict=True))
 
 
+def test_get_into_copies_through_the_replys_descriptor_where_no_mapping_can_be_made(
+    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import mmap
+    from types import SimpleNamespace
+
+    from skippyd import transfer
+    from skippyd.blockspace import slab_maps
+
+    with daemon.client() as client:
+        blocks = space(client, namespace="no-mapping")
+        keys = blocks.keys(list(range(6 * BLOCK)))
+        data = block_data(6, seed=61)
+        blocks.put(keys, data, durable=False)
+        slab_maps.close()
+        tried: list[int] = []
+
+        def no_room(*args: Any, **kwargs: Any) -> mmap.mmap:
+            tried.append(1)
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+        fake = SimpleNamespace(mmap=no_room, MAP_SHARED=mmap.MAP_SHARED, PROT_READ=mmap.PROT_READ)
+        monkeypatch.setattr(transfer, "mmap", fake)  # (vm.max_map_count reached, say)
+        out = [torch.zeros(BLOCK_BYTES, dtype=torch.uint8) for _ in keys]
+        open_before = len(os.listdir("/proc/self/fd"))
+        assert blocks.get_into(keys, out) == 6
+        assert tried and len(slab_maps) == 0
+        assert all(torch.equal(a, b) for a, b in zip(out, data, strict=True))
+        assert len(os.listdir("/proc/self/fd")) <= open_before  # (the failed tries left no descriptor open)
+
+
 def test_slab_maps_keep_slab_files_only_and_drop_one_whose_file_is_gone(shm_dir: Path) -> None:
     import os
 

@@ -48,7 +48,8 @@ def forget_host(address: int) -> None:
 def map_without_leases(fd: int, size: int) -> tuple[int, mmap.mmap] | None:
     """A read-only shared mapping of ``size`` bytes of the file open as ``fd``, made through a fresh open
     file description (``/proc/self/fd``) and that description's fd (to notice the file unlinked); None
-    where this process may not open the file again (a daemon of another user: use the reply's fd).
+    where this process may not open the file again (a daemon of another user) or map it (``ENOMEM``: the
+    address space or ``vm.max_map_count`` is used up): the caller copies through the reply's fd instead.
 
     Never the reply's own descriptor: it holds the read leases (``F_OFD_SETLK``) on what the reply
     served, and an OFD lock lives as long as its description, mappings included; a mapping kept across
@@ -59,6 +60,9 @@ def map_without_leases(fd: int, size: int) -> tuple[int, mmap.mmap] | None:
         return None
     try:
         return keep, mmap.mmap(keep, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError:
+        os.close(keep)
+        return None
     except BaseException:
         os.close(keep)
         raise
