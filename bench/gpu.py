@@ -1,6 +1,6 @@
 """The GPU data path on one CUDA device, in one run: correctness, bandwidth beside pinned copies, TTFT.
 
-    python -m bench.gpu [--socket PATH] [--skip-ttft] [--dry]
+    python -m bench.gpu [--socket PATH] [--skip-ttft] [--dry] [--profile DIR]
 
 On the GPU machine (docs/benchmarks.md, "GPU"): ``bash .gpu/on_device.sh python3 -m bench.gpu`` (the
 daemon on_device.sh starts is used through ``SKIPPYD_SOCKET``; without one, this starts its own, without
@@ -38,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -547,7 +548,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", default=os.environ.get("SKIPPYD_SOCKET"), help="a running daemon")
     parser.add_argument("--skip-ttft", action="store_true", help="correctness and bandwidth only")
     parser.add_argument("--dry", action="store_true", help="tiny sizes on the CPU: checks the script only")
+    parser.add_argument(
+        "--profile", metavar="DIR", type=Path,
+        help="each section under cProfile, its stats written there (slower: the ratios are lower bounds)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    section = partial(_section, profile=args.profile)
     import skippyd
     from skippyd.transfer.device import batch_available
 
@@ -594,18 +600,41 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def section(name: str, run: Callable[[], None]) -> int:
+def _section(name: str, run: Callable[[], None], *, profile: Path | None = None) -> int:
     """Runs one part of the bench; a failure becomes a row (with its traceback above the table), so the
-    rest still runs and the table still prints. Returns 1 if it failed."""
+    rest still runs and the table still prints. Returns 1 if it failed. With ``profile`` (a directory),
+    under cProfile, its stats (by cumulative and by own time) written to ``<dir>/<n>-<name>.txt``."""
+    import cProfile
     import traceback
 
+    profiler = cProfile.Profile() if profile is not None else None
+    if profiler is not None:
+        profiler.enable()
     try:
         run()
     except Exception as exc:
         traceback.print_exc()
         row(name, f"FAILED: {type(exc).__name__}", str(exc)[:60])
         return 1
+    finally:
+        if profiler is not None and profile is not None:
+            profiler.disable()
+            _write_profile(profiler, profile, name)
     return 0
+
+
+def _write_profile(profile: Any, where: Path, name: str) -> None:
+    import io
+    import pstats
+
+    where.mkdir(parents=True, exist_ok=True)
+    path = where / f"{len(list(where.glob('*.txt'))):02d}-{name}.txt"
+    text = io.StringIO()
+    stats = pstats.Stats(profile, stream=text)
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(40)
+    path.write_text(text.getvalue())
+    print(f"(profile of {name}: {path})")
 
 
 if __name__ == "__main__":
