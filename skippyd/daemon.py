@@ -34,6 +34,7 @@ from .logs import setup_logging
 from .payload import Entry
 from .redis_embedded import EmbeddedRedis
 from .server import Server, check_socket_free
+from .shm import set_copy_threads
 from .stats import ServerState, Snapshot
 from .systemd import extend_start_timeout
 from .tiers import PromotionPolicy, Tiers
@@ -60,6 +61,7 @@ def run(
     """
     setup_logging(config.log_level, config.log_format)
     preflight(config)
+    set_copy_threads(config.copy_thread_count)  # (a copy_threads above 8 gets the threads it names)
     with contextlib.ExitStack() as stack:
         state_dir = Path(config.state_dir)
         state_lock = lock_state_dir(state_dir, needed=_needs_state_dir(config))

@@ -44,6 +44,7 @@ __all__ = [
     "populate_write",
     "reopen_readonly",
     "seal_readonly",
+    "set_copy_threads",
     "size_class",
     "zero",
 ]
@@ -151,14 +152,20 @@ def zero(buffer: memoryview, start: int, stop: int) -> None:
 _PARALLEL_COPY_BYTES = 8 << 20
 _pools: list[ThreadPoolExecutor] = []
 _pool_lock = threading.Lock()
+_pool_threads = [min(8, os.cpu_count() or 2)]
+
+
+def set_copy_threads(threads: int) -> None:
+    """Sizes the copy pool for copies and faults split over ``threads`` (the daemon's ``copy_threads``):
+    the calling thread runs one share, the pool the others. Set before the pool is first used."""
+    with _pool_lock:
+        _pool_threads[0] = max(1, threads - 1, min(8, os.cpu_count() or 2))
 
 
 def _copy_pool() -> ThreadPoolExecutor:
     with _pool_lock:
         if not _pools:
-            _pools.append(
-                ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 2), thread_name_prefix="skippyd-copy")
-            )
+            _pools.append(ThreadPoolExecutor(max_workers=_pool_threads[0], thread_name_prefix="skippyd-copy"))
         return _pools[0]
 
 

@@ -407,6 +407,19 @@ def test_a_large_fresh_entry_file_is_faulted_in_by_several_threads_and_a_full_tm
     assert not (fs / "e").exists()
 
 
+def test_copy_threads_above_eight_get_a_copy_pool_that_runs_them_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    from skippyd import shm
+
+    monkeypatch.setattr(shm, "_pools", [])  # (a fresh pool, as in a daemon that just started)
+    monkeypatch.setattr(shm, "_pool_threads", list(shm._pool_threads))
+    shm.set_copy_threads(12)
+    pool = shm._copy_pool()
+    try:
+        assert pool._max_workers == 11  # the caller's thread runs the twelfth share
+    finally:
+        pool.shutdown()
+
+
 def test_size_classes_are_stable_cover_the_request_and_waste_at_most_an_eighth() -> None:
     from hypothesis import given
     from hypothesis import strategies as st
