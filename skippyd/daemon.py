@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -34,7 +35,7 @@ from .logs import setup_logging
 from .payload import Entry
 from .redis_embedded import EmbeddedRedis
 from .server import Server, check_socket_free
-from .shm import set_copy_threads
+from .shm import set_copy_threads, share_with_group
 from .stats import ServerState, Snapshot
 from .systemd import extend_start_timeout
 from .tiers import PromotionPolicy, Tiers
@@ -62,6 +63,8 @@ def run(
     setup_logging(config.log_level, config.log_format)
     preflight(config)
     set_copy_threads(config.copy_thread_count)  # (a copy_threads above 8 gets the threads it names)
+    if config.socket_group:  # the files clients are handed: readable by the socket's group (shm.share)
+        share_with_group(grp.getgrnam(config.socket_group).gr_gid)
     with contextlib.ExitStack() as stack:
         state_dir = Path(config.state_dir)
         state_lock = lock_state_dir(state_dir, needed=_needs_state_dir(config))

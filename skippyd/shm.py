@@ -45,6 +45,8 @@ __all__ = [
     "reopen_readonly",
     "seal_readonly",
     "set_copy_threads",
+    "share",
+    "share_with_group",
     "size_class",
     "zero",
 ]
@@ -85,6 +87,30 @@ def new_name(suffix: str) -> str:
     return f"{secrets.token_hex(12)}{suffix}"
 
 
+#: The group the files clients are handed (entries, slabs) are given (-1: the daemon's own).
+_SHARED_GID = [-1]
+#: Their mode: readable by that group, so a client of another user in it (the socket's group) can open a
+#: descriptor it was handed again (``/proc/self/fd``) and keep a mapping through a description of its own,
+#: which holds no lease (skippyd.transfer.map_without_leases; mapping the reply's own would keep its
+#: leases, and with 0600 files the client had to read through the reply's descriptor every call). No new
+#: reach: the directories stay 0700, so only a descriptor the daemon handed over leads to a file.
+SHARED_MODE = 0o640
+
+
+def share_with_group(gid: int) -> None:
+    """Files clients are handed go to group ``gid`` from now on (the socket's; -1: the daemon's own)."""
+    _SHARED_GID[0] = gid
+
+
+def share(fd: int) -> None:
+    """Gives a file clients will be handed its mode and group (:data:`SHARED_MODE`; a group the daemon may
+    not give, not being in it, is left as it is: such clients read through the reply's descriptor)."""
+    os.fchmod(fd, SHARED_MODE)
+    if _SHARED_GID[0] >= 0:
+        with contextlib.suppress(PermissionError):
+            os.fchown(fd, -1, _SHARED_GID[0])
+
+
 def allocate_file(path: Path, size: int) -> int:
     """Creates ``path`` (0600, exclusive) and allocates ``size`` bytes of it; returns an O_RDWR fd.
 
@@ -92,6 +118,7 @@ def allocate_file(path: Path, size: int) -> int:
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
+        share(fd)
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         os.close(fd)
@@ -256,6 +283,7 @@ def allocate_mapped(path: Path, size: int, *, threads: int = 1) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     mapping: mmap.mmap | None = None
     try:
+        share(fd)
         os.ftruncate(fd, size)
         mapping = map_rw(fd, size)
         failed = _populate_at_once(mapping, size, threads)

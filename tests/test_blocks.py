@@ -223,6 +223,63 @@ def test_a_kept_slab_mapping_holds_no_lease_so_evicted_slots_are_taken_again_at_
         assert all(torch.equal(a, b) for a, b in zip(got, newer, strict=True))
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_a_client_of_another_user_in_the_sockets_group_keeps_its_slab_mappings_without_leases(
+    make_daemon: Any,
+) -> None:
+    """The daemon's files are 0640 and given the socket's group, so a client of another user in it can
+    open a descriptor it was handed again: it keeps the slab mapped across calls through a description of
+    its own (no lease held: evicted slots are taken again at once). With 0600 files it could not, and read
+    every block through the reply's descriptor on every call."""
+    import grp
+    import stat
+
+    nogroup = grp.getgrnam("nogroup").gr_gid
+    proc = make_daemon(
+        "--socket-group", "nogroup", "--l2-reserve", "0", "--l2-digest-backlog", "0", budget="64MiB"
+    ).start()
+    for parent in (proc.socket.parent, proc.socket.parent.parent):
+        os.chmod(parent, 0o711)
+    data = block_data(8, seed=71)
+    with proc.client() as client:
+        blocks = space(client, namespace="other-user")
+        first = blocks.keys(list(range(8 * BLOCK)))
+        blocks.put(first, data, durable=False)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the engine: another user, in the socket's group only
+        try:
+            os.close(read_end)
+            os.setgroups([nogroup])
+            os.setgid(nogroup)
+            os.setuid(65534)
+            from skippyd.blockspace import slab_maps
+
+            slab_maps.close()
+            try:
+                with skippyd.Client(proc.socket, timeout=10.0) as other:
+                    mine = space(other, namespace="other-user")
+                    out = [bytearray(BLOCK_BYTES) for _ in first]
+                    count = mine.get_into(first, out)
+                    right = all(bytes(o) == bytes(d.numpy()) for o, d in zip(out, data, strict=True))
+                    code = f"{count} {int(right)} {len(slab_maps)}".encode()
+            except Exception as exc:
+                code = f"{type(exc).__name__}: {exc}".encode()[:200]
+            os.write(write_end, code)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(pid, 0)
+    outcome = os.read(read_end, 300).decode()
+    os.close(read_end)
+    assert outcome == "8 1 1", outcome  # all 8 blocks, right, through one kept mapping of the slab
+    slabs = list((proc.shm_dir / "blocks").iterdir())
+    assert slabs
+    for slab in slabs:
+        info = slab.stat()
+        assert stat.S_IMODE(info.st_mode) == 0o640 and info.st_gid == nogroup, slab
+
+
 def test_get_into_copies_through_the_replys_descriptor_where_no_mapping_can_be_made(
     daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

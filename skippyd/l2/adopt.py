@@ -19,7 +19,7 @@ from pathlib import Path
 from skippyd.errors import CorruptEntry, SkippydError
 from skippyd.files import remove
 from skippyd.payload import Entry, decode_fixed, decode_header, payload_digest
-from skippyd.shm import size_class
+from skippyd.shm import share, size_class
 
 __all__ = ["Adopted", "Found", "adopt", "bytes_to_verify"]
 
@@ -60,6 +60,14 @@ def bytes_to_verify(directory: Path) -> int:
     return total
 
 
+def _share(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        share(fd)
+    finally:
+        os.close(fd)
+
+
 def adopt(directory: Path, *, verify: bool = True, hash_threads: int = 2) -> Adopted:
     """Scans ``entries/``, ``free/`` and ``tmp/`` under ``directory`` (the caller owns its lock)."""
     found = Adopted()
@@ -71,6 +79,11 @@ def adopt(directory: Path, *, verify: bool = True, hash_threads: int = 2) -> Ado
         except FileNotFoundError:
             continue
         if child.name.endswith(".free") and stat.S_ISREG(st.st_mode) and size_class(st.st_size) == st.st_size:
+            try:
+                _share(child)
+            except OSError:
+                remove(child)
+                continue
             found.free.append((child, st.st_size))
         else:
             remove(child)
@@ -104,6 +117,7 @@ def _adopt_one(path: Path, verify: bool, hash_threads: int) -> Found:
                 digest = payload_digest(view, entry.tensors, base=fixed.data_offset, threads=hash_threads)
             if digest != entry.digest:
                 raise CorruptEntry(f"{path.name}: payload digest does not match")
+        share(fd)  # (one an older daemon left 0600, or with another group)
     finally:
         os.close(fd)
     return Found(entry, path, fixed.data_offset, st.st_size, st.st_mtime_ns)

@@ -37,7 +37,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from skippyd.errors import NoSpace
-from skippyd.shm import PAGE, new_name, next_generation, populate_write
+from skippyd.shm import PAGE, new_name, next_generation, populate_write, share
 
 __all__ = [
     "MAX_SLOTS",
@@ -199,6 +199,7 @@ class Slab:
         path = directory / f"{slot_size}-{new_name(SLAB_SUFFIX)}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
+            share(fd)
             os.ftruncate(fd, data_start + slots * slot_size)
             _allocate(fd, 0, data_start, path)
             os.pwrite(fd, _header(slots, slot_size, data_start), 0)
@@ -215,6 +216,7 @@ class Slab:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             slots, slot_size, data_start = _geometry(fd, path)
+            share(fd)  # (one an older daemon left 0600, or with another group)
             return cls(path, fd, slots, slot_size, data_start)
         except BaseException:
             os.close(fd)
