@@ -141,7 +141,7 @@ def running(pid: int) -> bool:
     """Alive and not a zombie (a server someone else stopped lingers as <defunct> until reaped)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (reaped between the open and the read: ESRCH)
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
