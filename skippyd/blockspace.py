@@ -320,7 +320,7 @@ class SlabMaps:
                 self._maps.move_to_end(key)
                 return memoryview(found[1])
         made = map_without_leases(fd, info.st_size)
-        if made is None:  # (a daemon of another user: its slabs are read through the reply's fd)
+        if made is None:  # (a file this process may not open again, or map: read through the reply's fd)
             return None
         keep, mapping = made
         with self._lock:

@@ -64,7 +64,7 @@ def run(
     preflight(config)
     set_copy_threads(config.copy_thread_count)  # (a copy_threads above 8 gets the threads it names)
     if config.socket_group:  # the files clients are handed: readable by the socket's group (shm.share)
-        share_with_group(grp.getgrnam(config.socket_group).gr_gid)
+        share_with_group(grp.getgrnam(config.socket_group).gr_gid)  # (preflight checked it exists)
     with contextlib.ExitStack() as stack:
         state_dir = Path(config.state_dir)
         state_lock = lock_state_dir(state_dir, needed=_needs_state_dir(config))
@@ -240,6 +240,11 @@ def preflight(config: Config) -> None:
         raise ConfigError(f"invalid socket: cannot create its directory {parent}: {exc.strerror}") from exc
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"invalid socket: {parent} is not writable by this user")
+    if config.socket_group:
+        try:
+            grp.getgrnam(config.socket_group)
+        except KeyError:
+            raise ConfigError(f"invalid socket_group: no group named {config.socket_group!r}") from None
     where = config.shm_path
     while not where.exists() and where != where.parent:
         where = where.parent

@@ -18,12 +18,13 @@ import ctypes
 import errno
 import fcntl
 import itertools
+import logging
 import mmap
 import os
 import secrets
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -103,16 +104,28 @@ def share_with_group(gid: int) -> None:
 
 
 def share(fd: int) -> None:
-    """Gives a file clients will be handed its mode and group (:data:`SHARED_MODE`; a group the daemon may
-    not give, not being in it, is left as it is: such clients read through the reply's descriptor)."""
-    os.fchmod(fd, SHARED_MODE)
-    if _SHARED_GID[0] >= 0:
-        with contextlib.suppress(PermissionError):
+    """Gives a file clients will be handed its mode and group (:data:`SHARED_MODE`), as far as it can: a
+    mode or group refused (a group the daemon is not in, an LSM, a gid a user namespace does not map) is
+    logged once and left as it is; such clients read through the reply's descriptor, nothing else changes
+    (never a reason to fail a put or to drop a file at adoption)."""
+    try:
+        os.fchmod(fd, SHARED_MODE)
+        if _SHARED_GID[0] >= 0:
             os.fchown(fd, -1, _SHARED_GID[0])
+    except OSError as exc:
+        if not _share_refused:
+            _share_refused.append(exc.errno or 0)
+            logging.getLogger(__name__).warning(
+                "cannot give the files clients are handed mode %o and group %d (%s): clients of other users "
+                "will read through each reply's descriptor", SHARED_MODE, _SHARED_GID[0], exc.strerror,
+            )  # fmt: skip
+
+
+_share_refused: list[int] = []
 
 
 def allocate_file(path: Path, size: int) -> int:
-    """Creates ``path`` (0600, exclusive) and allocates ``size`` bytes of it; returns an O_RDWR fd.
+    """Creates ``path`` (exclusive, :func:`share`d) and allocates ``size`` bytes of it; returns an O_RDWR fd.
 
     On ENOSPC the file is removed and :class:`NoSpace` raised, so a full tmpfs leaves nothing behind.
     """
@@ -261,9 +274,10 @@ PARALLEL_ALLOCATE_BYTES = 32 << 20
 
 
 def allocate_mapped(path: Path, size: int, *, threads: int = 1) -> mmap.mmap:
-    """Creates ``path`` (0600, exclusive) with ``size`` bytes allocated, and returns a shared read-write
-    mapping of it with every page faulted in (written at memory speed from then on). :class:`NoSpace`
-    when the tmpfs has no room for them (the file removed: a full tmpfs leaves nothing behind).
+    """Creates ``path`` (exclusive, :func:`share`d) with ``size`` bytes allocated, and returns a shared
+    read-write mapping of it with every page faulted in (written at memory speed from then on).
+    :class:`NoSpace` when the tmpfs has no room for them (the file removed: a full tmpfs leaves nothing
+    behind).
 
     ``fallocate`` gives a tmpfs file its pages under the file's lock, one thread, at ≈ 3 GB/s here, and a
     copy into pages it allocated still faults each one into the mapping. From
@@ -320,8 +334,12 @@ def _populate_at_once(mapping: mmap.mmap, size: int, threads: int) -> int:
                 return failed
         return 0
 
-    futures = [_copy_pool().submit(run, share) for share in shares[1:]]
+    if threading.current_thread().name.startswith("skippyd-copy"):  # (a pool task never waits on the pool)
+        return next((failed for failed in map(run, shares) if failed), 0)
+    futures: list[Future[int]] = []
     try:
+        for share_ in shares[1:]:
+            futures.append(_copy_pool().submit(run, share_))
         first = run(shares[0])
     finally:
         wait(futures)

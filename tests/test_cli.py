@@ -147,6 +147,7 @@ def test_serve_without_redis_server_says_how_to_install_it_in_one_line(tmp_short
         (["--node", "bad name!"], "node"),
         (["--shutdown-timeout", "soon"], "shutdown_timeout"),
         (["--redis-url", "http://x"], "redis_url"),
+        (["--socket-group", "no-such-group-here", "--redis-url", "none"], "socket_group"),
     ],
 )
 def test_serve_rejects_bad_values_naming_the_key(tmp_short: Path, args: list[str], names: str) -> None:

@@ -407,6 +407,23 @@ def test_a_large_fresh_entry_file_is_faulted_in_by_several_threads_and_a_full_tm
     assert not (fs / "e").exists()
 
 
+def test_a_mode_or_group_the_kernel_refuses_is_logged_once_and_never_fails_an_allocation(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from skippyd import shm
+
+    def refused(fd: int, mode: int) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied")  # (an LSM, say)
+
+    monkeypatch.setattr(os, "fchmod", refused)
+    monkeypatch.setattr(shm, "_share_refused", [])
+    with caplog.at_level("WARNING", logger="skippyd.shm"):
+        for name in ("a", "b"):
+            shm.allocate_mapped(shm_dir / name, 1 << 20).close()
+    assert (shm_dir / "a").stat().st_size == 1 << 20 and (shm_dir / "b").exists()
+    assert len([r for r in caplog.records if "cannot give the files" in r.message]) == 1
+
+
 def test_copy_threads_above_eight_get_a_copy_pool_that_runs_them_all(monkeypatch: pytest.MonkeyPatch) -> None:
     from skippyd import shm
 

@@ -194,12 +194,13 @@ class FilePool:
         return released
 
     # ------------------------------------------------------------------ files
-    def fresh(self, size: int) -> File:
+    def fresh(self, size: int, *, threads: int | None = None) -> File:
         """A new file of ``size`` bytes in ``tmp/``, allocated (ENOSPC is :class:`~skippyd.errors.NoSpace`,
-        never SIGBUS) and mapped. Called without the tier's lock, so it counts nothing: the tier calls
-        :meth:`note_fresh` under its lock."""
+        never SIGBUS) and mapped, faulted in on ``threads`` threads (default :attr:`threads`; the reserve
+        asks for one: it must not take the copy threads from puts). Called without the tier's lock, so it
+        counts nothing: the tier calls :meth:`note_fresh` under its lock."""
         path = self.tmp_dir / new_name(".part")
-        mapping = allocate_mapped(path, size, threads=self.threads)
+        mapping = allocate_mapped(path, size, threads=self.threads if threads is None else threads)
         return File(path, size, mapping=mapping, fresh=True)
 
     def note_fresh(self) -> None:

@@ -781,7 +781,7 @@ class L2Tier:
             return added
         file = None
         try:
-            file = self._pool.fresh(size)
+            file = self._pool.fresh(size, threads=1)  # (paced, in the background: never the copy threads)
             file.prefault()
         except BaseException:
             if file is not None:

@@ -221,7 +221,7 @@ class FileMaps:
         if found is not None:
             self.drop(key)
         made = map_without_leases(fd, info.st_size)
-        if made is None:  # (a daemon of another user: its files can only be used through the reply's fd)
+        if made is None:  # (a file this process may not open again, or map: used through the reply's fd)
             return None
         keep, mapping = made
         base, host = _address_of(mapping)
