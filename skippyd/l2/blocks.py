@@ -72,7 +72,6 @@ class L2BlockStats:
     block_inserts: int = 0
     block_evictions: int = 0
     block_cascade_evictions: int = 0
-    block_reader_held_slots: int = 0
     block_adopted: int = 0
     block_adopt_dropped: int = 0
     block_prefaulted: int = 0  # free slots the reserve faulted in ahead of demand
