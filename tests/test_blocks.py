@@ -71,6 +71,24 @@ def test_contains_counts_the_leading_run_and_stops_at_a_hole(daemon: DaemonProce
         assert not out[3].any()
 
 
+@pytest.mark.parametrize("op", ["blocks_get", "blocks_contains", "blocks_put"])
+def test_the_daemon_names_a_bad_key_a_raw_request_sends_and_the_connection_goes_on(
+    daemon: DaemonProcess, op: str
+) -> None:
+    """What the client checks before sending, the daemon checks again where it binds the keys (a client
+    in another language, or a buggy one, gets one clear ``invalid_argument``, never ``internal``)."""
+    with daemon.client() as client:
+        conn = client._connection()
+        base = {"op": op, "model": MODEL, "state": STATE, "namespace": "", "block_tokens": BLOCK}
+        for keys, named in (([b"ok", 7, b"x"], "block key 1"), ([b"ok", b"y", bytes(65)], "block key 2"),
+                            ([b"", b"ok"], "block key 0")):  # fmt: skip
+            more = {"sizes": [1] * len(keys), "offsets": [-1] * len(keys)} if op == "blocks_put" else {}
+            with pytest.raises(InvalidArgument, match=f"{named} must be 1 to 64 bytes"):
+                conn.request({**base, "keys": keys, **more}, 5.0)
+        assert client.ping()
+        assert space(client).contains([b"ok"]) == 0
+
+
 def test_engine_keys_of_1_and_64_bytes_work_and_0_or_65_are_refused(daemon: DaemonProcess) -> None:
     with daemon.client() as client:
         blocks = space(client)
