@@ -689,12 +689,12 @@ def put_rows(workdir: Path, reps: int, before: Path | None) -> tuple[list[list[s
         runs.append(("before", [(str(n), float(m), float(c), float(t)) for n, m, c, t in measured]))
     runs.append(("after", put_measures(workdir, reps)))
     rows = []
-    for index in range(len(runs[-1][1])):
-        for label, measures in runs:
-            found = [m for m in measures if m[0] == runs[-1][1][index][0]]  # (a row it lacks: none)
-            if not found:
+    by_name = [(label, {m[0]: m for m in measures}) for label, measures in runs]
+    for case in runs[-1][1]:
+        for label, measured in by_name:
+            if case[0] not in measured:  # (a row the other tree does not have)
                 continue
-            name, memcpy, call, committed = found[0]
+            name, memcpy, call, committed = measured[case[0]]
             rows.append([
                 name, label, fmt_time(memcpy), fmt_time(call), f"{memcpy / call:.2f}×", fmt_time(committed),
                 f"{memcpy / committed:.2f}×",

@@ -551,13 +551,8 @@ class BlockRules:
                 except (NoSpace, TooLarge):
                     break
                 mine += pending[-1].home.slab.slot_size
-        cut = self._allocate(pending)  # (the pages after the lock, as a put's)
-        if cut is not None:
-            with self.l2.lock:
-                for slot in pending[cut[0] :]:
-                    blocks.abort(slot)
-                del pending[cut[0] :]
-                blocks.room_changed()
+        kept, _ = self._allocate(pending)  # (the pages after the lock, as a put's)
+        del pending[kept:]
         done = 0
         try:
             done = self.l3.blocks.read_into([p.record.key for p in pending], [p.view for p in pending])
@@ -719,19 +714,15 @@ class BlockRules:
         # The keys count as reserved (a block of another put whose parent is one of them is no hole; reads
         # reaching them wait for the commit) only once their slots have pages: until then a full tmpfs
         # may still leave them out, and another put must not be promised a child of a block never stored.
-        cut = self._allocate([slot for _, slot in pending])
+        kept, full = self._allocate([slot for _, slot in pending])
+        skipped += len(pending) - kept
+        del pending[kept:]
+        if full is not None and not pending and present == 0:
+            raise full
         with self.l2.lock:
-            if cut is not None:
-                for _, slot in pending[cut[0] :]:
-                    blocks.abort(slot)
-                skipped += len(pending) - cut[0]
-                del pending[cut[0] :]
-                blocks.room_changed()  # (puts waiting for room: the slots given back are room)
             for _, slot in pending:
                 key = slot.record.key
                 reserved[key] = reserved.get(key, 0) + 1
-        if cut is not None and not pending and present == 0:
-            raise cut[1]
         return PutJob(
             self, space, bound, pending, sizes, offsets, source, durable, seq,
             present=present, skipped=skipped, hashed=not defer, epoch=epoch, identity=identity,
@@ -900,14 +891,12 @@ class BlockRules:
         self._count(block_admission_waits=len(waiting) - len(admitted), block_admissions=len(admitted))
         return admitted, nbytes
 
-    def _allocate(self, pending: list[Pending]) -> tuple[int, NoSpace] | None:
+    def _allocate(self, pending: list[Pending]) -> tuple[int, NoSpace | None]:
         """Gives the fresh slots of a put (or a promotion) their pages, outside the tier's lock, several
-        slabs at once on the copy threads; None, or where in ``pending`` the first slot that got none is
-        and why (the fill keeps the blocks before it). Any other failure gives every slot back and
-        raises."""
+        slabs at once on the copy threads. Returns how many leading slots have them (all, or those before
+        the first that got none: the fill keeps the blocks before it) and why not the rest; those are
+        given back. Any other failure gives every slot back and raises."""
         slabs = allocation_runs(pending)
-        if not slabs:
-            return None
         full: list[NoSpace] = []
 
         def allocate(runs: list[list[Pending]]) -> None:
@@ -933,30 +922,28 @@ class BlockRules:
                 for future in futures:
                     future.result()
             if not full:
-                return None
+                return len(pending), None
             at = next(i for i, slot in enumerate(pending) if slot.unallocated)
             later = [slot for slot in pending[at + 1 :] if not slot.unallocated]
             if later:  # slabs after it took pages the ones before them lacked: in put order again
                 with self.l2.lock:
                     for slot in later:
                         self.l2.blocks.unallocate(slot)
-                for slot in pending[at:]:
-                    try:
-                        slot.home.slab.allocate(slot.index, populate=False)
-                    except NoSpace as exc:
-                        full[0] = exc
-                        break
-                    slot.unallocated = False
+                full.clear()
+                allocate([[slot] for slot in pending[at:]])
         except BaseException:
             with self.l2.lock:  # (none of its keys is reserved yet)
                 for slot in pending:
                     self.l2.blocks.abort(slot)
                 self.l2.blocks.room_changed()
             raise
-        for at, slot in enumerate(pending):
-            if slot.unallocated:
-                return at, full[0]
-        return None
+        kept = next((i for i, slot in enumerate(pending) if slot.unallocated), len(pending))
+        if kept < len(pending):
+            with self.l2.lock:
+                for slot in pending[kept:]:
+                    self.l2.blocks.abort(slot)
+                self.l2.blocks.room_changed()  # (puts waiting for room: the slots given back are room)
+        return kept, full[0] if full else None
 
     def _fill(
         self,

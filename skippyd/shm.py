@@ -36,6 +36,7 @@ __all__ = [
     "allocate_file",
     "allocate_mapped",
     "copy_bytes",
+    "create_shared",
     "has_readers",
     "map_rw",
     "memfd",
@@ -124,14 +125,21 @@ def share(fd: int) -> None:
 _share_refused: list[int] = []
 
 
+def create_shared(path: Path) -> int:
+    """Creates ``path`` (exclusive, never through a link), a file clients will be handed (:func:`share`d);
+    returns an O_RDWR fd."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    share(fd)
+    return fd
+
+
 def allocate_file(path: Path, size: int) -> int:
-    """Creates ``path`` (exclusive, :func:`share`d) and allocates ``size`` bytes of it; returns an O_RDWR fd.
+    """Creates ``path`` (:func:`create_shared`) and allocates ``size`` bytes of it; returns an O_RDWR fd.
 
     On ENOSPC the file is removed and :class:`NoSpace` raised, so a full tmpfs leaves nothing behind.
     """
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    fd = create_shared(path)
     try:
-        share(fd)
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
         os.close(fd)
@@ -274,7 +282,7 @@ PARALLEL_ALLOCATE_BYTES = 32 << 20
 
 
 def allocate_mapped(path: Path, size: int, *, threads: int = 1) -> mmap.mmap:
-    """Creates ``path`` (exclusive, :func:`share`d) with ``size`` bytes allocated, and returns a shared
+    """Creates ``path`` (:func:`create_shared`) with ``size`` bytes allocated, and returns a shared
     read-write mapping of it with every page faulted in (written at memory speed from then on).
     :class:`NoSpace` when the tmpfs has no room for them (the file removed: a full tmpfs leaves nothing
     behind).
@@ -294,10 +302,9 @@ def allocate_mapped(path: Path, size: int, *, threads: int = 1) -> mmap.mmap:
             raise
         finally:
             os.close(fd)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    fd = create_shared(path)
     mapping: mmap.mmap | None = None
     try:
-        share(fd)
         os.ftruncate(fd, size)
         mapping = map_rw(fd, size)
         failed = _populate_at_once(mapping, size, threads)

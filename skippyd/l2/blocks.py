@@ -894,9 +894,8 @@ def allocate_runs(runs: Sequence[Sequence[Pending]]) -> None:
         except NoSpace:
             if len(run) == 1:
                 raise
-            for slot in run:  # (a failed fallocate leaves none of its range allocated)
-                slot.home.slab.allocate(slot.index, populate=False)
-                slot.unallocated = False
+            allocate_runs([[slot] for slot in run])  # (a failed fallocate leaves none of its range allocated)
+            continue
         for slot in run:
             slot.unallocated = False
 

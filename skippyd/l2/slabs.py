@@ -37,7 +37,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from skippyd.errors import NoSpace
-from skippyd.shm import PAGE, new_name, next_generation, populate_write, share
+from skippyd.shm import PAGE, create_shared, new_name, next_generation, populate_write, share
 
 __all__ = [
     "MAX_SLOTS",
@@ -197,9 +197,8 @@ class Slab:
         """A new sparse slab: header and records allocated, every slot a hole until allocated."""
         data_start = -(-(PAGE + slots * RECORD_SIZE) // PAGE) * PAGE
         path = directory / f"{slot_size}-{new_name(SLAB_SUFFIX)}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = create_shared(path)
         try:
-            share(fd)
             os.ftruncate(fd, data_start + slots * slot_size)
             _allocate(fd, 0, data_start, path)
             os.pwrite(fd, _header(slots, slot_size, data_start), 0)
