@@ -35,7 +35,7 @@ from .logs import setup_logging
 from .payload import Entry
 from .redis_embedded import EmbeddedRedis
 from .server import Server, check_socket_free
-from .shm import set_copy_threads, share_with_group
+from .shm import set_copy_threads, share_with
 from .stats import ServerState, Snapshot
 from .systemd import extend_start_timeout
 from .tiers import PromotionPolicy, Tiers
@@ -63,8 +63,9 @@ def run(
     setup_logging(config.log_level, config.log_format)
     preflight(config)
     set_copy_threads(config.copy_thread_count)  # (a copy_threads above 8 gets the threads it names)
-    if config.socket_group:  # the files clients are handed: readable by the socket's group (shm.share)
-        share_with_group(grp.getgrnam(config.socket_group).gr_gid)  # (preflight checked it exists)
+    # the files clients are handed: readable by the socket's group and the allowed ids (shm.share)
+    group = grp.getgrnam(config.socket_group).gr_gid if config.socket_group else -1  # (preflight checked it)
+    share_with(group, config.allowed_uids, config.allowed_gids)
     with contextlib.ExitStack() as stack:
         state_dir = Path(config.state_dir)
         state_lock = lock_state_dir(state_dir, needed=_needs_state_dir(config))

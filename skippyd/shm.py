@@ -22,6 +22,7 @@ import logging
 import mmap
 import os
 import secrets
+import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -44,11 +45,12 @@ __all__ = [
     "next_generation",
     "open_reader",
     "populate_write",
+    "read_acl",
     "reopen_readonly",
     "seal_readonly",
     "set_copy_threads",
     "share",
-    "share_with_group",
+    "share_with",
     "size_class",
     "zero",
 ]
@@ -91,6 +93,9 @@ def new_name(suffix: str) -> str:
 
 #: The group the files clients are handed (entries, slabs) are given (-1: the daemon's own).
 _SHARED_GID = [-1]
+#: The POSIX ACL (``system.posix_acl_access``) they are given: read for ``allowed_uids``/``allowed_gids``
+#: (empty: none; :func:`share_with`).
+_SHARED_ACL = [b""]
 #: Their mode: readable by that group, so a client of another user in it (the socket's group) can open a
 #: descriptor it was handed again (``/proc/self/fd``) and keep a mapping through a description of its own,
 #: which holds no lease (skippyd.transfer.map_without_leases; mapping the reply's own would keep its
@@ -98,27 +103,64 @@ _SHARED_GID = [-1]
 #: reach: the directories stay 0700, so only a descriptor the daemon handed over leads to a file.
 SHARED_MODE = 0o640
 
+_ACL_XATTR = "system.posix_acl_access"
+# the kernel's POSIX ACL xattr (linux/posix_acl_xattr.h): version 2, then (tag u16, perm u16, id u32)
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = (
+    0x01,
+    0x02,
+    0x04,
+    0x08,
+    0x10,
+    0x20,
+)
+_ACL_UNDEFINED_ID = 0xFFFFFFFF
 
-def share_with_group(gid: int) -> None:
-    """Files clients are handed go to group ``gid`` from now on (the socket's; -1: the daemon's own)."""
+
+def read_acl(uids: tuple[int, ...] = (), gids: tuple[int, ...] = ()) -> bytes:
+    """The ``system.posix_acl_access`` value of :data:`SHARED_MODE` plus read for each of ``uids`` and
+    ``gids`` (empty when there are none: the mode alone says it)."""
+    uids, gids = tuple(sorted(set(uids))), tuple(sorted(set(gids)))
+    if not uids and not gids:
+        return b""
+    entries = [(_ACL_USER_OBJ, 6, _ACL_UNDEFINED_ID)]
+    entries += [(_ACL_USER, 4, uid) for uid in uids]
+    entries.append((_ACL_GROUP_OBJ, 4, _ACL_UNDEFINED_ID))
+    entries += [(_ACL_GROUP, 4, gid) for gid in gids]
+    entries += [(_ACL_MASK, 4, _ACL_UNDEFINED_ID), (_ACL_OTHER, 0, _ACL_UNDEFINED_ID)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+
+
+def share_with(gid: int, uids: tuple[int, ...] = (), gids: tuple[int, ...] = ()) -> None:
+    """Files clients are handed go to group ``gid`` from now on (the socket's; -1: the daemon's own), and
+    are readable by each of ``uids`` and ``gids`` (``allowed_uids``/``allowed_gids``) through a POSIX ACL,
+    so a client allowed by its id alone keeps a lease-free mapping as one in the group does."""
     _SHARED_GID[0] = gid
+    _SHARED_ACL[0] = read_acl(uids, gids)
 
 
-def share(fd: int) -> None:
-    """Gives a file clients will be handed its mode and group (:data:`SHARED_MODE`), as far as it can: a
-    mode or group refused (a group the daemon is not in, an LSM, a gid a user namespace does not map) is
-    logged once and left as it is; such clients read through the reply's descriptor, nothing else changes
-    (never a reason to fail a put or to drop a file at adoption)."""
+def share(fd: int, *, adopted: bool = False) -> None:
+    """Gives a file clients will be handed its mode, group (:data:`SHARED_MODE`) and ACL, as far as it
+    can: a mode, group or ACL refused (a group the daemon is not in, an LSM, a gid a user namespace does
+    not map, a filesystem without POSIX ACLs) is logged once and left as it is; such clients read through
+    the reply's descriptor, nothing else changes (never a reason to fail a put or to drop a file at
+    adoption). An ``adopted`` file (an earlier daemon's) loses an ACL this daemon's ids no longer name."""
+    acl = _SHARED_ACL[0]
     try:
         os.fchmod(fd, SHARED_MODE)
         if _SHARED_GID[0] >= 0:
             os.fchown(fd, -1, _SHARED_GID[0])
+        if acl:
+            os.setxattr(fd, _ACL_XATTR, acl)
+        elif adopted:
+            with contextlib.suppress(OSError):  # (none there: ENODATA; no ACLs here: EOPNOTSUPP)
+                os.removexattr(fd, _ACL_XATTR)
     except OSError as exc:
         if not _share_refused:
             _share_refused.append(exc.errno or 0)
             logging.getLogger(__name__).warning(
-                "cannot give the files clients are handed mode %o and group %d (%s): clients of other users "
-                "will read through each reply's descriptor", SHARED_MODE, _SHARED_GID[0], exc.strerror,
+                "cannot give the files clients are handed mode %o, group %d%s (%s): clients of other users "
+                "will read through each reply's descriptor", SHARED_MODE, _SHARED_GID[0],
+                " and read for allowed_uids/allowed_gids (a POSIX ACL)" if acl else "", exc.strerror,
             )  # fmt: skip
 
 

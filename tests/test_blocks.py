@@ -241,14 +241,20 @@ def test_a_kept_slab_mapping_holds_no_lease_so_evicted_slots_are_taken_again_at_
         assert all(torch.equal(a, b) for a, b in zip(got, newer, strict=True))
 
 
+_NOBODY = 65534
+_ALLOWED_GID = 4242  # a gid no file names, for the client allowed by it
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
-def test_a_client_of_another_user_in_the_sockets_group_keeps_its_slab_mappings_without_leases(
-    make_daemon: Any,
+@pytest.mark.parametrize("allowed_by", ["socket_group", "allowed_uids", "allowed_gids"])
+def test_a_client_of_another_user_allowed_by_group_uid_or_gid_keeps_its_slab_mappings_without_leases(
+    make_daemon: Any, allowed_by: str
 ) -> None:
-    """The daemon's files are 0640 and given the socket's group, so a client of another user in it can
-    open a descriptor it was handed again: it keeps the slab mapped across calls through a description of
-    its own (no lease held: evicted slots are taken again at once). With 0600 files it could not, and read
-    every block through the reply's descriptor on every call."""
+    """The daemon's files are 0640 in the socket's group, with a POSIX ACL giving read to
+    ``allowed_uids``/``allowed_gids``, so a client of another user allowed any of these ways can open a
+    descriptor it was handed again: it keeps the slab mapped across calls through a description of its
+    own (no lease held: evicted slots are taken again at once). With 0600 files (or no ACL) it could not,
+    and read every block through the reply's descriptor on every call."""
     import grp
     import signal
     import stat
@@ -258,9 +264,13 @@ def test_a_client_of_another_user_in_the_sockets_group_keeps_its_slab_mappings_w
         nogroup = grp.getgrnam("nogroup").gr_gid
     except KeyError:
         pytest.skip("needs the group nogroup (Debian's; nobody's group elsewhere)")
-    proc = make_daemon(
-        "--socket-group", "nogroup", "--l2-reserve", "0", "--l2-digest-backlog", "0", budget="64MiB"
-    ).start()
+    if allowed_by == "socket_group":
+        flags, groups = ["--socket-group", "nogroup"], [nogroup]
+    elif allowed_by == "allowed_uids":
+        flags, groups = ["--allowed-uids", str(_NOBODY)], [_ALLOWED_GID + 1]  # (a group nothing names)
+    else:
+        flags, groups = ["--allowed-gids", str(_ALLOWED_GID)], [_ALLOWED_GID]
+    proc = make_daemon(*flags, "--l2-reserve", "0", "--l2-digest-backlog", "0", budget="64MiB").start()
     for parent in (proc.socket.parent, proc.socket.parent.parent):
         os.chmod(parent, 0o711)
     data = block_data(8, seed=71)
@@ -270,12 +280,12 @@ def test_a_client_of_another_user_in_the_sockets_group_keeps_its_slab_mappings_w
         blocks.put(first, data, durable=False)
     read_end, write_end = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the engine: another user, in the socket's group only
+    if pid == 0:  # the engine: another user, allowed only the one way
         try:
             os.close(read_end)
-            os.setgroups([nogroup])
-            os.setgid(nogroup)
-            os.setuid(65534)
+            os.setgroups(groups)
+            os.setgid(groups[0])
+            os.setuid(_NOBODY)
             from skippyd.blockspace import slab_maps
 
             slab_maps.close()
@@ -306,7 +316,42 @@ def test_a_client_of_another_user_in_the_sockets_group_keeps_its_slab_mappings_w
     assert slabs
     for slab in slabs:
         info = slab.stat()
-        assert stat.S_IMODE(info.st_mode) == 0o640 and info.st_gid == nogroup, slab
+        assert stat.S_IMODE(info.st_mode) == 0o640, slab
+        assert info.st_gid == (nogroup if allowed_by == "socket_group" else os.getegid()), slab
+
+
+def _acl_ids(path: Path) -> set[tuple[str, int]]:
+    """The named users and groups of ``path``'s POSIX ACL (empty: none)."""
+    import struct
+
+    try:
+        raw = os.getxattr(path, "system.posix_acl_access")
+    except OSError:
+        return set()
+    named = {0x02: "user", 0x08: "group"}
+    entries = [struct.unpack_from("<HHI", raw, at) for at in range(4, len(raw), 8)]
+    return {(named[tag], ident) for tag, perm, ident in entries if tag in named and perm == 4}
+
+
+def test_allowed_ids_read_the_files_through_an_acl_that_a_daemon_without_them_takes_off_at_adoption(
+    make_daemon: Any,
+) -> None:
+    proc = make_daemon("--allowed-uids", "65534,0", "--allowed-gids", "4242", budget="64MiB").start()
+    with proc.client() as client:
+        blocks = space(client, namespace="acl")
+        blocks.put(blocks.keys(list(range(4 * BLOCK))), block_data(4, seed=5), durable=False)
+        client.capture(model="m", state="s", tokens=[1, 2, 3], tensors={"x": torch.ones(4096)})
+    files = [*(proc.shm_dir / "blocks").iterdir(), *(proc.shm_dir / "entries").iterdir()]
+    assert len(files) >= 2
+    for path in files:
+        assert _acl_ids(path) == {("user", 65534), ("user", 0), ("group", 4242)}, path
+    proc.stop()
+    proc.args = [a for a in proc.args if a not in ("--allowed-uids", "65534,0", "--allowed-gids", "4242")]
+    proc.start()  # adopts both files: the ids it no longer names lose their read
+    with proc.client() as client:
+        assert client.restore(model="m", state="s", tokens=[1, 2, 3]) is not None
+    for path in files:
+        assert path.exists() and _acl_ids(path) == set(), path
 
 
 def test_get_into_copies_through_the_replys_descriptor_where_no_mapping_can_be_made(

@@ -63,7 +63,7 @@ def bytes_to_verify(directory: Path) -> int:
 def _share(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        share(fd)
+        share(fd, adopted=True)
     finally:
         os.close(fd)
 
@@ -117,7 +117,7 @@ def _adopt_one(path: Path, verify: bool, hash_threads: int) -> Found:
                 digest = payload_digest(view, entry.tensors, base=fixed.data_offset, threads=hash_threads)
             if digest != entry.digest:
                 raise CorruptEntry(f"{path.name}: payload digest does not match")
-        share(fd)  # (one an older daemon left 0600, or with another group)
+        share(fd, adopted=True)  # (one an older daemon left 0600, or with another group or ACL)
     finally:
         os.close(fd)
     return Found(entry, path, fixed.data_offset, st.st_size, st.st_mtime_ns)

@@ -215,7 +215,7 @@ class Slab:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             slots, slot_size, data_start = _geometry(fd, path)
-            share(fd)  # (one an older daemon left 0600, or with another group)
+            share(fd, adopted=True)  # (one an older daemon left 0600, or with another group or ACL)
             return cls(path, fd, slots, slot_size, data_start)
         except BaseException:
             os.close(fd)
