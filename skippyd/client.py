@@ -24,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
@@ -51,7 +52,7 @@ from .protocol import (
     encode_frame,
     recv_fds_into,
 )
-from .transfer import forget_host, in_callers_streams
+from .transfer import forget_host, in_callers_streams, release_host
 
 if TYPE_CHECKING:  # torch loads on the first capture or restore, so pings and stats stay light
     import torch
@@ -374,6 +375,12 @@ class _Staging:
             os.close(fd)
         self.size = size
         self.half_len = size // 2 // mmap.PAGESIZE * mmap.PAGESIZE
+        # a client dropped without close(): a device copy may have registered the halves, and the mapping
+        # must not go before they are unregistered (transfer.release_host)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
+        halves = (base, base + self.half_len) if self.half_len else (base,)
+        self._dropped = weakref.finalize(self, release_host, self.mapping, halves)
+        self._dropped.atexit = False  # (the process's end takes the registrations with it)
         self.next_half = 0  # the half the next staged request writes (the other one may still be read)
         # used in halves or whole (None: not yet). One buffer is never used both ways: a device copy
         # registers the region it writes (cudaHostRegister), and a whole-buffer region overlapping a
@@ -403,6 +410,7 @@ class _Staging:
             self.next_half = 1 - half
 
     def close(self) -> None:
+        self._dropped.detach()
         with contextlib.suppress(TypeError, ValueError):  # registered by a capture from CUDA: unregister
             base = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
             forget_host(base)

@@ -309,6 +309,24 @@ def test_the_book_stays_under_its_limit_by_dropping_the_least_recently_used_file
     assert book.stats.registered_bytes == 3 * 4096
 
 
+def test_room_for_one_source_of_a_transfer_is_never_made_by_dropping_another_of_the_same_transfer() -> None:
+    """A transfer registers its sources one after another and has planned its copies against each one's
+    registrations: making room for a later source drops the least recently used files outside it, and
+    passes the limit rather than unpin an earlier one of its own (its copies would then run unpinned)."""
+    rec = Recorder()
+    book = rec.book(limit=3 * 4096)
+    book.ensure("old", 1, 0x10000, [(0, 4096)], readonly=True)
+    this = ["a", "b", "c"]
+    for index, name in enumerate(this):
+        book.ensure(name, 1, 0x20000 + 0x10000 * index, [(0, 4096)], readonly=True, keep=this)
+    assert "old" not in book and all(name in book for name in this)
+    book.ensure("d", 1, 0x60000, [(0, 4096)], readonly=True, keep=["d", *this])
+    assert all(name in book for name in [*this, "d"]), "none of the transfer's own went"
+    assert book.stats.registered_bytes == 4 * 4096  # (past the limit, until the next transfer)
+    book.ensure("e", 1, 0x70000, [(0, 4096)], readonly=True)
+    assert "e" in book and book.stats.registered_bytes <= 3 * 4096
+
+
 def test_memory_that_cannot_be_registered_is_copied_unpinned_and_never_retried() -> None:
     rec = Recorder(refuse=True)
     book = rec.book()
@@ -661,6 +679,167 @@ def test_the_callers_streams_wrapper_is_the_function_itself_where_cuda_was_never
     assert not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     assert in_callers_streams(work) is work
     assert in_callers_streams(work)(1) == 2
+
+
+class _FakeCudaRuntime:
+    """torch.cuda as in_callers_streams uses it, for 4 devices, with per-thread current device and streams,
+    recording which devices got a context (made current: ``cudaSetDevice``). Pure logic: what a real
+    multi-GPU host shows is left to the ``cuda`` tests."""
+
+    def __init__(self, contexts: set[int]) -> None:
+        import threading
+        from types import SimpleNamespace
+
+        self.contexts = set(contexts)
+        self._local = threading.local()
+        self.defaults = [SimpleNamespace(device_index=i, name=f"default{i}") for i in range(4)]
+
+    def _state(self) -> Any:
+        if not hasattr(self._local, "device"):
+            self._local.device, self._local.streams = 0, list(self.defaults)  # (a new thread: device 0)
+        return self._local
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def device_count(self) -> int:
+        return 4
+
+    def current_device(self) -> int:
+        return int(self._state().device)
+
+    def set_device(self, index: int) -> None:
+        self.contexts.add(index)
+        self._state().device = index
+
+    def _maybe_exchange_device(self, index: int) -> int:
+        before = self._state().device
+        self._state().device = index  # (made current where it has a context, else only remembered)
+        return int(before)
+
+    def current_stream(self, index: int) -> Any:
+        return self._state().streams[index]
+
+    def default_stream(self, index: int) -> Any:
+        return self.defaults[index]
+
+    def set_stream(self, stream: Any) -> None:
+        self.set_device(stream.device_index)  # (THCPModule_setStream_wrap: cudaSetDevice where it differs)
+        self._state().streams[stream.device_index] = stream
+
+
+def test_the_callers_streams_reach_a_worker_thread_without_a_context_on_any_other_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An engine on cuda:2 of a 4-GPU host (it sees all four) with a side stream there, and a stream of its
+    own on cuda:3: the async client's worker runs on cuda:2 with both streams, and neither cuda:0 (a new
+    thread's device) nor cuda:1 ever becomes current, which would give each a CUDA context (hundreds of
+    MiB of that GPU's memory, in every rank's process)."""
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    from skippyd.transfer import in_callers_streams
+
+    fake = _FakeCudaRuntime(contexts={2, 3})
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=fake))
+    side, other = SimpleNamespace(device_index=2, name="side"), SimpleNamespace(device_index=3, name="mine")
+    fake.set_device(3)
+    fake.set_stream(other)
+    fake.set_stream(side)
+    fake.set_device(2)
+    seen: dict[str, Any] = {}
+
+    def work() -> None:
+        seen["device"] = fake.current_device()
+        seen["streams"] = [fake.current_stream(i).name for i in range(4)]
+
+    wrapped = in_callers_streams(work)
+    after: dict[str, Any] = {}
+
+    def worker() -> None:
+        wrapped()
+        after["device"] = fake.current_device()
+        after["streams"] = [fake.current_stream(i).name for i in range(4)]
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == {"device": 2, "streams": ["default0", "default1", "side", "mine"]}
+    assert after == {"device": 0, "streams": ["default0", "default1", "default2", "default3"]}
+    assert fake.contexts == {2, 3}, "no device the caller does not use was made current"
+
+
+def test_registrations_ask_to_be_portable_and_a_driver_that_refuses_only_that_is_not_asked_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """cudaHostRegisterPortable (1) pins a range for every device's context, not only the registering
+    thread's; where a driver refuses that flag but takes the registration without it, registrations go on
+    without it, and a range no flags can register is copied unpinned. Pure logic: a recording cudart."""
+    from types import SimpleNamespace
+
+    from skippyd.transfer import device as dev
+
+    calls: list[tuple[int, int, int]] = []
+    refuse: set[int] = set()
+
+    def register(address: int, nbytes: int, flags: int) -> int:
+        calls.append((address, nbytes, flags))
+        return 1 if flags in refuse else 0  # (cudaErrorInvalidValue, or cudaSuccess)
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostRegister=register))
+    monkeypatch.setattr(dev, "_portable", [True])
+    assert dev._cuda_register(4096, 8192, 8)  # (cudaHostRegisterReadOnly)
+    assert calls == [(4096, 8192, 9)]  # read-only and portable, in one call
+    refuse.update({1, 9})
+    calls.clear()
+    assert dev._cuda_register(4096, 8192, 0) and dev._cuda_register(8192, 4096, 8)
+    assert calls == [(4096, 8192, 1), (4096, 8192, 0), (8192, 4096, 8)]  # asked once, then never again
+    refuse.add(8)
+    assert not dev._cuda_register(8192, 4096, 8)
+
+
+def test_a_failed_registration_clears_its_error_in_torchs_own_runtime_library(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A failed cudaHostRegister leaves its error for the next cudaGetLastError of the runtime library
+    it went through, torch's (libcudart.so.<major>), which torch would raise at an unrelated kernel
+    launch; cuda-bindings links its own runtime statically, so clearing there clears nothing of torch's.
+    Pure logic: a recording loader and cudart."""
+    import ctypes
+    import os
+    from types import SimpleNamespace
+
+    from skippyd.transfer import device as dev
+
+    class Call:
+        def __init__(self) -> None:
+            self.count, self.restype = 0, None
+
+        def __call__(self) -> int:
+            self.count += 1
+            return 0
+
+    loaded: list[tuple[str, int]] = []
+    runtime = SimpleNamespace(cudaGetLastError=Call())
+
+    def load(name: str, mode: int = 0) -> Any:
+        loaded.append((name, mode))
+        if name != "libcudart.so.13":
+            raise OSError(f"{name}: not loaded")
+        return runtime
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(ctypes, "CDLL", load)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostRegister=lambda *_: 1))
+    monkeypatch.setattr(dev, "_portable", [True])
+    dev._torch_runtime.cache_clear()
+    try:
+        assert not dev._cuda_register(4096, 4096, 8)  # refused with and without the portable flag
+        assert loaded[0] == ("libcudart.so.13", os.RTLD_NOLOAD | os.RTLD_LAZY)  # (never loads a new one)
+        assert runtime.cudaGetLastError.count == 2  # each failed call's error cleared where it was left
+    finally:
+        dev._torch_runtime.cache_clear()
 
 
 def test_a_transfers_pieces_merge_within_one_registration_and_one_across_a_boundary_is_cut_there() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 import threading
 import time
@@ -84,6 +85,7 @@ def test_an_entry_goes_to_the_device_in_one_run_registered_once_and_the_caller_w
             )
             # the caller's stream waits on skippyd's event; skippyd's stream first waited for the caller's
             assert current.waited and current.waited[-1][0] == "event"
+            assert current.waited[-1][1].blocking  # (the leases' thread sleeps on it: no core spins)
             assert [c[0] for c in rec.calls] == ["register"], f"attempt {attempt}: registered again"
             assert rec.calls[0][3] == 8  # read-only
         assert transfer.copies == 2  # one run per restore
@@ -461,6 +463,59 @@ def test_device_copies_into_both_staging_halves_register_apart_and_both_are_forg
     transfer.forget_host(base)
     transfer.forget_host(base + half)
     assert transfer.book.stats.registered_bytes == 0
+
+
+def _closed(mapping: mmap.mmap) -> bool:
+    return bool(mapping.closed)
+
+
+def test_a_staging_buffer_dropped_without_close_is_unregistered_before_it_is_unmapped(
+    sim: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client garbage-collected without close() drops its staging mapping. Unmapped while registered,
+    CUDA would keep the old pages for that range, and the next staging mapping, likely at the same
+    address, would be found registered already and written through them (the daemon storing other bytes
+    than the caller's). So the mapping stays until the transfer's next call unregisters both halves, and
+    only then goes; one never registered goes at once."""
+    import gc
+
+    from skippyd.client import _Staging
+
+    transfer, rec = sim["transfer"], sim["rec"]
+    monkeypatch.setattr(dev, "_transfer", [transfer])
+    half = 256 * 1024
+
+    def staging() -> _Staging:
+        fd = os.memfd_create("staging", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 2 * half)
+        return _Staging(fd, 2 * half)
+
+    first = staging()
+    mapping = first.mapping
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    for index in (0, 1):
+        region, _ = first.take(100_000, halves=True)
+        transfer.to_host(region, [(0, _random(100_000, index))])
+        region.release()
+        first.answered(index)
+    assert ("host", base) in transfer.book and ("host", base + half) in transfer.book
+    del first, region
+    gc.collect()
+    assert not _closed(mapping) and rec.count("unregister") == 0, "still mapped, still registered"
+    second = staging()
+    region, _ = second.take(100_000, halves=True)
+    data = _random(100_000, 7)
+    transfer.to_host(region, [(0, data)])  # its next call: the dropped one's halves go, then its mapping
+    assert torch.equal(torch.frombuffer(region, dtype=torch.uint8), data)
+    region.release()
+    unregistered = [call[1] for call in rec.calls if call[0] == "unregister"]
+    assert sorted(unregistered) == [base, base + half] and _closed(mapping)
+    second.close()
+    never = staging()  # (never registered: closed as soon as it is dropped)
+    kept = never.mapping
+    del never
+    gc.collect()
+    assert _closed(kept)
 
 
 def test_strided_device_pieces_land_in_a_staging_buffer_then_one_copy_each_in_put_order(

@@ -14,6 +14,7 @@ The daemon never imports this package. CPU copies do not go through it (they sta
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import sys
@@ -32,6 +33,7 @@ __all__ = [
     "map_without_leases",
     "page_span",
     "plan_runs",
+    "release_host",
     "split_runs",
     "total_bytes",
 ]
@@ -43,6 +45,17 @@ def forget_host(address: int) -> None:
     device = sys.modules.get("skippyd.transfer.device")
     if device is not None:
         device.forget_host(address)
+
+
+def release_host(mapping: mmap.mmap, addresses: tuple[int, ...]) -> None:
+    """Closes a staging mapping its client dropped without closing it (a finalizer's call: any thread,
+    any point). Where the device side registered a range of it, that range is unregistered first, at the
+    transfer's next call, and only then the mapping closed (until then it stays mapped, so no new mapping
+    can take its addresses)."""
+    device = sys.modules.get("skippyd.transfer.device")
+    if device is None or not device.release_host(mapping, addresses):
+        with contextlib.suppress(BufferError):
+            mapping.close()
 
 
 def map_without_leases(fd: int, size: int) -> tuple[int, mmap.mmap] | None:

@@ -26,7 +26,7 @@ import bisect
 import sys
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 
 __all__ = ["PAGE", "BookStats", "RegistrationBook", "SlotMap", "page_span"]
@@ -97,6 +97,7 @@ class RegistrationBook:
         readonly: bool,
         span_generations: Sequence[int] | None = None,
         slot_map: SlotMap | None = None,
+        keep: Collection[Hashable] = (),
     ) -> list[int] | None:
         """Registers what ``spans`` (byte ranges of the source ``key``, mapped at ``base``) need and is not
         registered for their generation yet; returns the registration boundaries inside them (to cut runs
@@ -108,7 +109,9 @@ class RegistrationBook:
         span's generation differs from the one a part of that range was registered for. ``slot_map``
         (a slab's, from the same reply): when the file's generation grew since the last map compared (a
         slot of it was punched), every range holding a slot whose generation changed is dropped, wanted or not
-        (its old pages would otherwise stay pinned until that slot is read again)."""
+        (its old pages would otherwise stay pinned until that slot is read again). Making room never drops
+        ``key`` nor the sources in ``keep`` (the other sources of the same transfer, whose copies were
+        planned against their registrations already)."""
         slotted = span_generations is not None
         source = self._sources.get(key)
         if source is not None and (
@@ -145,7 +148,7 @@ class RegistrationBook:
         missing = _gaps(source.ranges, wanted)
         need = sum(b - a for a, b in missing)
         if need:
-            self._make_room(need, keep=key)
+            self._make_room(need, keep=key, also=keep)
             flags = READ_ONLY if readonly else DEFAULT
             for a, b in missing:
                 if not self._register(base + a, b - a, flags):
@@ -270,11 +273,11 @@ class RegistrationBook:
     def __contains__(self, key: Hashable) -> bool:
         return key in self._sources
 
-    def _make_room(self, need: int, *, keep: Hashable) -> None:
+    def _make_room(self, need: int, *, keep: Hashable, also: Collection[Hashable] = ()) -> None:
         for key in list(self._sources):
             if self.stats.registered_bytes + need <= self.limit_bytes:
                 return
-            if key != keep:
+            if key != keep and key not in also:
                 self.drop(key)
 
 

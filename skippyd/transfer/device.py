@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -92,13 +93,41 @@ def resolve_device(device: Any) -> torch.device:
 # ---------------------------------------------------------------- CUDA calls
 
 
+#: cudaHostRegisterPortable: the range is pinned for every CUDA context of the process, not only the one
+#: current on the registering thread (without it, a copy on another device's stream, say a restore to
+#: cuda:1 asked for from a thread whose device is cuda:0, would treat the memory as pageable: ≈ 9× slower).
+_PORTABLE = 1
+#: Whether registrations ask for _PORTABLE (cleared, once, where the driver refuses it but not the rest).
+_portable = [True]
+
+
 def _cuda_register(address: int, nbytes: int, flags: int) -> bool:
-    err = torch.cuda.cudart().cudaHostRegister(address, nbytes, flags)  # type: ignore[no-untyped-call]
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    if _portable[0]:
+        err = cudart.cudaHostRegister(address, nbytes, flags | _PORTABLE)
+        if int(getattr(err, "value", err)) == 0:
+            return True
+        _clear_last_error()
+    err = cudart.cudaHostRegister(address, nbytes, flags)
     ok = int(getattr(err, "value", err)) == 0
     if not ok:
         log.warning("cudaHostRegister of %d bytes failed (%s): copying that memory unpinned", nbytes, err)
         _clear_last_error()
+    elif _portable[0]:
+        _portable[0] = False
+        log.info("cudaHostRegisterPortable refused where the registration alone is not: not asked again")
     return ok
+
+
+def _current_context_of(stream: Any) -> contextlib.AbstractContextManager[Any]:
+    """The batch call is a driver call, run in the calling thread's current context: that of ``stream``'s
+    device must be current (the caller's device may be another; torch's ``copy_`` sees to it itself)."""
+    device = getattr(stream, "device", None)
+    if not isinstance(device, torch.device) or device.type != "cuda":
+        return contextlib.nullcontext()  # (the simulator's stand-ins)
+    if device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _cuda_unregister(address: int) -> None:
@@ -108,12 +137,33 @@ def _cuda_unregister(address: int) -> None:
 
 
 def _clear_last_error() -> None:
-    # A failed runtime call leaves its error for the next cudaGetLastError, which torch would then raise
-    # at an unrelated kernel launch.
-    with contextlib.suppress(Exception):
-        from cuda.bindings import runtime
+    """A failed runtime call leaves its error for the next ``cudaGetLastError`` of the same runtime
+    library in this thread, which torch would then raise at an unrelated kernel launch: cleared in
+    torch's runtime (the one ``torch.cuda.cudart()`` calls go through), not cuda-bindings' (linked into it
+    statically: clearing that one leaves torch's error in place)."""
+    library = _torch_runtime()
+    if library is not None:
+        library.cudaGetLastError()
 
-        runtime.cudaGetLastError()
+
+@functools.cache
+def _torch_runtime() -> Any:
+    """torch's CUDA runtime library as loaded (``libcudart.so.<major>``, by its soname, else the mapped
+    file of that name); None where none is loaded (a torch that links it statically)."""
+    major = (torch.version.cuda or "").split(".")[0]
+    names = [f"libcudart.so.{major}"] if major else []
+    with contextlib.suppress(OSError), open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+        names += sorted({line.split(None, 5)[5].strip() for line in maps
+                         if "/libcudart.so" in line and len(line.split(None, 5)) == 6})  # fmt: skip
+    for name in names:
+        try:
+            library = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        library.cudaGetLastError.restype = ctypes.c_int
+        return library
+    log.debug("no loaded libcudart found: a failed registration's error is not cleared")
+    return None
 
 
 class _MemcpyAttributes(ctypes.Structure):
@@ -436,6 +486,16 @@ class _Leases:
             return self._held
 
 
+def _event() -> Any:
+    """The event of copies whose leases the leases' thread holds. Blocking: that thread waits for every
+    copy in flight, and sleeps instead of spinning a core the whole time (a default event's wait spins
+    where the process has fewer CUDA contexts than CPUs, which is every engine), for a wake-up of tens
+    of µs before the leases go, which delays no caller (the caller's stream waits on the event on the
+    GPU). A put's own wait before its request goes out keeps a default event (the caller waits briefly
+    and a wake-up would add to every put)."""
+    return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+
+
 def _storage_base(tensor: torch.Tensor) -> tuple[int, int]:
     """``(storage address, byte offset of the tensor in it)``."""
     base = tensor.untyped_storage().data_ptr()
@@ -477,6 +537,7 @@ class DeviceTransfer:
         self._local = threading.local()  # a layered collection in progress on this thread
         self._use_batch = batch
         self._punch_swept = time.monotonic()  # when the kept slabs' records were last read
+        self._released: deque[tuple[mmap.mmap, tuple[int, ...]]] = deque()  # (release_later)
         self.copies = 0  # runs issued (for tests and benchmarks)
         self.calls = 0  # batch calls or copy_ calls issued
 
@@ -526,10 +587,11 @@ class DeviceTransfer:
             sizes = (ctypes.c_size_t * count)(*[r.nbytes for r in runs])
             attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
             index, failed = ctypes.c_size_t(0), ctypes.c_size_t(0)
-            err = function(
-                dsts, srcs, sizes, count, ctypes.addressof(attrs), ctypes.byref(index), 1,
-                ctypes.byref(failed), stream.cuda_stream,
-            )  # fmt: skip
+            with _current_context_of(stream):
+                err = function(
+                    dsts, srcs, sizes, count, ctypes.addressof(attrs), ctypes.byref(index), 1,
+                    ctypes.byref(failed), stream.cuda_stream,
+                )  # fmt: skip
             self.calls += 1
             if err == 0:
                 return
@@ -557,6 +619,7 @@ class DeviceTransfer:
         if generation == 0:
             return None
         with self._lock:
+            self._release_dropped()
             self.maps.sweep()
             found = self.maps.get(fd, data_offset + data_len)
             if found is None:
@@ -620,6 +683,7 @@ class DeviceTransfer:
             return True
         device = pieces[0][3].device
         with self._lock:
+            self._release_dropped()
             collecting: Layered | None = getattr(self._local, "layered", None)
             found = self._sources(
                 placements, fds, generations, slot_generations, slot_maps, every=collecting is not None
@@ -756,6 +820,7 @@ class DeviceTransfer:
         device = layout.device
         assert device is not None
         with self._lock:
+            self._release_dropped()
             if getattr(self._local, "layered", None) is not None:
                 return False
             found = self._sources(placements, fds, generations, slot_generations, slot_maps)
@@ -830,7 +895,7 @@ class DeviceTransfer:
         reads: set[int] = set()
         try:
             with torch.cuda.stream(stream):
-                pages = torch.from_numpy(layout.pages[first : first + n]).to(device)
+                pages = _index_to(layout.pages[first : first + n], device)
                 rows = [_rows_of(plane, int(row), int(stride)) for plane, row, stride
                         in zip(layout.planes, layout.rows, layout.strides, strict=True)]  # fmt: skip
             for c0 in range(0, n, per):
@@ -851,7 +916,7 @@ class DeviceTransfer:
                             part = blocks[:, start : start + k * row].view(count, k, row)
                             _put_rows(rows_j, pages[c0:c1], part)
         finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event = _event()
             event.record(stream)
             self._hold(event, leases, reads)
         current.wait_event(event)  # results are safe on the caller's stream, with no host sync
@@ -894,8 +959,9 @@ class DeviceTransfer:
         cuts: dict[Hashable, list[int]] = {}
         for key, generation, base, spans, slots, slot_map in merged.values():
             got = self.book.ensure(
-                key, generation, base, spans, readonly=True, span_generations=slots, slot_map=slot_map
-            )
+                key, generation, base, spans, readonly=True, span_generations=slots, slot_map=slot_map,
+                keep=merged.keys(),  # (room for one source is never made by dropping another of these copies)
+            )  # fmt: skip
             if got is not None:
                 cuts[key] = got
         return cuts
@@ -1065,10 +1131,11 @@ class DeviceTransfer:
             sizes = array.from_buffer(np.ascontiguousarray(size, dtype=np.uint64).data)
             attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
             index, failed = ctypes.c_size_t(0), ctypes.c_size_t(0)
-            err = function(
-                dsts, srcs, sizes, count, ctypes.addressof(attrs),
-                ctypes.byref(index), 1, ctypes.byref(failed), stream.cuda_stream,
-            )  # fmt: skip
+            with _current_context_of(stream):
+                err = function(
+                    dsts, srcs, sizes, count, ctypes.addressof(attrs),
+                    ctypes.byref(index), 1, ctypes.byref(failed), stream.cuda_stream,
+                )  # fmt: skip
             self.calls += 1
             if err == 0:
                 return
@@ -1112,11 +1179,11 @@ class DeviceTransfer:
                 self._issue_flat(flat.runs(start, stop), buffers, hosts, dests, stream)
                 # a strided piece is laid out once its span's bytes are in (again for each span it reaches)
                 _scatter([s for s in scatters if s[4] < stop and start < s[4] + s[3]], dests, stream)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event = _event()
                 event.record(stream)
                 collected.events.append(event)
         finally:  # the leases go once everything queued has landed, a failure part-way included
-            last = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            last = _event()
             last.record(stream)
             self._leases.hold(last, collected.take_leases(), reads)
 
@@ -1142,7 +1209,7 @@ class DeviceTransfer:
             self._issue_flat(flat.runs(), buffers, hosts, dests, stream)
             _scatter(scatters, dests, stream)
         finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event = _event()
             event.record(stream)
             self._hold(event, leases, reads)
         current.wait_event(event)  # results are safe on the caller's stream, with no host sync
@@ -1180,7 +1247,7 @@ class DeviceTransfer:
             self._issue(runs, address, view, stream)
             _scatter(scatters, dests, stream)
         finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event = _event()
             event.record(stream)
             self._hold(event, leases, reads)
         current.wait_event(event)  # results are safe on the caller's stream, with no host sync
@@ -1195,6 +1262,7 @@ class DeviceTransfer:
         if not len(region):
             return
         with self._lock:
+            self._release_dropped()  # (before the region's range is looked up: it may be a dropped one's)
             base, host = _address_of(region)
             buffers: dict[Any, torch.Tensor] = {}  # cleared on the way out: the region is released next
             try:
@@ -1246,7 +1314,7 @@ class DeviceTransfer:
             return buffers[buffer][offset : offset + nbytes]
 
         self._issue(runs, address, view, stream)
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # (spins: the caller waits, briefly)
         event.record(stream)
         event.synchronize()  # the daemon reads these bytes next
 
@@ -1254,9 +1322,28 @@ class DeviceTransfer:
         with self._lock:
             self.book.drop(("host", address))
 
+    def release_later(self, mapping: mmap.mmap, addresses: Sequence[int]) -> None:
+        """A registered staging mapping its client dropped without closing it: its registrations at
+        ``addresses`` go, then the mapping, at this transfer's next call (:meth:`_release_dropped`). A
+        finalizer calls this, at any point of any thread, so it takes no lock. Never the other way round:
+        unmapped while still registered, CUDA would keep the old pages for that range, and a new mapping
+        at the same address (the next staging buffer's, likely) would be written through them, the book
+        finding the range registered already: the daemon would store other bytes than the caller's."""
+        self._released.append((mapping, tuple(addresses)))
+
+    def _release_dropped(self) -> None:
+        # (under self._lock) unregister first, then unmap
+        while self._released:
+            mapping, addresses = self._released.popleft()
+            for address in addresses:
+                self.book.drop(("host", address))
+            with contextlib.suppress(BufferError):
+                mapping.close()
+
     def close(self) -> None:
         self._leases.drain()
         with self._lock:
+            self._release_dropped()
             self.maps.close()
             self.book.close()
 
@@ -1297,6 +1384,17 @@ def _put_rows(rows: torch.Tensor, pages: torch.Tensor, part: torch.Tensor) -> No
     rows.index_put_((pages,), part)
 
 
+def _index_to(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` (page numbers) on ``device``, queued on the current stream without making the host wait:
+    from pageable memory a host→device copy is synchronous (the host would wait for everything queued on
+    the stream before it, the caller's work included), so it goes through pinned memory (torch's caching
+    host allocator, which keeps it until the copy has run)."""
+    index = torch.from_numpy(array)
+    if device.type != "cuda":  # (the simulator's "device" is the CPU)
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def gather_pages(layout: PageLayout, start: int, stop: int) -> torch.Tensor:
     """Blocks ``start`` to ``stop`` of ``layout`` gathered from their pages into one device tensor
     ``[blocks, capacity]`` (one indexing copy a plane, queued on the caller's current stream): what a put
@@ -1305,7 +1403,7 @@ def gather_pages(layout: PageLayout, start: int, stop: int) -> torch.Tensor:
     assert device is not None
     k, count = layout.pages_per_block, stop - start
     out = torch.empty((count, layout.capacity), dtype=torch.uint8, device=device)
-    pages = torch.from_numpy(layout.pages[start:stop]).to(device)
+    pages = _index_to(layout.pages[start:stop], device)
     at = 0
     for plane, row, stride in zip(layout.planes, layout.rows.tolist(), layout.strides.tolist(), strict=True):
         if row:
@@ -1403,3 +1501,13 @@ def forget_host(address: int) -> None:
     """Unregisters a staging mapping at ``address`` before it is unmapped (no-op if never registered)."""
     if _transfer:
         _transfer[0].forget_host(address)
+
+
+def release_host(mapping: mmap.mmap, addresses: Sequence[int]) -> bool:
+    """A staging mapping no one closed (:meth:`DeviceTransfer.release_later`): True when this process's
+    transfer registered a range at ``addresses`` and will unregister it, then close ``mapping``; False
+    when none is registered (the caller closes it)."""
+    if _transfer and any(("host", address) in _transfer[0].book for address in addresses):
+        _transfer[0].release_later(mapping, addresses)
+        return True
+    return False

@@ -26,8 +26,9 @@ __all__ = ["FakeEvent", "FakeStream", "Recorder", "Sim", "memmove_batch", "simul
 
 
 class FakeEvent:
-    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+    def __init__(self, *_args: Any, blocking: bool = False, **_kwargs: Any) -> None:
         self.recorded_on: Any = None
+        self.blocking = blocking  # (cudaEventBlockingSync: a wait sleeps instead of spinning)
 
     def record(self, stream: Any = None) -> None:
         self.recorded_on = stream
