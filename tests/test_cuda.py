@@ -367,3 +367,44 @@ def test_async_get_into_and_put_on_a_side_stream_are_ordered_against_that_stream
             assert same == [True] * 4
 
     asyncio.run(main())
+
+
+def test_an_idle_process_drops_the_registration_of_a_punched_slot_on_its_sweeper_thread(
+    make_daemon: Any,
+) -> None:
+    """The idle sweeper unregisters (a CUDA runtime call, on its own thread, with the last call's device
+    current) a slot the daemon punched while the process made no call, and later transfers still work."""
+    import time
+
+    proc = make_daemon("--redis-url", "none", "--l2-reserve", "0", budget="16MiB").start()
+    transfer = _transfer()
+    transfer.idle_sweep = 0.2
+    try:
+        nbytes = 256 << 10
+        with proc.client() as client:
+            kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+            first, second = kept.keys(list(range(BLOCK))), kept.keys(list(range(7000, 7000 + BLOCK)))
+            kept.put(first, [_random(torch.uint8, (nbytes,), 1)], durable=False)
+            kept.put(second, [_random(torch.uint8, (nbytes,), 2)], durable=False)
+            out = [torch.zeros(nbytes, dtype=torch.uint8, device="cuda")]
+            assert kept.get_into(second, out) == 1 and kept.get_into(first, out) == 1
+            torch.cuda.synchronize()
+            before = transfer.book.stats.registered_bytes
+            other = client.blocks(model="cuda-other@sha256:0", state=STATE, block_tokens=BLOCK)
+            n = 0
+            while kept.contains(second):
+                other.put(other.keys(list(range(n * BLOCK, (n + 1) * BLOCK))), [torch.full((nbytes,), n % 251,
+                          dtype=torch.uint8)], durable=False)  # fmt: skip
+                n += 1
+                assert n < 256
+            deadline = time.monotonic() + 10
+            while transfer.book.stats.registered_bytes >= before and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert transfer.book.stats.registered_bytes < before, "the punched slot was unregistered"
+            data = _random(torch.uint8, (nbytes,), 3)
+            third = kept.keys(list(range(9000, 9000 + BLOCK)))
+            kept.put(third, [data], durable=False)
+            assert kept.get_into(third, out) == 1
+            assert _same_bytes(out[0], data)
+    finally:
+        transfer.idle_sweep = 1.0

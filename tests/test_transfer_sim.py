@@ -959,6 +959,43 @@ def test_a_punched_slot_of_a_slab_no_reply_names_again_loses_its_registration_at
         assert compared == [] and len(transfer.book.slotted()) == 2
 
 
+def test_an_idle_process_still_gives_back_punched_slots_and_removed_files_without_another_call(
+    through_sim: dict[str, Any], make_daemon: Any
+) -> None:
+    """An engine that goes idle makes no further call: its registrations of slots the daemon punched (and
+    its mappings of files it removed) would keep their pages, pinned, outside the daemon's budget until
+    its next transfer. The idle sweeper drops them once no call came for ``idle_sweep`` s, and ends with
+    the transfer."""
+    transfer, rec = through_sim["transfer"], through_sim["rec"]
+    transfer.idle_sweep = 0.2
+    proc = make_daemon("--l2-reserve", "0", budget="16MiB").start()
+    nbytes = 256 << 10  # a slab of 1 MiB: four slots
+    with proc.client() as client:
+        kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+        first, second = kept.keys(list(range(BLOCK))), kept.keys(list(range(5000, 5000 + BLOCK)))
+        kept.put(first, [_random(nbytes, 1)], durable=False)
+        kept.put(second, [_random(nbytes, 2)], durable=False)
+        out = [torch.zeros(nbytes, dtype=torch.uint8)]
+        assert kept.get_into(second, out) == 1 and kept.get_into(first, out) == 1
+        second_range = rec.calls[0][1]
+        last_call = transfer._last_call
+        other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
+        n = 0
+        while kept.contains(second):  # the daemon punches the second block's slot; no device call follows
+            other.put(other.keys(list(range(n * BLOCK, (n + 1) * BLOCK))), [_random(nbytes, 100 + n)],
+                      durable=False)  # fmt: skip
+            n += 1
+            assert n < 256
+        assert eventually(lambda: ("unregister", second_range) in [c[:2] for c in rec.calls], timeout=10)
+        assert transfer._last_call == last_call, "no call was made: the sweeper did it"
+        assert transfer.book.stats.registered_bytes == nbytes  # the first block's stays
+        sweeper = transfer._sweeper
+        assert sweeper is not None and sweeper.is_alive()
+        transfer.close()
+        sweeper.join(timeout=5)
+        assert not sweeper.is_alive()
+
+
 def test_descriptors_of_one_slab_in_replies_of_several_generations_are_judged_by_the_newest_map(
     sim: dict[str, Any],
 ) -> None:

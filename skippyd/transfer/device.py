@@ -33,6 +33,7 @@ import struct
 import threading
 import time
 import warnings
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -496,6 +497,36 @@ def _event() -> Any:
     return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
 
 
+#: Seconds without a call after which :func:`_sweep_while_idle` looks (then as often, while idle).
+_IDLE_SWEEP = 1.0
+
+
+def _sweep_while_idle(ref: weakref.ref[DeviceTransfer], closed: threading.Event) -> None:
+    """The idle sweeper's thread (:meth:`DeviceTransfer.sweep_idle`): looks every ``idle_sweep`` s and
+    sweeps where no call came for as long; ends with its transfer (closed, or collected: it holds only a
+    weak reference)."""
+    failed = False
+    while True:
+        transfer = ref()
+        if transfer is None:
+            return
+        every = transfer.idle_sweep
+        del transfer
+        if closed.wait(every):
+            return
+        transfer = ref()
+        if transfer is None:
+            return
+        try:
+            if time.monotonic() - transfer._last_call >= transfer.idle_sweep:
+                transfer.sweep_idle()
+        except Exception as exc:  # (never a reason for the thread to die: the next call sweeps too)
+            if not failed:
+                failed = True
+                log.warning("the idle sweep failed (%s); calls still sweep", exc)
+        del transfer
+
+
 def _storage_base(tensor: torch.Tensor) -> tuple[int, int]:
     """``(storage address, byte offset of the tensor in it)``."""
     base = tensor.untyped_storage().data_ptr()
@@ -538,6 +569,11 @@ class DeviceTransfer:
         self._use_batch = batch
         self._punch_swept = time.monotonic()  # when the kept slabs' records were last read
         self._released: deque[tuple[mmap.mmap, tuple[int, ...]]] = deque()  # (release_later)
+        self.idle_sweep = _IDLE_SWEEP  # seconds without a call after which the sweeper looks
+        self._last_call = time.monotonic()
+        self._device_index: int | None = None  # the CUDA device of the last call (the sweeper's)
+        self._closed = threading.Event()
+        self._sweeper: threading.Thread | None = None
         self.copies = 0  # runs issued (for tests and benchmarks)
         self.calls = 0  # batch calls or copy_ calls issued
 
@@ -619,7 +655,7 @@ class DeviceTransfer:
         if generation == 0:
             return None
         with self._lock:
-            self._release_dropped()
+            self._begin(device)
             self.maps.sweep()
             found = self.maps.get(fd, data_offset + data_len)
             if found is None:
@@ -683,7 +719,7 @@ class DeviceTransfer:
             return True
         device = pieces[0][3].device
         with self._lock:
-            self._release_dropped()
+            self._begin(device)
             collecting: Layered | None = getattr(self._local, "layered", None)
             found = self._sources(
                 placements, fds, generations, slot_generations, slot_maps, every=collecting is not None
@@ -820,7 +856,7 @@ class DeviceTransfer:
         device = layout.device
         assert device is not None
         with self._lock:
-            self._release_dropped()
+            self._begin(device)
             if getattr(self._local, "layered", None) is not None:
                 return False
             found = self._sources(placements, fds, generations, slot_generations, slot_maps)
@@ -1262,7 +1298,7 @@ class DeviceTransfer:
         if not len(region):
             return
         with self._lock:
-            self._release_dropped()  # (before the region's range is looked up: it may be a dropped one's)
+            self._begin(device)  # (drops released staging before the region's range is looked up)
             base, host = _address_of(region)
             buffers: dict[Any, torch.Tensor] = {}  # cleared on the way out: the region is released next
             try:
@@ -1331,6 +1367,36 @@ class DeviceTransfer:
         finding the range registered already: the daemon would store other bytes than the caller's."""
         self._released.append((mapping, tuple(addresses)))
 
+    def _begin(self, device: torch.device) -> None:
+        """(Under ``self._lock``, at the start of each call.) Releases dropped staging buffers, notes the
+        call (the idle sweeper looks only once calls stop) and its device, and starts the sweeper."""
+        self._release_dropped()
+        self._last_call = time.monotonic()
+        if device.type == "cuda":
+            self._device_index = device.index if device.index is not None else torch.cuda.current_device()
+        if self._sweeper is None and not self._closed.is_set():
+            self._sweeper = threading.Thread(
+                target=_sweep_while_idle, args=(weakref.ref(self), self._closed), name="skippyd-idle-sweep",
+                daemon=True,
+            )  # fmt: skip
+            self._sweeper.start()
+
+    def sweep_idle(self) -> None:
+        """What the idle sweeper does (``idle_sweep`` s after the last call, then as often): unmaps kept
+        mappings of files the daemon removed, drops the registrations of slots it punched, releases
+        dropped staging buffers. At a call these go at that call; without one, an engine that went idle
+        would keep their pages (pinned, for registrations) outside the daemon's budget until its next
+        transfer. Runs with the device of the last call current: unregistering is a CUDA runtime call,
+        which on a thread with no device made current would create a context on device 0."""
+        with self._lock:
+            if not len(self.maps) and not self._released:
+                return
+            if self._device_index is not None:
+                torch.cuda.set_device(self._device_index)
+            self._release_dropped()
+            self.maps.sweep()
+            self.sweep_punched(every=0)
+
     def _release_dropped(self) -> None:
         # (under self._lock) unregister first, then unmap
         while self._released:
@@ -1341,6 +1407,7 @@ class DeviceTransfer:
                 mapping.close()
 
     def close(self) -> None:
+        self._closed.set()
         self._leases.drain()
         with self._lock:
             self._release_dropped()

@@ -10,10 +10,11 @@ are bounded, least recently used first:
 * **registered bytes**: 64 GiB; ``SKIPPYD_PIN_LIMIT`` sets it (a size: ``256GiB``; at least 1 MiB).
 
 Why not more by default: registering pins pages. Those of a slot the daemon punches (and of a file it
-removes) stay pinned, outside the daemon's budget, until this process looks again, and it looks only
-while it transfers (:meth:`~skippyd.transfer.device.DeviceTransfer.sweep_punched`, about once a
-second); an engine that goes idle keeps them until its next transfer. The bounds cap that memory. Raise
-them for a working set larger than 8 GiB where the host has the room.
+removes) stay pinned, outside the daemon's budget, until this process looks again: about once a second
+while it transfers (:meth:`~skippyd.transfer.device.DeviceTransfer.sweep_punched`), and once a second
+on the idle sweeper's thread when it does not
+(:meth:`~skippyd.transfer.device.DeviceTransfer.sweep_idle`). The bounds cap that memory meanwhile.
+Raise them for a working set larger than 8 GiB where the host has the room.
 
 A value that does not parse is :class:`~skippyd.errors.ConfigError`, naming the variable.
 """
