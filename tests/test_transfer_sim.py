@@ -49,6 +49,7 @@ def sim(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     monkeypatch.setattr(dev, "_batch", [_memmove_batch if request.param == "batch" else None])
     rec = Recorder()
     transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister)
+    transfer.idle_sweep = 3600  # (calls sweep; a test of the idle sweeper sets its own)
     yield {"transfer": transfer, "rec": rec, "current": current, "mode": request.param}
     transfer.close()
 
@@ -227,6 +228,7 @@ def test_mappings_a_layered_get_still_needs_outlive_the_limit_and_go_once_it_is_
 ) -> None:
     rec = Recorder()
     transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister, maps=1)
+    transfer.idle_sweep = 3600
     proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
     nbytes = 2 << 20  # two slots a slab here: four blocks take two slabs
     with proc.client() as client:
@@ -908,6 +910,35 @@ def test_a_slot_punched_while_another_of_its_slab_is_read_loses_its_registration
         assert transfer.book.stats.registered_bytes == count * nbytes
 
 
+_NBYTES = 256 << 10  # a slab of 1 MiB: four slots
+
+
+def _two_blocks_read(client: Any) -> tuple[Any, list[bytes], list[bytes], list[torch.Tensor]]:
+    """Two blocks of one slab, each read once into the "device" (registered): (space, first, second, out)."""
+    kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+    first, second = kept.keys(list(range(BLOCK))), kept.keys(list(range(5000, 5000 + BLOCK)))
+    kept.put(first, [_random(_NBYTES, 1)], durable=False)
+    kept.put(second, [_random(_NBYTES, 2)], durable=False)
+    out = [torch.zeros(_NBYTES, dtype=torch.uint8)]
+    assert kept.get_into(second, out) == 1 and kept.get_into(first, out) == 1
+    return kept, first, second, out
+
+
+def _punch(client: Any, kept: Any, first: list[bytes], second: list[bytes]) -> Any:
+    """Puts other blocks until the daemon evicts (punches) ``second``, the least recently used, while
+    ``first`` stays (read on the CPU each round: no device transfer, no reply for the book); returns the
+    other space."""
+    other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
+    n = 0
+    while kept.contains(second):
+        assert len(kept.get(first)) == 1
+        other.put(other.keys(list(range(n * BLOCK, (n + 1) * BLOCK))), [_random(_NBYTES, 100 + n)],
+                  durable=False)  # fmt: skip
+        n += 1
+        assert n < 256
+    return other
+
+
 def test_a_punched_slot_of_a_slab_no_reply_names_again_loses_its_registration_at_the_next_sweep(
     through_sim: dict[str, Any], make_daemon: Any
 ) -> None:
@@ -916,27 +947,14 @@ def test_a_punched_slot_of_a_slab_no_reply_names_again_loses_its_registration_at
     punched slot's old pages pinned. A sweep that finds nothing moved does no work."""
     transfer, rec = through_sim["transfer"], through_sim["rec"]
     proc = make_daemon("--l2-reserve", "0", budget="16MiB").start()
-    nbytes = 256 << 10  # a slab of 1 MiB: four slots
     with proc.client() as client:
-        kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
-        first, second = kept.keys(list(range(BLOCK))), kept.keys(list(range(5000, 5000 + BLOCK)))
-        kept.put(first, [_random(nbytes, 1)], durable=False)
-        kept.put(second, [_random(nbytes, 2)], durable=False)
-        out = [torch.zeros(nbytes, dtype=torch.uint8)]
-        assert kept.get_into(second, out) == 1 and kept.get_into(first, out) == 1
+        kept, first, second, out = _two_blocks_read(client)
         second_range = rec.calls[0][1]
         transfer.drain()
         rec.calls.clear()
         transfer.sweep_punched(every=0)
         assert rec.calls == []  # nothing punched
-        other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
-        n = 0
-        while kept.contains(second):  # the second block (least recently used) goes; the first stays
-            assert len(kept.get(first)) == 1  # (a CPU get: no device transfer, no reply for the book)
-            other.put(other.keys(list(range(n * BLOCK, (n + 1) * BLOCK))), [_random(nbytes, 100 + n)],
-                      durable=False)  # fmt: skip
-            n += 1
-            assert n < 256
+        other = _punch(client, kept, first, second)
         assert kept.contains(first) == 1 and rec.calls == []
         transfer.sweep_punched(every=3600)  # swept less than an hour ago: not yet
         assert rec.calls == []
@@ -944,7 +962,7 @@ def test_a_punched_slot_of_a_slab_no_reply_names_again_loses_its_registration_at
         transfer._punch_swept = time.monotonic() - 1.5
         assert other.get_into(other.keys(list(range(BLOCK))), out) == 1
         assert [c[:2] for c in rec.calls] == [("unregister", second_range), ("register", rec.calls[1][1])]
-        assert transfer.book.stats.registered_bytes == 2 * nbytes  # the first block's, the other's
+        assert transfer.book.stats.registered_bytes == 2 * _NBYTES  # the first block's, the other's
         compared: list[Any] = []
         original = transfer.book._drop_punched
 
@@ -969,26 +987,14 @@ def test_an_idle_process_still_gives_back_punched_slots_and_removed_files_withou
     transfer, rec = through_sim["transfer"], through_sim["rec"]
     transfer.idle_sweep = 0.2
     proc = make_daemon("--l2-reserve", "0", budget="16MiB").start()
-    nbytes = 256 << 10  # a slab of 1 MiB: four slots
     with proc.client() as client:
-        kept = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
-        first, second = kept.keys(list(range(BLOCK))), kept.keys(list(range(5000, 5000 + BLOCK)))
-        kept.put(first, [_random(nbytes, 1)], durable=False)
-        kept.put(second, [_random(nbytes, 2)], durable=False)
-        out = [torch.zeros(nbytes, dtype=torch.uint8)]
-        assert kept.get_into(second, out) == 1 and kept.get_into(first, out) == 1
+        kept, first, second, _ = _two_blocks_read(client)
         second_range = rec.calls[0][1]
         last_call = transfer._last_call
-        other = client.blocks(model="sim-other@sha256:0", state=STATE, block_tokens=BLOCK)
-        n = 0
-        while kept.contains(second):  # the daemon punches the second block's slot; no device call follows
-            other.put(other.keys(list(range(n * BLOCK, (n + 1) * BLOCK))), [_random(nbytes, 100 + n)],
-                      durable=False)  # fmt: skip
-            n += 1
-            assert n < 256
+        _punch(client, kept, first, second)  # (no device call follows)
         assert eventually(lambda: ("unregister", second_range) in [c[:2] for c in rec.calls], timeout=10)
         assert transfer._last_call == last_call, "no call was made: the sweeper did it"
-        assert transfer.book.stats.registered_bytes == nbytes  # the first block's stays
+        assert transfer.book.stats.registered_bytes == _NBYTES  # the first block's stays
         sweeper = transfer._sweeper
         assert sweeper is not None and sweeper.is_alive()
         transfer.close()

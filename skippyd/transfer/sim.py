@@ -132,6 +132,7 @@ def simulated(
     batch = Batch(copy=copy) if mode == "batch" else None
     rec = Recorder()
     transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister, **transfer_args)
+    transfer.idle_sweep = 3600  # (the calls sweep; what a test counts is not changed behind its back)
     sim = Sim(transfer, rec, current, batch, mode)
     patches: list[tuple[Any, str, Any]] = [
         (torch.cuda, "Stream", FakeStream),
