@@ -378,8 +378,8 @@ class _Staging:
         # a client dropped without close(): a device copy may have registered the halves, and the mapping
         # must not go before they are unregistered (transfer.release_host)
         base = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
-        halves = (base, base + self.half_len) if self.half_len else (base,)
-        self._dropped = weakref.finalize(self, release_host, self.mapping, halves)
+        self._halves = (base, base + self.half_len) if self.half_len else (base,)  # (each its own range)
+        self._dropped = weakref.finalize(self, release_host, self.mapping, self._halves)
         self._dropped.atexit = False  # (the process's end takes the registrations with it)
         self.next_half = 0  # the half the next staged request writes (the other one may still be read)
         # used in halves or whole (None: not yet). One buffer is never used both ways: a device copy
@@ -409,13 +409,17 @@ class _Staging:
         if half is not None:
             self.next_half = 1 - half
 
-    def close(self) -> None:
+    def close(self, *, defer: bool = False) -> None:
+        """Unregisters the buffer (where a device copy registered it), then unmaps it. ``defer`` (on an
+        event loop's thread, which must not wait for the transfer's lock behind another thread's device
+        copy): a registered buffer goes at the transfer's next call or idle sweep instead, in that order
+        (:func:`~skippyd.transfer.release_host`)."""
         self._dropped.detach()
-        with contextlib.suppress(TypeError, ValueError):  # registered by a capture from CUDA: unregister
-            base = ctypes.addressof(ctypes.c_char.from_buffer(self.mapping))
-            forget_host(base)
-            if self.half_len:
-                forget_host(base + self.half_len)  # (each half is registered as its own region)
+        if defer:
+            release_host(self.mapping, self._halves)
+            return
+        for address in self._halves:
+            forget_host(address)
         with contextlib.suppress(BufferError):
             self.mapping.close()
 
@@ -944,7 +948,7 @@ class _AsyncConn:
             return self.staging
         want = _staging_size(self.staging, size, self.info)
         if self.staging is not None:
-            self.staging.close()
+            self.staging.close(defer=True)
             self.staging = None
         reply, fds = await self.request({"op": "stage", "size": want}, timeout)
         self.staging = _Staging.from_reply(reply, fds)
@@ -957,7 +961,7 @@ class _AsyncConn:
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self.sock.fileno())
         if self.staging is not None:
-            self.staging.close()
+            self.staging.close(defer=True)
             self.staging = None
         self.decoder.close()
         with contextlib.suppress(OSError):
@@ -1107,7 +1111,7 @@ class AsyncClient:
                     # daemon runs a connection's requests in order, so the abandoned request has read
                     # the old buffer before the new one is lent (other requests in flight are kept).
                     if conn is not None and conn.staging is not None and not _answered(exc):
-                        conn.staging.close()
+                        conn.staging.close(defer=True)
                         conn.staging = None
                     raise
             raise AssertionError("unreachable")

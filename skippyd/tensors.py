@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -202,12 +203,15 @@ class DeviceStager:
 
     The host copy of chunk ``i + 1`` into one pinned buffer overlaps the DMA of chunk ``i`` from the
     other; the destination is one device allocation of the data region, and the tensors are views of it.
+    One copy at a time (a lock): two restores of one client at once (an ``AsyncClient``'s, on worker
+    threads) would otherwise write a pinned buffer the other's DMA still reads.
     """
 
     def __init__(self, chunk_bytes: int = 32 << 20) -> None:
         self.chunk_bytes = chunk_bytes
         self._buffers: list[torch.Tensor] = []
         self._events: list[Any] = []
+        self._lock = threading.Lock()
 
     def _ensure(self) -> None:
         if not self._buffers:
@@ -223,6 +227,12 @@ class DeviceStager:
             raise InvalidArgument(f"DeviceStager copies to CUDA devices, not {device}")
         if data_len == 0:
             return _empty_tensors(specs, device)
+        with self._lock:
+            return self._to_device(fd, data_offset, data_len, specs, device)
+
+    def _to_device(
+        self, fd: int, data_offset: int, data_len: int, specs: Sequence[TensorSpec], device: torch.device
+    ) -> dict[str, torch.Tensor]:
         self._ensure()
         target = torch.empty(data_len, dtype=torch.uint8, device=device)
         mapping, base = _source_view(fd, data_offset, data_len)

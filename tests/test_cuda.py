@@ -195,7 +195,8 @@ def test_skt_restore_to_cuda_gives_the_captured_keys_and_values_from_blocks_and_
     with proc.client() as client:
         _, cache = skt.prefill(model, tokens)
         skt.capture(client, model, cache, tokens=tokens, durable=False, block_tokens=BLOCK)
-        hit = skt.restore(client, model, tokens=tokens, device="cuda", block_tokens=BLOCK)
+        # (token ids on the device, as an engine's input_ids: they come to the CPU once)
+        hit = skt.restore(client, model, tokens=tokens.cuda(), device="cuda", block_tokens=BLOCK)
         assert hit is not None and hit[1] == len(tokens)
         ours: Any
         theirs: Any
@@ -220,7 +221,8 @@ def test_skt_restore_to_cuda_holds_one_view_a_layer_and_a_recycled_entry_file_re
     with proc.client() as client:
         _, cache = skt.prefill(model, tokens)
         skt.capture(client, model, cache, tokens=tokens, durable=False, block_tokens=BLOCK)
-        hit = skt.restore(client, model, tokens=tokens, device="cuda", block_tokens=BLOCK)
+        # (token ids on the device, as an engine's input_ids: they come to the CPU once)
+        hit = skt.restore(client, model, tokens=tokens.cuda(), device="cuda", block_tokens=BLOCK)
         assert hit is not None and hit[1] == len(tokens)
         ours: Any
         theirs: Any
@@ -408,3 +410,31 @@ def test_an_idle_process_drops_the_registration_of_a_punched_slot_on_its_sweeper
             assert _same_bytes(out[0], data)
     finally:
         transfer.idle_sweep = 1.0
+
+
+def test_concurrent_restores_through_pinned_buffers_each_get_their_own_bytes(
+    proc: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An AsyncClient's restores run at once on worker threads; those that go through the client's
+    DeviceStager (an entry served once, as from L3: forced here) take turns with its pinned buffers."""
+    import asyncio
+
+    from skippyd.transfer import device as dev
+
+    monkeypatch.setattr(dev.DeviceTransfer, "entry_to_device", lambda *_args, **_kwargs: None)
+    payloads = {n: {"x": _random(torch.uint8, (96 << 20,), 40 + n)} for n in range(4)}
+    with proc.client() as client:
+        for n, tensors in payloads.items():
+            client.capture(model=MODEL, state=STATE, tokens=[900 + n], tensors=tensors, durable=False)
+
+    async def main() -> list[bool]:
+        async with skippyd.AsyncClient(proc.socket) as client:
+            got = await asyncio.gather(*[
+                client.restore(model=MODEL, state=STATE, tokens=[900 + n], device="cuda") for n in payloads
+            ])  # fmt: skip
+            torch.cuda.synchronize()
+            return [
+                r is not None and _same_bytes(r.tensors["x"], payloads[n]["x"]) for n, r in enumerate(got)
+            ]
+
+    assert asyncio.run(main()) == [True] * 4

@@ -842,6 +842,67 @@ def test_a_failed_registration_clears_its_error_in_torchs_own_runtime_library(
         dev._torch_runtime.cache_clear()
 
 
+def test_one_device_stager_serves_one_copy_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's DeviceStager has one pair of pinned buffers: two restores at once (an AsyncClient's,
+    each on a worker thread) would write a buffer the other's DMA still reads, so its copies take turns.
+    Pure logic: the copy itself is a stand-in that notes how many run at once."""
+    import threading
+    import time
+
+    from skippyd.tensors import DeviceStager
+
+    running, most = [0], [0]
+    count = threading.Lock()
+
+    def copy(*_args: Any) -> dict[str, torch.Tensor]:
+        with count:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        with count:
+            running[0] -= 1
+        return {}
+
+    stager = DeviceStager()
+    monkeypatch.setattr(stager, "_to_device", copy)
+    threads = [
+        threading.Thread(target=stager.to_device, args=(-1, 0, 4096, [], torch.device("cuda", 0)))
+        for _ in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most == [1]
+
+
+def test_the_leases_thread_waits_for_each_copy_with_that_copys_device_current(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The thread that gives leases back waits on each copy's event: a CUDA runtime call, which on a
+    thread with no device made current would create a context on device 0 (hundreds of MiB of a GPU the
+    process may not use). It makes the copy's device current first, once per change. Pure logic: stand-in
+    events and streams, a recording set_device."""
+    from types import SimpleNamespace
+
+    from skippyd.transfer import device as dev
+
+    made: list[int] = []
+    seen: list[list[int]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+
+    class Event:
+        def synchronize(self) -> None:
+            seen.append(list(made))
+
+    leases = dev._Leases()
+    for index in (3, 3, 1):
+        leases.hold(Event(), [], None, SimpleNamespace(device=torch.device("cuda", index)))
+    leases.hold(Event(), [], None, None)  # (the simulator's: no device)
+    leases.drain()
+    assert made == [3, 1] and seen == [[3], [3], [3, 1], [3, 1]]
+
+
 def test_a_transfers_pieces_merge_within_one_registration_and_one_across_a_boundary_is_cut_there() -> None:
     """The planning of a get_into's copies as arrays: pieces that continue each other merge into one run,
     never across a registration boundary (a piece that crosses one is cut there), never into another

@@ -513,6 +513,17 @@ def test_a_staging_buffer_dropped_without_close_is_unregistered_before_it_is_unm
     unregistered = [call[1] for call in rec.calls if call[0] == "unregister"]
     assert sorted(unregistered) == [base, base + half] and _closed(mapping)
     second.close()
+    third = staging()  # an event loop's close: deferred the same way, never waiting for the lock
+    region, _ = third.take(100_000, halves=True)
+    transfer.to_host(region, [(0, data)])
+    region.release()
+    third_base = third._halves[0]
+    rec.calls.clear()
+    held = third.mapping
+    third.close(defer=True)
+    assert rec.calls == [] and not _closed(held)
+    transfer.sweep_idle()  # (what the idle sweeper does a second after the last call)
+    assert [c[:2] for c in rec.calls] == [("unregister", third_base)] and _closed(held)
     never = staging()  # (never registered: closed as soon as it is dropped)
     kept = never.mapping
     del never
@@ -627,9 +638,9 @@ def test_a_transfer_that_fails_part_way_still_holds_its_leases_until_what_it_que
     held: list[tuple[Any, list[int]]] = []
     real_hold = transfer._leases.hold
 
-    def hold(event: Any, fds: list[int], registrations: set[int] | None = None) -> None:
+    def hold(event: Any, fds: list[int], registrations: set[int] | None = None, stream: Any = None) -> None:
         held.append((event, fds))
-        real_hold(event, fds, registrations)
+        real_hold(event, fds, registrations, stream)
 
     monkeypatch.setattr(transfer._leases, "hold", hold)
     real_issue = transfer._issue

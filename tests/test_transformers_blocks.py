@@ -150,6 +150,60 @@ def test_a_next_turn_writes_only_its_new_blocks_and_every_captured_length_restor
             assert torch.equal(logits, reference), length
 
 
+def test_a_capture_from_a_device_cache_lays_each_planes_blocks_out_at_once_in_chunks_that_chain(
+    client: skippyd.Client, namespace: str, built: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a GPU cache each plane's blocks are laid out by one copy a chunk (contiguous pieces: one DMA
+    a run, not a temporary and a copy a block, layer and K/V); the chunks bound the device memory that
+    takes and are put as one chain (each names the block before it); what is stored is the same bytes.
+    The device is stood in for by the CPU here (tests/test_cuda.py runs it on a GPU)."""
+    model = built("llama")
+    tokens = hfmodels.prompt(5 * B + 3)
+    cache = prefilled(model, tokens)
+    per_block = kv_bytes_per_token(cache) * B
+    monkeypatch.setattr(skt, "_on_device", lambda _plane: True)
+    monkeypatch.setattr(skt, "_DEVICE_CHUNK_BYTES", 2 * per_block)  # two blocks a chunk
+    puts: list[tuple[int, bool, bool]] = []
+    real = skippyd.BlockSpace.put
+
+    def spy(self: Any, keys: Any, data: Any, **kwargs: Any) -> Any:
+        contiguous = all(piece.is_contiguous() for block in data for piece in block)
+        puts.append((len(keys), kwargs.get("parent") is not None, contiguous))
+        return real(self, keys, data, **kwargs)
+
+    monkeypatch.setattr(skippyd.BlockSpace, "put", spy)
+    result = skt.capture(client, model, cache, tokens=tokens, namespace=namespace)
+    assert puts == [(2, False, True), (2, True, True), (1, True, True)]
+    assert result.blocks_stored == 5
+    hit = skt.restore(client, model, tokens=tokens, namespace=namespace)
+    assert hit is not None and hit[1] == len(tokens)
+    for restored, want in zip(
+        layer_tensors(hit[0], len(tokens)), layer_tensors(cache, len(tokens)), strict=True
+    ):
+        assert (restored is None) == (want is None)
+        if want is not None:
+            assert restored is not None and torch.equal(restored, want)
+
+
+def test_a_model_spread_over_several_devices_is_refused_in_one_clear_line(
+    client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    """A ``device_map`` model keeps each layer's KV on its layer's device; skt's restore puts them all on
+    one, which would fail inside the forward: refused before anything is read or stored."""
+    import copy
+
+    model = copy.copy(built("llama"))
+    tokens = hfmodels.prompt(B + 3)
+    cache = prefilled(model, tokens)
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 1, "lm_head": 1}
+    with pytest.raises(InvalidArgument, match=r"spread over several devices \(0, 1, device_map\)"):
+        skt.capture(client, model, cache, tokens=tokens, namespace=namespace)
+    with pytest.raises(InvalidArgument, match="spread over several devices"):
+        skt.restore(client, model, tokens=tokens, namespace=namespace)
+    model.hf_device_map = {"": 0}  # (one device: as any other model)
+    skt.capture(client, model, cache, tokens=tokens, namespace=namespace)
+
+
 def test_restored_attention_is_joined_by_the_first_forward_not_before(
     client: skippyd.Client, namespace: str, built: Any
 ) -> None:

@@ -43,7 +43,7 @@ import inspect
 import json
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -393,6 +393,17 @@ def _model_dtype(model: Any) -> torch.dtype:
     for param in model.parameters():
         return param.dtype  # type: ignore[no-any-return]
     return torch.float32
+
+
+def _on_one_device(model: Any) -> None:
+    """A model spread over several devices (``device_map``: each layer's KV lives on its layer's device)
+    is refused with one clear line; skippyd's restore puts every layer on one device."""
+    spread = {str(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
+    if len(spread) > 1:
+        raise InvalidArgument(
+            f"the model is spread over several devices ({', '.join(sorted(spread))}, device_map); "
+            "skt captures and restores the cache of a model on one device"
+        )
 
 
 def _model_device(model: Any) -> torch.device:
@@ -792,13 +803,18 @@ def _rows(blocks: list[torch.Tensor]) -> torch.Tensor | None:
 
 # ----------------------------------------------------------------------------------------- tokens
 def _tokens(tokens: Any) -> tuple[Any, int]:
-    """A 1-D view of ``tokens`` (a ``[1, n]`` batch is accepted) and its length."""
+    """A 1-D view of ``tokens`` (a ``[1, n]`` batch is accepted) and its length. Token ids on a device
+    (an engine's ``input_ids``) come to the CPU here, once, before anything is queued: each key
+    computation would otherwise copy them back, and such a copy waits for all the work queued on the
+    stream (after a restore's copies are queued, for those too)."""
     if isinstance(tokens, torch.Tensor):
         t = tokens.detach()
         if t.dim() == 2 and t.shape[0] == 1:
             t = t[0]
         if t.dim() != 1:
             raise InvalidArgument(f"tokens must be one sequence (1-D or [1, n]), not shape {tuple(t.shape)}")
+        if t.device.type != "cpu":
+            t = t.cpu()
         return t, int(t.shape[0])
     module = type(tokens).__module__
     if module.startswith("numpy"):
@@ -918,8 +934,10 @@ def capture(
     Refuses (``InvalidArgument``) a cache whose token count differs from ``tokens``, a batch other than
     one sequence, and any recurrent layer whose state is missing or empty, so a hybrid is never stored as
     KV only; a cache that was not made for this model is a ``Mismatch``. A pure recurrent cache records
-    no length, so there ``tokens`` is trusted: pass exactly the tokens the cache has seen.
+    no length, so there ``tokens`` is trusted: pass exactly the tokens the cache has seen. A model
+    spread over several devices (``device_map``) is refused too (``InvalidArgument``).
     """
+    _on_one_device(model)
     prof = profile(model)
     seq, n = _tokens(tokens)
     if n < 1:
@@ -945,13 +963,12 @@ def capture(
     if layout is not None and count:
         span = layout.block_tokens
         for group, space in zip(layout.groups, _Store(client, mid, namespace).spaces(layout), strict=True):
-            data = [
-                [tensors[f"{index}.{part}"][..., b * span : (b + 1) * span, :]
-                 for index in group.layers for part in ("k", "v")]
-                for b in range(count)
-            ]  # fmt: skip
-            put = space.put(space.keys(seq[: count * span]), data, durable=durable)
-            stored, present, nbytes = stored + put.stored, present + put.present, nbytes + put.nbytes
+            keys = space.keys(seq[: count * span])
+            planes = [tensors[f"{index}.{part}"] for index in group.layers for part in ("k", "v")]
+            for a, b in _put_chunks(planes, span, count):
+                data = _capture_pieces(planes, span, a, b)
+                put = space.put(keys[a:b], data, durable=durable, parent=keys[a - 1] if a else None)
+                stored, present, nbytes = stored + put.stored, present + put.present, nbytes + put.nbytes
         for index in layout.layers:  # the entry keeps the partial block
             for part in ("k", "v"):
                 tensors[f"{index}.{part}"] = tensors[f"{index}.{part}"][..., count * span :, :]
@@ -967,6 +984,40 @@ def capture(
         durable=durable,  # type: ignore[arg-type]
     )
     return dataclasses.replace(result, blocks_stored=stored, blocks_present=present, blocks_nbytes=nbytes)
+
+
+#: The device memory a capture from a GPU cache lays its blocks out in at a time (:func:`_put_chunks`).
+_DEVICE_CHUNK_BYTES = 256 << 20
+
+
+def _on_device(plane: torch.Tensor) -> bool:
+    return plane.device.type != "cpu" or _CPU_AS_DEVICE
+
+
+def _put_chunks(planes: Sequence[torch.Tensor], span: int, count: int) -> list[tuple[int, int]]:
+    """The runs of blocks ``[a, b)`` a capture puts at once: all of them from the CPU; from a device, as
+    many as lay out in ``_DEVICE_CHUNK_BYTES`` of device memory (:func:`_capture_pieces`)."""
+    if not planes or not _on_device(planes[0]):
+        return [(0, count)]
+    per_block = sum(p[..., :span, :].numel() * p.element_size() for p in planes)
+    step = max(1, _DEVICE_CHUNK_BYTES // max(1, per_block))
+    return [(a, min(count, a + step)) for a in range(0, count, step)]
+
+
+def _capture_pieces(planes: Sequence[torch.Tensor], span: int, a: int, b: int) -> list[list[torch.Tensor]]:
+    """Blocks ``a`` to ``b`` of the cache's planes (``[batch, heads, tokens, dim]`` each), one list of
+    pieces a block (each plane's ``span`` tokens, in order). From the CPU the pieces are strided views
+    (``put`` lays each out as it copies it); on a device each plane's blocks are laid out at once, one
+    kernel a plane, so each piece is contiguous: else the transfer would make a temporary and launch a
+    copy for every block, layer and K/V (8192 for 32k tokens of a 32-layer model), and their DMAs could not
+    merge."""
+    if not planes or not _on_device(planes[0]):
+        return [[p[..., i * span : (i + 1) * span, :] for p in planes] for i in range(a, b)]
+    blocked = [
+        p[..., a * span : b * span, :].unflatten(-2, (b - a, span)).movedim(-3, 0).contiguous()  # type: ignore[no-untyped-call]
+        for p in planes
+    ]
+    return [[plane[i] for plane in blocked] for i in range(b - a)]
 
 
 # ----------------------------------------------------------------------------------------- restore
@@ -1084,10 +1135,12 @@ def restore(
     buffers, as transformers updates them in place. An entry whose blocks have been evicted is passed
     over for a shorter one; an attention-only model also restores the longest run of leading blocks of
     ``block_tokens`` (any capture's). An entry that does not fit the model raises
-    :class:`~skippyd.errors.Mismatch`.
+    :class:`~skippyd.errors.Mismatch`; a model spread over several devices (``device_map``) an
+    :class:`~skippyd.errors.InvalidArgument`.
     """
     from transformers import DynamicCache
 
+    _on_one_device(model)
     prof = profile(model)
     seq, n = _tokens(tokens)
     if n < 1:

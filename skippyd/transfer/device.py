@@ -123,12 +123,10 @@ def _cuda_register(address: int, nbytes: int, flags: int) -> bool:
 def _current_context_of(stream: Any) -> contextlib.AbstractContextManager[Any]:
     """The batch call is a driver call, run in the calling thread's current context: that of ``stream``'s
     device must be current (the caller's device may be another; torch's ``copy_`` sees to it itself)."""
-    device = getattr(stream, "device", None)
-    if not isinstance(device, torch.device) or device.type != "cuda":
-        return contextlib.nullcontext()  # (the simulator's stand-ins)
-    if device.index != torch.cuda.current_device():
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
+    index = _device_index_of(stream)
+    if index is None or index == torch.cuda.current_device():  # (None: the simulator's stand-ins)
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
 
 
 def _cuda_unregister(address: int) -> None:
@@ -427,20 +425,23 @@ class _Leases:
     ``_MAX_PENDING`` copies are held; past that, a new one waits for the oldest."""
 
     def __init__(self) -> None:
-        self._queue: deque[tuple[Any, list[int], set[int]]] = deque()
+        self._queue: deque[tuple[Any, list[int], set[int], int | None]] = deque()
         self._held = 0
         self._reading: Counter[int] = Counter()  # registration address -> copies in flight reading it
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def hold(self, event: Any, fds: list[int], registrations: set[int] | None = None) -> None:
-        """Holds ``fds`` until ``event`` passes; ``registrations``: the addresses of the registered
-        ranges the copy reads (each unregisters only once the copy has landed)."""
+    def hold(
+        self, event: Any, fds: list[int], registrations: set[int] | None = None, stream: Any = None
+    ) -> None:
+        """Holds ``fds`` until ``event`` (recorded on ``stream``) passes; ``registrations``: the addresses
+        of the registered ranges the copy reads (each unregisters only once the copy has landed)."""
         reads = registrations or set()
+        index = _device_index_of(stream)
         with self._cond:
             while self._held >= _MAX_PENDING:
                 self._cond.wait()
-            self._queue.append((event, fds, reads))
+            self._queue.append((event, fds, reads, index))
             self._reading.update(reads)
             self._held += 1
             if self._thread is None or not self._thread.is_alive():
@@ -449,12 +450,18 @@ class _Leases:
             self._cond.notify_all()
 
     def _run(self) -> None:
+        current: int | None = None  # the device made current on this thread
         while True:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                event, fds, reads = self._queue.popleft()
+                event, fds, reads, index = self._queue.popleft()
             try:
+                if index is not None and index != current:
+                    # a runtime call on a thread with no device made current would create a context on
+                    # device 0, in a process that may use another GPU only
+                    torch.cuda.set_device(index)
+                    current = index
                 event.synchronize()
             except Exception as exc:  # a failed copy still gives its leases back
                 log.warning("a copy's event failed (%s); its leases are released", exc)
@@ -485,6 +492,14 @@ class _Leases:
     def __len__(self) -> int:
         with self._cond:
             return self._held
+
+
+def _device_index_of(stream: Any) -> int | None:
+    """The CUDA device of ``stream`` (None: the simulator's stand-ins, or no stream)."""
+    device = getattr(stream, "device", None)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return device.index
+    return None
 
 
 def _event() -> Any:
@@ -591,9 +606,11 @@ class DeviceTransfer:
         self._leases.drain()
         self.book.drop(key)
 
-    def _hold(self, event: Any, fds: Sequence[int], registrations: set[int] | None = None) -> None:
+    def _hold(
+        self, event: Any, fds: Sequence[int], registrations: set[int] | None = None, stream: Any = None
+    ) -> None:
         # a duplicate keeps the description's locks
-        self._leases.hold(event, [os.dup(fd) for fd in fds], registrations)
+        self._leases.hold(event, [os.dup(fd) for fd in fds], registrations, stream)
 
     @property
     def in_flight(self) -> int:
@@ -954,7 +971,7 @@ class DeviceTransfer:
         finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
             event = _event()
             event.record(stream)
-            self._hold(event, leases, reads)
+            self._hold(event, leases, reads, stream)
         current.wait_event(event)  # results are safe on the caller's stream, with no host sync
 
     @contextlib.contextmanager
@@ -1221,7 +1238,7 @@ class DeviceTransfer:
         finally:  # the leases go once everything queued has landed, a failure part-way included
             last = _event()
             last.record(stream)
-            self._leases.hold(last, collected.take_leases(), reads)
+            self._leases.hold(last, collected.take_leases(), reads, stream)
 
     def _to_device_flat(  # noqa: PLR0917 - one transfer's parts
         self,
@@ -1247,7 +1264,7 @@ class DeviceTransfer:
         finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
             event = _event()
             event.record(stream)
-            self._hold(event, leases, reads)
+            self._hold(event, leases, reads, stream)
         current.wait_event(event)  # results are safe on the caller's stream, with no host sync
 
     def _to_device(  # noqa: PLR0917 - one transfer's parts
@@ -1285,7 +1302,7 @@ class DeviceTransfer:
         finally:  # a failure part-way still leaves queued copies reading the slots: their leases are held
             event = _event()
             event.record(stream)
-            self._hold(event, leases, reads)
+            self._hold(event, leases, reads, stream)
         current.wait_event(event)  # results are safe on the caller's stream, with no host sync
 
     # ------------------------------------------------------------ device → host
