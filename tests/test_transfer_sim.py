@@ -524,7 +524,21 @@ def test_a_staging_buffer_dropped_without_close_is_unregistered_before_it_is_unm
     assert rec.calls == [] and not _closed(held)
     transfer.sweep_idle()  # (what the idle sweeper does a second after the last call)
     assert [c[:2] for c in rec.calls] == [("unregister", third_base)] and _closed(held)
-    never = staging()  # (never registered: closed as soon as it is dropped)
+    # closed while a copy into it is on its way (another thread holds its region; it registers after
+    # this): kept, its registration dropped again at each look, until it can be unmapped
+    racing = staging()
+    region, _ = racing.take(100_000, halves=True)
+    held = racing.mapping
+    racing.close(defer=True)
+    transfer.sweep_idle()
+    assert not _closed(held), "still in use: not unmapped"
+    transfer.to_host(region, [(0, data)])  # (the copy that was on its way: registers the range)
+    region.release()
+    assert ("host", racing._halves[0]) in transfer.book
+    transfer.sweep_idle()
+    assert ("host", racing._halves[0]) not in transfer.book and _closed(held)
+    monkeypatch.setattr(dev, "_transfer", [])  # no transfer in this process: nothing was registered
+    never = staging()
     kept = never.mapping
     del never
     gc.collect()

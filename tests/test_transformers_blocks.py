@@ -19,6 +19,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
+import itertools
+
 import hfmodels
 import torch
 from daemonutil import DaemonProcess
@@ -153,8 +155,9 @@ def test_a_next_turn_writes_only_its_new_blocks_and_every_captured_length_restor
 def test_a_capture_from_a_device_cache_lays_each_planes_blocks_out_at_once_in_chunks_that_chain(
     client: skippyd.Client, namespace: str, built: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """From a GPU cache each plane's blocks are laid out by one copy a chunk (contiguous pieces: one DMA
-    a run, not a temporary and a copy a block, layer and K/V); the chunks bound the device memory that
+    """From a GPU cache a chunk of blocks is laid out block by block in one buffer, one copy a plane (one
+    contiguous piece a block, consecutive blocks one after another: their DMAs merge, where a piece a
+    block, layer and K/V made a temporary and a copy each); the chunks bound the device memory that
     takes and are put as one chain (each names the block before it); what is stored is the same bytes.
     The device is stood in for by the CPU here (tests/test_cuda.py runs it on a GPU)."""
     model = built("llama")
@@ -167,8 +170,11 @@ def test_a_capture_from_a_device_cache_lays_each_planes_blocks_out_at_once_in_ch
     real = skippyd.BlockSpace.put
 
     def spy(self: Any, keys: Any, data: Any, **kwargs: Any) -> Any:
-        contiguous = all(piece.is_contiguous() for block in data for piece in block)
-        puts.append((len(keys), kwargs.get("parent") is not None, contiguous))
+        pieces = [block[0] for block in data]  # one piece a block, the blocks one after another
+        follow = all(len(block) == 1 and block[0].is_contiguous() for block in data) and all(
+            x.data_ptr() + x.numel() == y.data_ptr() for x, y in itertools.pairwise(pieces)
+        )
+        puts.append((len(keys), kwargs.get("parent") is not None, follow))
         return real(self, keys, data, **kwargs)
 
     monkeypatch.setattr(skippyd.BlockSpace, "put", spy)
@@ -185,6 +191,41 @@ def test_a_capture_from_a_device_cache_lays_each_planes_blocks_out_at_once_in_ch
             assert restored is not None and torch.equal(restored, want)
 
 
+def test_a_device_capture_whose_later_chunk_finds_no_room_keeps_what_came_before_and_sends_no_more(
+    client: skippyd.Client, namespace: str, built: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As one put would: blocks stored before a chunk that finds no room (or skips a block, after which
+    every later block would be a hole) are kept, the capture goes on to its entry, and no later chunk is
+    laid out or sent; a first chunk without room is the capture's ``NoSpace``."""
+    from skippyd.errors import NoSpace
+
+    model = built("llama")
+    tokens = hfmodels.prompt(5 * B + 3)
+    cache = prefilled(model, tokens)
+    monkeypatch.setattr(skt, "_on_device", lambda _plane: True)
+    monkeypatch.setattr(skt, "_DEVICE_CHUNK_BYTES", 2 * kv_bytes_per_token(cache) * B)
+    real = skippyd.BlockSpace.put
+    sent: list[int] = []
+
+    def full_after(first: int) -> Any:
+        def put(self: Any, keys: Any, data: Any, **kwargs: Any) -> Any:
+            sent.append(len(keys))
+            if len(sent) > first:
+                raise NoSpace("no room")
+            return real(self, keys, data, **kwargs)
+
+        return put
+
+    monkeypatch.setattr(skippyd.BlockSpace, "put", full_after(1))
+    result = skt.capture(client, model, cache, tokens=tokens, namespace=namespace)
+    assert sent == [2, 2] and result.blocks_stored == 2 and result.l2
+    sent.clear()
+    monkeypatch.setattr(skippyd.BlockSpace, "put", full_after(0))
+    with pytest.raises(NoSpace):
+        skt.capture(client, model, cache, tokens=tokens, namespace=namespace + "-2")
+    assert sent == [2]
+
+
 def test_a_model_spread_over_several_devices_is_refused_in_one_clear_line(
     client: skippyd.Client, namespace: str, built: Any
 ) -> None:
@@ -196,11 +237,12 @@ def test_a_model_spread_over_several_devices_is_refused_in_one_clear_line(
     tokens = hfmodels.prompt(B + 3)
     cache = prefilled(model, tokens)
     model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 1, "lm_head": 1}
-    with pytest.raises(InvalidArgument, match=r"spread over several devices \(0, 1, device_map\)"):
+    with pytest.raises(InvalidArgument, match=r"spread over several devices \(cuda:0, cuda:1, device_map\)"):
         skt.capture(client, model, cache, tokens=tokens, namespace=namespace)
     with pytest.raises(InvalidArgument, match="spread over several devices"):
         skt.restore(client, model, tokens=tokens, namespace=namespace)
-    model.hf_device_map = {"": 0}  # (one device: as any other model)
+    # one device, however it is named, with modules offloaded to the CPU or disk (they run on it)
+    model.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": "cuda:0", "lm_head": "cpu", "x": "disk"}
     skt.capture(client, model, cache, tokens=tokens, namespace=namespace)
 
 

@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from skippyd.blockspace import in_two
-from skippyd.errors import InvalidArgument, Mismatch
+from skippyd.errors import InvalidArgument, Mismatch, NoSpace
 from skippyd.protocol import MAX_BLOCK_BYTES
 from skippyd.transfer.device import resolve_device  # the largest block: a model's layers are split below it
 
@@ -398,7 +398,11 @@ def _model_dtype(model: Any) -> torch.dtype:
 def _on_one_device(model: Any) -> None:
     """A model spread over several devices (``device_map``: each layer's KV lives on its layer's device)
     is refused with one clear line; skippyd's restore puts every layer on one device."""
-    spread = {str(where) for where in (getattr(model, "hf_device_map", None) or {}).values()}
+    spread = set()
+    for where in (getattr(model, "hf_device_map", None) or {}).values():
+        if where in ("cpu", "disk"):  # (offloaded modules run on the main device: their KV is there)
+            continue
+        spread.add(str(torch.device("cuda", where) if isinstance(where, int) else torch.device(where)))
     if len(spread) > 1:
         raise InvalidArgument(
             f"the model is spread over several devices ({', '.join(sorted(spread))}, device_map); "
@@ -802,10 +806,10 @@ def _rows(blocks: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 # ----------------------------------------------------------------------------------------- tokens
-def _tokens(tokens: Any) -> tuple[Any, int]:
-    """A 1-D view of ``tokens`` (a ``[1, n]`` batch is accepted) and its length. Token ids on a device
-    (an engine's ``input_ids``) come to the CPU here, once, before anything is queued: each key
-    computation would otherwise copy them back, and such a copy waits for all the work queued on the
+def _tokens(tokens: Any, *, host: bool = True) -> tuple[Any, int]:
+    """A 1-D view of ``tokens`` (a ``[1, n]`` batch is accepted) and its length. With ``host``, token ids
+    on a device (an engine's ``input_ids``) come to the CPU here, once, before anything is queued: each
+    key computation would otherwise copy them back, and such a copy waits for all the work queued on the
     stream (after a restore's copies are queued, for those too)."""
     if isinstance(tokens, torch.Tensor):
         t = tokens.detach()
@@ -813,7 +817,7 @@ def _tokens(tokens: Any) -> tuple[Any, int]:
             t = t[0]
         if t.dim() != 1:
             raise InvalidArgument(f"tokens must be one sequence (1-D or [1, n]), not shape {tuple(t.shape)}")
-        if t.device.type != "cpu":
+        if host and t.device.type != "cpu":
             t = t.cpu()
         return t, int(t.shape[0])
     module = type(tokens).__module__
@@ -967,8 +971,15 @@ def capture(
             planes = [tensors[f"{index}.{part}"] for index in group.layers for part in ("k", "v")]
             for a, b in _put_chunks(planes, span, count):
                 data = _capture_pieces(planes, span, a, b)
-                put = space.put(keys[a:b], data, durable=durable, parent=keys[a - 1] if a else None)
+                try:
+                    put = space.put(keys[a:b], data, durable=durable, parent=keys[a - 1] if a else None)
+                except NoSpace:
+                    if not a:
+                        raise
+                    break  # (as one put would: the blocks before are kept, the entry says how many)
                 stored, present, nbytes = stored + put.stored, present + put.present, nbytes + put.nbytes
+                if put.skipped:  # a block not stored: every later one would be a hole, so none is sent
+                    break
         for index in layout.layers:  # the entry keeps the partial block
             for part in ("k", "v"):
                 tensors[f"{index}.{part}"] = tensors[f"{index}.{part}"][..., count * span :, :]
@@ -1006,18 +1017,22 @@ def _put_chunks(planes: Sequence[torch.Tensor], span: int, count: int) -> list[t
 
 def _capture_pieces(planes: Sequence[torch.Tensor], span: int, a: int, b: int) -> list[list[torch.Tensor]]:
     """Blocks ``a`` to ``b`` of the cache's planes (``[batch, heads, tokens, dim]`` each), one list of
-    pieces a block (each plane's ``span`` tokens, in order). From the CPU the pieces are strided views
-    (``put`` lays each out as it copies it); on a device each plane's blocks are laid out at once, one
-    kernel a plane, so each piece is contiguous: else the transfer would make a temporary and launch a
-    copy for every block, layer and K/V (8192 for 32k tokens of a 32-layer model), and their DMAs could not
-    merge."""
+    pieces a block, whose bytes are each plane's ``span`` tokens in order. From the CPU the pieces are
+    strided views (``put`` lays each out as it copies it). On a device the chunk is laid out block by
+    block in one buffer, one copy a plane: each block is one contiguous piece, and consecutive blocks
+    follow each other, so the transfer's DMAs merge (else it would make a temporary and launch a copy
+    for every block, layer and K/V: 8192 for 32k tokens of a 32-layer model)."""
     if not planes or not _on_device(planes[0]):
         return [[p[..., i * span : (i + 1) * span, :] for p in planes] for i in range(a, b)]
-    blocked = [
-        p[..., a * span : b * span, :].unflatten(-2, (b - a, span)).movedim(-3, 0).contiguous()  # type: ignore[no-untyped-call]
-        for p in planes
-    ]
-    return [[plane[i] for plane in blocked] for i in range(b - a)]
+    n = b - a
+    sizes = [p[..., :span, :].numel() * p.element_size() for p in planes]
+    out = torch.empty((n, sum(sizes)), dtype=torch.uint8, device=planes[0].device)
+    at = 0
+    for plane, size in zip(planes, sizes, strict=True):
+        blocks = plane[..., a * span : b * span, :].unflatten(-2, (n, span)).movedim(-3, 0)  # type: ignore[no-untyped-call]
+        out[:, at : at + size].view(plane.dtype).view(blocks.shape).copy_(blocks)
+        at += size
+    return [[out[i]] for i in range(n)]
 
 
 # ----------------------------------------------------------------------------------------- restore
@@ -1231,7 +1246,7 @@ def prefill(
     from transformers import DynamicCache
 
     prof = profile(model)
-    seq, n = _tokens(tokens)
+    seq, n = _tokens(tokens, host=False)  # (ids on the model's device stay there)
     if n == 0:
         raise InvalidArgument("prefill needs at least one token")
     ids = (seq if isinstance(seq, torch.Tensor) else torch.as_tensor(seq, dtype=torch.long)).to(

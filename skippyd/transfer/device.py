@@ -456,12 +456,15 @@ class _Leases:
                 while not self._queue:
                     self._cond.wait()
                 event, fds, reads, index = self._queue.popleft()
-            try:
-                if index is not None and index != current:
-                    # a runtime call on a thread with no device made current would create a context on
-                    # device 0, in a process that may use another GPU only
+            if index is not None and index != current:
+                # a runtime call on a thread with no device made current would create a context on
+                # device 0, in a process that may use another GPU only
+                try:
                     torch.cuda.set_device(index)
                     current = index
+                except Exception as exc:  # (the copy is still waited for below)
+                    log.warning("cannot make cuda:%d current on the leases' thread (%s)", index, exc)
+            try:
                 event.synchronize()
             except Exception as exc:  # a failed copy still gives its leases back
                 log.warning("a copy's event failed (%s); its leases are released", exc)
@@ -1396,7 +1399,11 @@ class DeviceTransfer:
                 target=_sweep_while_idle, args=(weakref.ref(self), self._closed), name="skippyd-idle-sweep",
                 daemon=True,
             )  # fmt: skip
-            self._sweeper.start()
+            weakref.finalize(self, self._closed.set)  # (collected without close(): the thread ends too)
+            try:
+                self._sweeper.start()
+            except RuntimeError as exc:  # (no thread to be had: calls still sweep; never fails a call)
+                log.warning("no idle sweeper (%s): what this process keeps goes at its calls only", exc)
 
     def sweep_idle(self) -> None:
         """What the idle sweeper does (``idle_sweep`` s after the last call, then as often): unmaps kept
@@ -1412,16 +1419,21 @@ class DeviceTransfer:
                 torch.cuda.set_device(self._device_index)
             self._release_dropped()
             self.maps.sweep()
-            self.sweep_punched(every=0)
+            self.sweep_punched(every=self.idle_sweep)  # (spaced out past 256 slabs, as at calls)
 
     def _release_dropped(self) -> None:
-        # (under self._lock) unregister first, then unmap
+        # (under self._lock) unregister first, then unmap; a mapping still in use (a copy into it on its
+        # way: it may register it yet) is kept for the next look, its registrations dropped again then
+        busy = []
         while self._released:
             mapping, addresses = self._released.popleft()
             for address in addresses:
                 self.book.drop(("host", address))
-            with contextlib.suppress(BufferError):
+            try:
                 mapping.close()
+            except BufferError:
+                busy.append((mapping, addresses))
+        self._released.extend(busy)
 
     def close(self) -> None:
         self._closed.set()
@@ -1588,10 +1600,12 @@ def forget_host(address: int) -> None:
 
 
 def release_host(mapping: mmap.mmap, addresses: Sequence[int]) -> bool:
-    """A staging mapping no one closed (:meth:`DeviceTransfer.release_later`): True when this process's
-    transfer registered a range at ``addresses`` and will unregister it, then close ``mapping``; False
-    when none is registered (the caller closes it)."""
-    if _transfer and any(("host", address) in _transfer[0].book for address in addresses):
+    """A staging mapping closed without waiting for the transfer (:meth:`DeviceTransfer.release_later`):
+    True when this process has a transfer, which will unregister whatever it registered at
+    ``addresses`` and then close ``mapping`` (registered now or not: a device copy into it may still be
+    on its way, on another thread, and register it after this); False when it has none (the caller
+    closes it: nothing can be registered)."""
+    if _transfer:
         _transfer[0].release_later(mapping, addresses)
         return True
     return False
