@@ -52,7 +52,7 @@ from .protocol import (
     encode_frame,
     recv_fds_into,
 )
-from .transfer import forget_host, in_callers_streams, release_host
+from .transfer import in_callers_streams, release_host
 
 if TYPE_CHECKING:  # torch loads on the first capture or restore, so pings and stats stay light
     import torch
@@ -409,19 +409,13 @@ class _Staging:
         if half is not None:
             self.next_half = 1 - half
 
-    def close(self, *, defer: bool = False) -> None:
-        """Unregisters the buffer (where a device copy registered it), then unmaps it. ``defer`` (on an
-        event loop's thread, which must not wait for the transfer's lock behind another thread's device
-        copy): a registered buffer goes at the transfer's next call or idle sweep instead, in that order
-        (:func:`~skippyd.transfer.release_host`)."""
+    def close(self) -> None:
+        """Unmaps the buffer now where no device copy can have registered it (no CUDA transfer in this
+        process); else its registrations go at the transfer's next call or idle sweep, then the mapping,
+        in that order, and never waiting here (on an event loop's thread, behind another thread's device
+        copy): :func:`~skippyd.transfer.release_host`."""
         self._dropped.detach()
-        if defer:
-            release_host(self.mapping, self._halves)
-            return
-        for address in self._halves:
-            forget_host(address)
-        with contextlib.suppress(BufferError):
-            self.mapping.close()
+        release_host(self.mapping, self._halves)
 
 
 #: The CUDA simulator only (skippyd.transfer.sim): a restore to the CPU goes the way one to CUDA does.
@@ -948,7 +942,7 @@ class _AsyncConn:
             return self.staging
         want = _staging_size(self.staging, size, self.info)
         if self.staging is not None:
-            self.staging.close(defer=True)
+            self.staging.close()
             self.staging = None
         reply, fds = await self.request({"op": "stage", "size": want}, timeout)
         self.staging = _Staging.from_reply(reply, fds)
@@ -961,7 +955,7 @@ class _AsyncConn:
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self.sock.fileno())
         if self.staging is not None:
-            self.staging.close(defer=True)
+            self.staging.close()
             self.staging = None
         self.decoder.close()
         with contextlib.suppress(OSError):
@@ -1111,7 +1105,7 @@ class AsyncClient:
                     # daemon runs a connection's requests in order, so the abandoned request has read
                     # the old buffer before the new one is lent (other requests in flight are kept).
                     if conn is not None and conn.staging is not None and not _answered(exc):
-                        conn.staging.close(defer=True)
+                        conn.staging.close()
                         conn.staging = None
                     raise
             raise AssertionError("unreachable")

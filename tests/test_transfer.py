@@ -934,3 +934,34 @@ def test_a_transfers_pieces_merge_within_one_registration_and_one_across_a_bound
         assert sorted((src - (1 << 30)).tolist()) == [0, 8192, 16384, 24576, 32768]
         assert set(size.tolist()) == {4096}
     transfer.close()
+
+
+def test_the_idle_sweep_makes_the_last_calls_device_current_on_its_own_thread_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unregistering is a CUDA runtime call: on the sweeper's thread, which no device was made current
+    on, it would create a context on device 0. The sweep makes the device of the last call current
+    there, once (not at every look), and on no other thread. Pure logic: a recording set_device."""
+    import mmap
+    import threading
+
+    from skippyd.transfer.device import DeviceTransfer
+
+    made: list[tuple[str, int]] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: made.append((threading.current_thread().name, i)))
+    rec = Recorder()
+    transfer = DeviceTransfer(register=rec.register, unregister=rec.unregister)
+    transfer._device_index = 2  # (the last call's device)
+
+    def sweep_twice() -> None:
+        for _ in range(2):
+            mapping = mmap.mmap(-1, 4096)
+            transfer.release_later(mapping, [])  # (something for the sweep to do)
+            transfer.sweep_idle()
+            assert mapping.closed
+
+    sweeper = threading.Thread(target=sweep_twice, name="sweeper")
+    sweeper.start()
+    sweeper.join()
+    assert made == [("sweeper", 2)]
+    transfer.close()

@@ -165,10 +165,11 @@ def test_device_to_host_copies_land_in_the_staging_region_at_their_offsets(sim: 
     assert all(c[3] == 0 for c in rec.calls if c[0] == "register")  # writable: no read-only flag
     base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
     del got
-    transfer.forget_host(base)
-    assert rec.calls[-1][0] == "unregister" and transfer.book.stats.registered_bytes == 0
     region.release()
-    mapping.close()
+    transfer.release_later(mapping, [base])  # (a staging buffer's close)
+    transfer.sweep_idle()
+    assert rec.calls[-1][0] == "unregister" and transfer.book.stats.registered_bytes == 0
+    assert mapping.closed
 
 
 def test_a_descriptor_served_once_is_left_to_the_host_path(sim: dict[str, Any]) -> None:
@@ -462,9 +463,9 @@ def test_device_copies_into_both_staging_halves_register_apart_and_both_are_forg
     del got
     spans = sorted((c[1], c[1] + c[2]) for c in rec.calls if c[0] == "register")
     assert len(spans) == 2 and spans[0][1] <= spans[1][0] and spans[0][0] >= base
-    transfer.forget_host(base)
-    transfer.forget_host(base + half)
-    assert transfer.book.stats.registered_bytes == 0
+    transfer.release_later(mapping, [base, base + half])  # (what _Staging.close asks for)
+    transfer.sweep_idle()
+    assert transfer.book.stats.registered_bytes == 0 and mapping.closed
 
 
 def _closed(mapping: mmap.mmap) -> bool:
@@ -513,14 +514,14 @@ def test_a_staging_buffer_dropped_without_close_is_unregistered_before_it_is_unm
     unregistered = [call[1] for call in rec.calls if call[0] == "unregister"]
     assert sorted(unregistered) == [base, base + half] and _closed(mapping)
     second.close()
-    third = staging()  # an event loop's close: deferred the same way, never waiting for the lock
+    third = staging()  # a close (an event loop's, say): deferred the same way, never waiting for the lock
     region, _ = third.take(100_000, halves=True)
     transfer.to_host(region, [(0, data)])
     region.release()
     third_base = third._halves[0]
     rec.calls.clear()
     held = third.mapping
-    third.close(defer=True)
+    third.close()
     assert rec.calls == [] and not _closed(held)
     transfer.sweep_idle()  # (what the idle sweeper does a second after the last call)
     assert [c[:2] for c in rec.calls] == [("unregister", third_base)] and _closed(held)
@@ -529,7 +530,7 @@ def test_a_staging_buffer_dropped_without_close_is_unregistered_before_it_is_unm
     racing = staging()
     region, _ = racing.take(100_000, halves=True)
     held = racing.mapping
-    racing.close(defer=True)
+    racing.close()
     transfer.sweep_idle()
     assert not _closed(held), "still in use: not unmapped"
     transfer.to_host(region, [(0, data)])  # (the copy that was on its way: registers the range)
@@ -543,6 +544,10 @@ def test_a_staging_buffer_dropped_without_close_is_unregistered_before_it_is_unm
     del never
     gc.collect()
     assert _closed(kept)
+    closed = staging()
+    kept = closed.mapping
+    closed.close()
+    assert _closed(kept), "with no transfer, a close unmaps at once"
 
 
 def test_strided_device_pieces_land_in_a_staging_buffer_then_one_copy_each_in_put_order(
@@ -1076,3 +1081,66 @@ def test_a_reply_without_slot_generations_keys_its_registrations_by_the_file_gen
             finally:
                 for fd in fds:
                     os.close(fd)
+
+
+@pytest.mark.parametrize("first", ["entry", "blocks"])  # the batch of one run list; of merged arrays
+def test_a_batch_call_the_driver_refuses_is_issued_one_copy_a_run_and_no_batch_goes_out_after(
+    first: str, monkeypatch: pytest.MonkeyPatch, make_daemon: Any
+) -> None:
+    """A ``cuMemcpyBatchAsync`` that returns an error copied nothing: the same copies go out one
+    ``copy_`` a run, the bytes land, and later transfers do not try the batch call again."""
+    tried: list[int] = []
+
+    def refusing(dsts: Any, srcs: Any, sizes: Any, count: int, *rest: Any) -> int:
+        tried.append(count)
+        return 1  # CUDA_ERROR_INVALID_VALUE
+
+    current = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda _device=None: current)
+    monkeypatch.setattr(torch.cuda, "stream", lambda _stream: contextlib.nullcontext())
+    monkeypatch.setattr(dev, "_batch", [refusing])
+    rec = Recorder()
+    transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister)
+    transfer.idle_sweep = 3600
+    proc = make_daemon("--l2-reserve", "0", budget="64MiB").start()
+    nbytes = 64 * 1024
+    try:
+        with proc.client() as client:
+            entry = {"k": _random(3 << 20, 1)}
+            client.capture(model=MODEL, state=STATE, tokens=[1], tensors=entry, durable=False)
+            blocks = client.blocks(model=MODEL, state=STATE, block_tokens=BLOCK)
+            keys = blocks.keys(list(range(4 * BLOCK)))
+            data = [_random(nbytes, 20 + i) for i in range(4)]
+            blocks.put(keys, data, durable=False)
+
+            def restore_entry() -> None:
+                reply, fds = client._call({"op": "restore", **_ident([1])})
+                try:
+                    got = transfer.entry_to_device(
+                        fds[0], reply["generation"], reply["data_offset"], reply["data_len"],
+                        torch.device("cpu"),
+                    )  # fmt: skip
+                finally:
+                    os.close(fds[0])
+                assert got is not None and torch.equal(got[: 3 << 20], entry["k"])
+
+            def restore_blocks() -> None:
+                pages = torch.zeros((4, nbytes), dtype=torch.uint8)
+                reply, fds = client._call(blocks._body("blocks_get", keys))
+                try:
+                    placements = [tuple(p) for p in reply["blocks"]]
+                    assert transfer.blocks_to_device(placements, fds, reply["generations"], list(pages))
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                assert all(torch.equal(pages[i], data[i]) for i in range(4))
+
+            order = [restore_entry, restore_blocks] if first == "entry" else [restore_blocks, restore_entry]
+            for restore in order:
+                restore()
+            assert tried == [1], "tried once, for the first transfer's run, never again"
+            assert transfer.calls == 1 + transfer.copies  # the refused call, then one copy_ a run
+    finally:
+        transfer.close()

@@ -28,7 +28,6 @@ __all__ = [
     "RegistrationBook",
     "Run",
     "cuda_in_use",
-    "forget_host",
     "in_callers_streams",
     "map_without_leases",
     "page_span",
@@ -39,19 +38,11 @@ __all__ = [
 ]
 
 
-def forget_host(address: int) -> None:
-    """Unregisters host memory at ``address`` (a staging mapping about to be unmapped), if the device
-    side registered it; imports nothing when it never ran."""
-    device = sys.modules.get("skippyd.transfer.device")
-    if device is not None:
-        device.forget_host(address)
-
-
 def release_host(mapping: mmap.mmap, addresses: tuple[int, ...]) -> None:
-    """Closes a staging mapping its client dropped without closing it (a finalizer's call: any thread,
-    any point). Where the device side registered a range of it, that range is unregistered first, at the
-    transfer's next call, and only then the mapping closed (until then it stays mapped, so no new mapping
-    can take its addresses)."""
+    """Closes a staging mapping (its client's close, or a finalizer's call: any thread, any point, never
+    waiting). Where the device side registered a range of it, that range is unregistered first, at the
+    transfer's next call or idle sweep, and only then the mapping closed (until then it stays mapped, so
+    no new mapping can take its addresses); imports nothing when the device side never ran."""
     device = sys.modules.get("skippyd.transfer.device")
     if device is None or not device.release_host(mapping, addresses):
         with contextlib.suppress(BufferError):

@@ -55,7 +55,7 @@ __all__ = [
     "FileMaps",
     "Layered",
     "batch_available",
-    "forget_host",
+    "release_host",
     "resolve_device",
     "slab_slot_map",
     "transfer",
@@ -450,20 +450,15 @@ class _Leases:
             self._cond.notify_all()
 
     def _run(self) -> None:
-        current: int | None = None  # the device made current on this thread
         while True:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
                 event, fds, reads, index = self._queue.popleft()
-            if index is not None and index != current:
-                # a runtime call on a thread with no device made current would create a context on
-                # device 0, in a process that may use another GPU only
-                try:
-                    torch.cuda.set_device(index)
-                    current = index
-                except Exception as exc:  # (the copy is still waited for below)
-                    log.warning("cannot make cuda:%d current on the leases' thread (%s)", index, exc)
+            try:
+                _make_current(index)
+            except Exception as exc:  # (the copy is still waited for below)
+                log.warning("cannot make cuda:%s current on the leases' thread (%s)", index, exc)
             try:
                 event.synchronize()
             except Exception as exc:  # a failed copy still gives its leases back
@@ -495,6 +490,20 @@ class _Leases:
     def __len__(self) -> int:
         with self._cond:
             return self._held
+
+
+_thread_device = threading.local()  # .index: the device _make_current made current on this thread
+
+
+def _make_current(index: int | None) -> None:
+    """Makes ``cuda:index`` current on one of skippyd's own threads (the leases', the idle sweeper's),
+    once per change (None: no device, the simulator's). Their CUDA runtime calls (an event's wait,
+    unregistering) on a thread with no device made current would create a context on device 0: hundreds
+    of MiB of a GPU the process may not use. Never on a caller's thread (its current device is its own)."""
+    if index is None or getattr(_thread_device, "index", None) == index:
+        return
+    torch.cuda.set_device(index)
+    _thread_device.index = index
 
 
 def _device_index_of(stream: Any) -> int | None:
@@ -635,31 +644,51 @@ class DeviceTransfer:
         if not runs:
             return
         self.copies += len(runs)
-        function = _batch_function() if self._use_batch else None
-        if function is not None:
-            count = len(runs)
-            dsts = (ctypes.c_uint64 * count)(*[address(r.dst, r.dst_offset) for r in runs])
-            srcs = (ctypes.c_uint64 * count)(*[address(r.src, r.src_offset) for r in runs])
-            sizes = (ctypes.c_size_t * count)(*[r.nbytes for r in runs])
-            attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
-            index, failed = ctypes.c_size_t(0), ctypes.c_size_t(0)
-            with _current_context_of(stream):
-                err = function(
-                    dsts, srcs, sizes, count, ctypes.addressof(attrs), ctypes.byref(index), 1,
-                    ctypes.byref(failed), stream.cuda_stream,
-                )  # fmt: skip
-            self.calls += 1
-            if err == 0:
-                return
-            log.warning("cuMemcpyBatchAsync failed (CUresult %d at copy %d): one copy per run from now on",
-                        err, failed.value)  # fmt: skip
-            self._use_batch = False
+
+        def columns() -> tuple[list[int], list[int], list[int]]:
+            return (
+                [address(r.dst, r.dst_offset) for r in runs],
+                [address(r.src, r.src_offset) for r in runs],
+                [r.nbytes for r in runs],
+            )
+
+        if self._issue_batch(columns, stream):
+            return
         with torch.cuda.stream(stream):
             for run in runs:
                 view(run.dst, run.dst_offset, run.nbytes).copy_(
                     view(run.src, run.src_offset, run.nbytes), non_blocking=True
                 )
                 self.calls += 1
+
+    def _issue_batch(self, columns: Callable[[], tuple[Any, Any, Any]], stream: torch.cuda.Stream) -> bool:
+        """Issues one transfer's copies as one ``cuMemcpyBatchAsync`` on ``stream``: True once issued;
+        False where the driver has none, or refused this one (then one copy per run, from now on), and
+        the caller issues them itself. ``columns()``: the copies' destination addresses, source addresses
+        and sizes (lists or integer arrays), asked for only where a batch call goes out."""
+        function = _batch_function() if self._use_batch else None
+        if function is None:
+            return False
+        dst, src, size = columns()
+        count = len(size)
+        array = ctypes.c_uint64 * count  # (over numpy arrays as they are: no Python object a copy)
+        dsts = array.from_buffer(np.ascontiguousarray(dst, dtype=np.uint64).data)
+        srcs = array.from_buffer(np.ascontiguousarray(src, dtype=np.uint64).data)
+        sizes = array.from_buffer(np.ascontiguousarray(size, dtype=np.uint64).data)
+        attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
+        index, failed = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        with _current_context_of(stream):
+            err = function(
+                dsts, srcs, sizes, count, ctypes.addressof(attrs), ctypes.byref(index), 1,
+                ctypes.byref(failed), stream.cuda_stream,
+            )  # fmt: skip
+        self.calls += 1
+        if err == 0:
+            return True
+        log.warning("cuMemcpyBatchAsync failed (CUresult %d at copy %d): one copy per run from now on",
+                    err, failed.value)  # fmt: skip
+        self._use_batch = False
+        return False
 
     # ------------------------------------------------------------ host → device
     def entry_to_device(
@@ -1179,25 +1208,8 @@ class DeviceTransfer:
         if not count:
             return
         self.copies += count
-        function = _batch_function() if self._use_batch else None
-        if function is not None:
-            array = ctypes.c_uint64 * count  # (views of the numpy arrays: no copy, no Python object a run)
-            dsts = array.from_buffer(np.ascontiguousarray(dst, dtype=np.uint64).data)
-            srcs = array.from_buffer(np.ascontiguousarray(src, dtype=np.uint64).data)
-            sizes = array.from_buffer(np.ascontiguousarray(size, dtype=np.uint64).data)
-            attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
-            index, failed = ctypes.c_size_t(0), ctypes.c_size_t(0)
-            with _current_context_of(stream):
-                err = function(
-                    dsts, srcs, sizes, count, ctypes.addressof(attrs),
-                    ctypes.byref(index), 1, ctypes.byref(failed), stream.cuda_stream,
-                )  # fmt: skip
-            self.calls += 1
-            if err == 0:
-                return
-            log.warning("cuMemcpyBatchAsync failed (CUresult %d at copy %d): one copy per run from now on",
-                        err, failed.value)  # fmt: skip
-            self._use_batch = False
+        if self._issue_batch(lambda: (dst, src, size), stream):
+            return
         src_keys, dst_keys = buffers
         with torch.cuda.stream(stream):
             for s, d, n, g, k in zip(src.tolist(), dst.tolist(), size.tolist(), group.tolist(),
@@ -1374,14 +1386,11 @@ class DeviceTransfer:
         event.record(stream)
         event.synchronize()  # the daemon reads these bytes next
 
-    def forget_host(self, address: int) -> None:
-        with self._lock:
-            self.book.drop(("host", address))
-
     def release_later(self, mapping: mmap.mmap, addresses: Sequence[int]) -> None:
-        """A registered staging mapping its client dropped without closing it: its registrations at
-        ``addresses`` go, then the mapping, at this transfer's next call (:meth:`_release_dropped`). A
-        finalizer calls this, at any point of any thread, so it takes no lock. Never the other way round:
+        """A staging mapping its client closed or dropped: its registrations at ``addresses`` go, then
+        the mapping, at this transfer's next call or idle sweep (:meth:`_release_dropped`). A finalizer
+        calls this, at any point of any thread, and an event loop's thread must not wait for the lock
+        behind another thread's device copy, so it takes no lock. Never the other way round:
         unmapped while still registered, CUDA would keep the old pages for that range, and a new mapping
         at the same address (the next staging buffer's, likely) would be written through them, the book
         finding the range registered already: the daemon would store other bytes than the caller's."""
@@ -1410,13 +1419,12 @@ class DeviceTransfer:
         mappings of files the daemon removed, drops the registrations of slots it punched, releases
         dropped staging buffers. At a call these go at that call; without one, an engine that went idle
         would keep their pages (pinned, for registrations) outside the daemon's budget until its next
-        transfer. Runs with the device of the last call current: unregistering is a CUDA runtime call,
-        which on a thread with no device made current would create a context on device 0."""
+        transfer. Makes the device of the last call current on the thread it runs on, the sweeper's
+        (:func:`_make_current`: unregistering is a CUDA runtime call)."""
         with self._lock:
             if not len(self.maps) and not self._released:
                 return
-            if self._device_index is not None:
-                torch.cuda.set_device(self._device_index)
+            _make_current(self._device_index)
             self._release_dropped()
             self.maps.sweep()
             self.sweep_punched(every=self.idle_sweep)  # (spaced out past 256 slabs, as at calls)
@@ -1591,12 +1599,6 @@ def transfer() -> DeviceTransfer:
             if not _transfer:
                 _transfer.append(DeviceTransfer())
     return _transfer[0]
-
-
-def forget_host(address: int) -> None:
-    """Unregisters a staging mapping at ``address`` before it is unmapped (no-op if never registered)."""
-    if _transfer:
-        _transfer[0].forget_host(address)
 
 
 def release_host(mapping: mmap.mmap, addresses: Sequence[int]) -> bool:
