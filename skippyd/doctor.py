@@ -1,12 +1,14 @@
 """``skippyd doctor``: one line per finding, each problem with its fix; non-zero exit on a problem.
 
 Checks what an operator gets wrong on a GPU host: the embedded Redis binary, Redis reachability and
-version, the tmpfs under the L2 tier (space, type, huge pages), L3 permissions and free space, the
-socket's mode and owner, budget sanity, and — when the daemon answers — what it reports about itself.
+version, the tmpfs under the L2 tier (space, type, huge pages, the POSIX ACL for allowed ids), L3
+permissions and free space, the socket's mode and owner, budget sanity, and — when the daemon answers —
+what it reports about itself.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -18,6 +20,7 @@ from .config import Config, embedded_redis_url, human_size
 from .display import plural
 from .errors import SkippydError
 from .l2.slabs import SLAB_SUFFIX, BadSlab, describe
+from .shm import ACL_XATTR, read_acl
 from .stats import Snapshot, redis_summary, server_restarts
 
 __all__ = ["Finding", "diagnose"]
@@ -175,6 +178,42 @@ def check_tmpfs(config: Config) -> Iterator[Finding]:
                 f"L2 dir {shm} belongs to uid {shm.stat().st_uid}, not this user",
                 "run doctor as the daemon's user, or chown it",
             )
+
+
+def check_sharing(config: Config) -> Iterator[Finding]:
+    """Whether the L2 tmpfs takes the POSIX ACL that gives ``allowed_uids``/``allowed_gids`` read access to
+    the files clients are handed (tried on an unnamed file there: ``O_TMPFILE``, nothing left behind).
+    Without it such clients are still served, through each reply's descriptor: a copy a call instead of a
+    mapping they keep."""
+    if not config.allowed_uids and not config.allowed_gids:
+        return
+    where = _existing(config.shm_path)
+    point = _mount_of(where)[0]
+    try:
+        fd = os.open(where, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        yield Finding(
+            INFO, f"cannot try a POSIX ACL on {where} ({exc.strerror})", "run doctor as the daemon's user"
+        )
+        return
+    try:
+        os.setxattr(fd, ACL_XATTR, read_acl(config.allowed_uids, config.allowed_gids))
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOTSUP):
+            yield Finding(
+                WARN,
+                f"{point} has no POSIX ACLs: clients allowed by allowed_uids/allowed_gids alone are "
+                "served a copy each call instead of a mapping they keep",
+                "mount a tmpfs with ACL support for --shm-dir (a kernel with CONFIG_TMPFS_POSIX_ACL), or "
+                "put those clients in the socket's group (--socket-group)",
+            )
+        else:
+            yield Finding(INFO, f"cannot try a POSIX ACL on {where} ({exc.strerror})")
+    else:
+        ids = [*(f"uid {uid}" for uid in config.allowed_uids), *(f"gid {gid}" for gid in config.allowed_gids)]
+        yield Finding(OK, f"L2 files give {', '.join(ids)} read access (a POSIX ACL on {point})")
+    finally:
+        os.close(fd)
 
 
 def check_slabs(config: Config) -> Iterator[Finding]:
@@ -406,6 +445,7 @@ def diagnose(config: Config, daemon: Snapshot | None) -> list[Finding]:
         check_socket(config, daemon is not None),
         check_redis(config, daemon),
         check_tmpfs(config),
+        check_sharing(config),
         check_slabs(config),
         check_l3(config),
         check_budgets(config),

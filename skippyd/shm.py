@@ -33,6 +33,7 @@ from .errors import Busy, NoSpace
 from .files import remove
 
 __all__ = [
+    "ACL_XATTR",
     "PAGE",
     "allocate_file",
     "allocate_mapped",
@@ -103,7 +104,7 @@ _SHARED_ACL = [b""]
 #: reach: the directories stay 0700, so only a descriptor the daemon handed over leads to a file.
 SHARED_MODE = 0o640
 
-_ACL_XATTR = "system.posix_acl_access"
+ACL_XATTR = "system.posix_acl_access"
 # the kernel's POSIX ACL xattr (linux/posix_acl_xattr.h): version 2, then (tag u16, perm u16, id u32)
 _ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = (
     0x01,
@@ -150,10 +151,10 @@ def share(fd: int, *, adopted: bool = False) -> None:
         if _SHARED_GID[0] >= 0:
             os.fchown(fd, -1, _SHARED_GID[0])
         if acl:
-            os.setxattr(fd, _ACL_XATTR, acl)
+            os.setxattr(fd, ACL_XATTR, acl)
         elif adopted:
             with contextlib.suppress(OSError):  # (none there: ENODATA; no ACLs here: EOPNOTSUPP)
-                os.removexattr(fd, _ACL_XATTR)
+                os.removexattr(fd, ACL_XATTR)
     except OSError as exc:
         if not _share_refused:
             _share_refused.append(exc.errno or 0)
