@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import os
 import shutil
 import statistics
@@ -552,8 +553,14 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", metavar="DIR", type=Path,
         help="each section under cProfile, its stats written there (slower: the ratios are lower bounds)",
     )  # fmt: skip
+    parser.add_argument(
+        "--watchdog", metavar="S", type=float, default=180.0,
+        help="every S seconds, print where each thread is (faulthandler): a hang shows where it stopped",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     section = partial(_section, profile=args.profile)
+    if args.watchdog > 0:
+        faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     import skippyd
     from skippyd.transfer.device import batch_available
 
@@ -590,11 +597,17 @@ def main(argv: list[str] | None = None) -> int:
                 failed += section("ttft", lambda shape=shape, points=points: ttft(  # type: ignore[misc]
                     client, device, shape, points, 256 * MiB / h2d))  # fmt: skip
         if device.type == "cuda":
-            from skippyd.transfer.device import transfer
+            from skippyd.transfer.device import _torch_runtime, transfer
 
-            stats = transfer().book.stats
+            moved = transfer()
+            stats = moved.book.stats
             row("book", "registrations / generation changes", f"{stats.registrations} / "
                 f"{stats.generation_changes}", f"{stats.registered_bytes // MiB} MiB held")  # fmt: skip
+            # a batch call the driver refused once turns to one copy a run for good (a warning in the log)
+            row("book", "copies / calls (batch still in use)", f"{moved.copies} / {moved.calls}",
+                f"{moved._use_batch and batch_available()}")  # fmt: skip
+            row("book", "torch's libcudart found (errors cleared)", str(_torch_runtime() is not None), "")
+    faulthandler.cancel_dump_traceback_later()
     print_table()
     print(f"\n(one run, {time.perf_counter() - started:.0f} s)")
     return 1 if failed else 0

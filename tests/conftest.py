@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
     """A fresh directory on /dev/shm (tmpfs), removed afterwards."""
-    with temporary_dir("skippyd-test-", "/dev/shm") as path:
+    with temporary_dir("skippyd-test-", os.environ.get("SKIPPYD_TEST_SHM", "/dev/shm")) as path:
         yield path
 
 

@@ -24,7 +24,9 @@ class DaemonProcess:
         self.root = root
         self.socket = root / "d.sock"
         self.state_dir = root / "state"
-        self.shm_dir = Path(tempfile.mkdtemp(prefix="skippyd-test-l2-", dir="/dev/shm"))
+        # (SKIPPYD_TEST_SHM: another tmpfs, where /dev/shm is a container's small default)
+        shm = os.environ.get("SKIPPYD_TEST_SHM", "/dev/shm")
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="skippyd-test-l2-", dir=shm))
         self.args = [
             "--socket", str(self.socket),
             "--state-dir", str(self.state_dir),

@@ -1365,7 +1365,8 @@ class DeviceTransfer:
             if offset < 0 or offset + nbytes > len(region):
                 raise InvalidArgument("a tensor does not fit the staging region")
             storage, at = _storage_base(tensor)
-            buffers.setdefault(storage, _storage_bytes(tensor))
+            if storage not in buffers:  # (one byte view a storage, not a tensor made for every piece)
+                buffers[storage] = _storage_bytes(tensor)
             pieces.append((storage, at, key, offset, nbytes))
         runs = plan_runs(pieces)
         cuts = self.book.ensure(key, 1, base, [(r.dst_offset, r.dst_offset + r.nbytes) for r in runs],

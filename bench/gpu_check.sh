@@ -1,0 +1,18 @@
+#!/bin/bash
+# Issue 22's one prepared device run (docs/benchmarks.md, "GPU"): the `cuda` tests, then bench.gpu's table.
+# Run it under ../shared/gpu's on_device.sh, which starts the bench's daemon on a 48 GiB tmpfs and sets
+# SKIPPYD_SOCKET; from this machine, after `bash ../shared/gpu/prepare.sh`, one device call with
+# carry [".gpu"]:   bash .gpu/on_device.sh bash bench/gpu_check.sh
+# Each step has its own time limit (SK_TEST_S, SK_BENCH_S seconds) and prints where every thread is if it
+# hangs (faulthandler), so one stuck step still leaves the other's output. Extra arguments go to bench.gpu.
+set -u
+# the tests' own daemons: on the big tmpfs where there is one (a container's /dev/shm may be 64 MiB)
+if [ -z "${SKIPPYD_TEST_SHM:-}" ] && [ -d /mnt/skippyd-shm ]; then export SKIPPYD_TEST_SHM=/mnt/skippyd-shm; fi
+df -h /dev/shm ${SKIPPYD_TEST_SHM:+"$SKIPPYD_TEST_SHM"} | sed 's/^/  /'
+if python3 -c 'import pytest' 2>/dev/null; then
+  timeout -s INT "${SK_TEST_S:-240}" python3 -X faulthandler -m pytest -m cuda -q -p no:cacheprovider \
+    tests/test_cuda.py 2>&1 | tail -30
+else
+  echo "no pytest here: the cuda tests did not run"
+fi
+timeout -s INT "${SK_BENCH_S:-330}" python3 -X faulthandler -m bench.gpu "$@"

@@ -1,0 +1,29 @@
+"""The benches the team runs in one prepared try on the GPU machine still run: ``bench.gpu --dry`` (tiny
+sizes, on the CPU) goes through every section, its bit-exact checks hold, and it prints its table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(180)
+def test_the_gpu_bench_dry_run_passes_every_exact_check_and_prints_one_table() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SKIPPYD_SOCKET"}  # (its own daemon)
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.gpu", "--dry", "--watchdog", "0"],
+        check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    exact = [line for line in table if line.startswith("| exact ")]
+    assert len(exact) >= 4 and all("| True " in line or "| all equal " in line for line in exact), exact
+    for section in ("restore", "get_into", "put", "ttft"):
+        assert any(line.startswith(f"| {section} ") for line in table), f"no {section} rows"
+    assert "FAILED" not in done.stdout
