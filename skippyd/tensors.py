@@ -199,26 +199,44 @@ def copy_entry(
 
 
 class DeviceStager:
-    """Copies entries to a CUDA device through a pair of reusable pinned host buffers.
+    """Copies entries to a CUDA device through pairs of reusable pinned host buffers.
 
-    The host copy of chunk ``i + 1`` into one pinned buffer overlaps the DMA of chunk ``i`` from the
-    other; the destination is one device allocation of the data region, and the tensors are views of it.
-    One copy at a time (a lock): two restores of one client at once (an ``AsyncClient``'s, on worker
-    threads) would otherwise write a pinned buffer the other's DMA still reads.
+    The host copy of chunk ``i + 1`` into one pinned buffer of a pair overlaps the DMA of chunk ``i`` from
+    the other; the destination is one device allocation of the data region, and the tensors are views of
+    it. Each copy has a pair to itself (two copies sharing one would write a buffer the other's DMA still
+    reads): restores at once (an ``AsyncClient``'s, on worker threads) each take one, up to ``pairs``
+    (each made at its first use and kept: ``2 × chunk_bytes`` of pinned memory); past that a copy waits
+    for a pair to come back.
     """
 
-    def __init__(self, chunk_bytes: int = 32 << 20) -> None:
+    def __init__(self, chunk_bytes: int = 32 << 20, pairs: int = 2) -> None:
+        if pairs < 1:
+            raise InvalidArgument("a DeviceStager needs at least one pair of buffers")
         self.chunk_bytes = chunk_bytes
-        self._buffers: list[torch.Tensor] = []
-        self._events: list[Any] = []
-        self._lock = threading.Lock()
+        self.pairs = pairs
+        self._free: list[list[torch.Tensor]] = []
+        self._made = 0
+        self._cond = threading.Condition()
 
-    def _ensure(self) -> None:
-        if not self._buffers:
-            self._buffers = [
-                torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)
-            ]
-            self._events = [None, None]
+    def _take(self) -> list[torch.Tensor]:
+        with self._cond:
+            while not self._free and self._made >= self.pairs:
+                self._cond.wait()
+            if self._free:
+                return self._free.pop()
+            self._made += 1
+        try:  # (pinning is slow: outside the lock)
+            return [torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        except BaseException:
+            with self._cond:
+                self._made -= 1
+                self._cond.notify()
+            raise
+
+    def _give(self, pair: list[torch.Tensor]) -> None:
+        with self._cond:
+            self._free.append(pair)
+            self._cond.notify()
 
     def to_device(
         self, fd: int, data_offset: int, data_len: int, specs: Sequence[TensorSpec], device: torch.device
@@ -227,33 +245,47 @@ class DeviceStager:
             raise InvalidArgument(f"DeviceStager copies to CUDA devices, not {device}")
         if data_len == 0:
             return _empty_tensors(specs, device)
-        with self._lock:
-            return self._to_device(fd, data_offset, data_len, specs, device)
+        pair = self._take()
+        try:
+            return self._to_device(pair, fd, data_offset, data_len, specs, device)
+        finally:  # (every DMA that read the pair has passed: _to_device waited for each)
+            self._give(pair)
 
-    def _to_device(
-        self, fd: int, data_offset: int, data_len: int, specs: Sequence[TensorSpec], device: torch.device
+    def _to_device(  # noqa: PLR0917 - one copy's parts
+        self,
+        pair: list[torch.Tensor],
+        fd: int,
+        data_offset: int,
+        data_len: int,
+        specs: Sequence[TensorSpec],
+        device: torch.device,
     ) -> dict[str, torch.Tensor]:
-        self._ensure()
         target = torch.empty(data_len, dtype=torch.uint8, device=device)
         mapping, base = _source_view(fd, data_offset, data_len)
         stream = torch.cuda.current_stream(device)
+        events: list[Any] = [None, None]
         try:
             for index, start in enumerate(range(0, data_len, self.chunk_bytes)):
                 stop = min(start + self.chunk_bytes, data_len)
                 slot = index % 2
-                event = self._events[slot]
+                event = events[slot]
                 if event is not None:
                     event.synchronize()  # the DMA that last read this pinned buffer is done
-                pinned = self._buffers[slot][: stop - start]
+                pinned = pair[slot][: stop - start]
                 pinned.copy_(base[start:stop])
                 target[start:stop].copy_(pinned, non_blocking=True)
                 done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(stream)
-                self._events[slot] = done
-            for event in self._events:
+                events[slot] = done
+            for event in events:
                 if event is not None:
                     event.synchronize()
-        finally:
+            events = [None, None]
+        finally:  # a failure part-way: the pair goes back once no DMA reads it, as far as one can wait
+            for event in events:
+                if event is not None:
+                    with contextlib.suppress(Exception):
+                        event.synchronize()
             del base
             with contextlib.suppress(BufferError):
                 mapping.close()

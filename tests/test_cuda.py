@@ -416,7 +416,7 @@ def test_concurrent_restores_through_pinned_buffers_each_get_their_own_bytes(
     proc: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An AsyncClient's restores run at once on worker threads; those that go through the client's
-    DeviceStager (an entry served once, as from L3: forced here) take turns with its pinned buffers."""
+    DeviceStager (an entry served once, as from L3: forced here) each take a pair of its pinned buffers."""
     import asyncio
 
     from skippyd.transfer import device as dev

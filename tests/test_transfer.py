@@ -842,38 +842,69 @@ def test_a_failed_registration_clears_its_error_in_torchs_own_runtime_library(
         dev._torch_runtime.cache_clear()
 
 
-def test_one_device_stager_serves_one_copy_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A client's DeviceStager has one pair of pinned buffers: two restores at once (an AsyncClient's,
-    each on a worker thread) would write a buffer the other's DMA still reads, so its copies take turns.
-    Pure logic: the copy itself is a stand-in that notes how many run at once."""
+@pytest.mark.parametrize("pairs", [1, 2])
+def test_a_device_stager_runs_as_many_copies_at_once_as_it_has_pairs_of_buffers_each_its_own(
+    pairs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DeviceStager copy writes one pair of pinned buffers while its DMAs read them: restores at once (an
+    AsyncClient's, each on a worker thread) each take a pair of their own, at most ``pairs`` at once (the
+    rest wait for one to come back), and a pair is made once and reused. Pure logic: the copy is a
+    stand-in that notes how many run at once and which pair each has, the pinned buffers CPU tensors."""
     import threading
     import time
 
     from skippyd.tensors import DeviceStager
 
-    running, most = [0], [0]
+    running, most, made = [0], [0], [0]
+    held: set[int] = set()
     count = threading.Lock()
+    empty = torch.empty
 
-    def copy(*_args: Any) -> dict[str, torch.Tensor]:
+    def pinned(*args: Any, **kwargs: Any) -> torch.Tensor:
+        assert kwargs.pop("pin_memory", False)
         with count:
+            made[0] += 1
+        return empty(*args, **kwargs)
+
+    def copy(pair: list[torch.Tensor], *_args: Any) -> dict[str, torch.Tensor]:
+        with count:
+            assert id(pair) not in held, "two copies on one pair"
+            held.add(id(pair))
             running[0] += 1
             most[0] = max(most[0], running[0])
         time.sleep(0.05)
         with count:
             running[0] -= 1
+            held.discard(id(pair))
         return {}
 
-    stager = DeviceStager()
+    stager = DeviceStager(chunk_bytes=4096, pairs=pairs)
     monkeypatch.setattr(stager, "_to_device", copy)
+    monkeypatch.setattr(torch, "empty", pinned)
     threads = [
         threading.Thread(target=stager.to_device, args=(-1, 0, 4096, [], torch.device("cuda", 0)))
-        for _ in range(4)
+        for _ in range(5)
     ]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert most == [1]
+    assert most == [pairs] and made == [2 * pairs]
+
+
+def test_a_device_stager_whose_pinned_buffers_cannot_be_made_gives_its_place_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from skippyd.tensors import DeviceStager
+
+    def refuse(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("CUDA error: out of memory")
+
+    stager = DeviceStager(pairs=1)
+    monkeypatch.setattr(torch, "empty", refuse)
+    for _ in range(2):  # (the second would wait for ever had the first kept its place)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            stager.to_device(-1, 0, 4096, [], torch.device("cuda", 0))
 
 
 def test_the_leases_thread_waits_for_each_copy_with_that_copys_device_current(
