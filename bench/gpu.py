@@ -558,10 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         help="every S seconds, print where each thread is (faulthandler): a hang shows where it stopped",
     )  # fmt: skip
     args = parser.parse_args(argv)
-    section = partial(_section, profile=args.profile)
     if args.watchdog > 0:
         faulthandler.dump_traceback_later(args.watchdog, repeat=True)
-    import skippyd
     from skippyd.transfer.device import batch_available
 
     if args.dry:
@@ -585,6 +583,30 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
     print(f"bench.gpu on {name}, torch {torch.__version__}, cuMemcpyBatchAsync: {batch_available()}")
+    try:
+        return _run(args, device, entries, block_total, block_sizes, ttft_points, budget)
+    except KeyboardInterrupt:  # (a time limit's SIGINT: the rows so far still print)
+        row("bench", "INTERRUPTED", f"after {time.perf_counter() - started:.0f} s")
+        return 1
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        print_table()
+        print(f"\n(one run, {time.perf_counter() - started:.0f} s)")
+
+
+def _run(  # noqa: PLR0917 - main's choices
+    args: argparse.Namespace,
+    device: torch.device,
+    entries: list[int],
+    block_total: int,
+    block_sizes: list[int],
+    ttft_points: dict[str, list[tuple[int, int]]],
+    budget: str,
+) -> int:
+    import skippyd
+    from skippyd.transfer.device import batch_available
+
+    section = partial(_section, profile=args.profile)
     with daemon(args.socket, budget) as path, skippyd.Client(path, timeout=300) as client:
         client.evict(all=True)
         failed = 0
@@ -607,9 +629,6 @@ def main(argv: list[str] | None = None) -> int:
             row("book", "copies / calls (batch still in use)", f"{moved.copies} / {moved.calls}",
                 f"{moved._use_batch and batch_available()}")  # fmt: skip
             row("book", "torch's libcudart found (errors cleared)", str(_torch_runtime() is not None), "")
-    faulthandler.cancel_dump_traceback_later()
-    print_table()
-    print(f"\n(one run, {time.perf_counter() - started:.0f} s)")
     return 1 if failed else 0
 
 

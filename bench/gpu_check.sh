@@ -9,10 +9,15 @@ set -u
 # the tests' own daemons: on the big tmpfs where there is one (a container's /dev/shm may be 64 MiB)
 if [ -z "${SKIPPYD_TEST_SHM:-}" ] && [ -d /mnt/skippyd-shm ]; then export SKIPPYD_TEST_SHM=/mnt/skippyd-shm; fi
 df -h /dev/shm ${SKIPPYD_TEST_SHM:+"$SKIPPYD_TEST_SHM"} | sed 's/^/  /'
+log=${OUT:-/tmp}
+# (SIGINT first, which prints a partial table and pytest's summary; a thread stuck in a CUDA call ignores
+# it, so a KILL 20 s later; the whole log is kept, only its tail is printed)
 if python3 -c 'import pytest' 2>/dev/null; then
-  timeout -s INT "${SK_TEST_S:-240}" python3 -X faulthandler -m pytest -m cuda -q -p no:cacheprovider \
-    tests/test_cuda.py 2>&1 | tail -30
+  timeout -s INT -k 20 "${SK_TEST_S:-240}" python3 -X faulthandler -m pytest -m cuda -q -p no:cacheprovider \
+    tests/test_cuda.py >"$log/cuda-tests.log" 2>&1
+  echo "cuda tests: exit $? (the whole log: cuda-tests.log)"
+  tail -40 "$log/cuda-tests.log"
 else
   echo "no pytest here: the cuda tests did not run"
 fi
-timeout -s INT "${SK_BENCH_S:-330}" python3 -X faulthandler -m bench.gpu "$@"
+timeout -s INT -k 20 "${SK_BENCH_S:-330}" python3 -X faulthandler -m bench.gpu "$@"

@@ -8,6 +8,7 @@ what it reports about itself.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -20,7 +21,7 @@ from .config import Config, embedded_redis_url, human_size
 from .display import plural
 from .errors import SkippydError
 from .l2.slabs import SLAB_SUFFIX, BadSlab, describe
-from .shm import ACL_XATTR, read_acl
+from .shm import ACL_XATTR, new_name, read_acl
 from .stats import Snapshot, redis_summary, server_restarts
 
 __all__ = ["Finding", "diagnose"]
@@ -180,6 +181,21 @@ def check_tmpfs(config: Config) -> Iterator[Finding]:
             )
 
 
+def _scratch_file(where: Path) -> int:
+    """An fd of a new file in ``where`` that no path names: ``O_TMPFILE``, or where the filesystem has no
+    such thing, a random name removed at once."""
+    try:
+        return os.open(where, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+            raise
+    path = where / f".doctor-{new_name('')}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    return fd
+
+
 def check_sharing(config: Config) -> Iterator[Finding]:
     """Whether the L2 tmpfs takes the POSIX ACL that gives ``allowed_uids``/``allowed_gids`` read access to
     the files clients are handed (tried on an unnamed file there: ``O_TMPFILE``, nothing left behind).
@@ -190,11 +206,11 @@ def check_sharing(config: Config) -> Iterator[Finding]:
     where = _existing(config.shm_path)
     point = _mount_of(where)[0]
     try:
-        fd = os.open(where, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        fd = _scratch_file(where)
     except OSError as exc:
-        yield Finding(
-            INFO, f"cannot try a POSIX ACL on {where} ({exc.strerror})", "run doctor as the daemon's user"
-        )
+        refused = exc.errno in (errno.EACCES, errno.EPERM)
+        fix = "run doctor as the daemon's user" if refused else ""
+        yield Finding(INFO, f"cannot try a POSIX ACL on {where} ({exc.strerror})", fix)
         return
     try:
         os.setxattr(fd, ACL_XATTR, read_acl(config.allowed_uids, config.allowed_gids))

@@ -264,6 +264,7 @@ class DeviceStager:
         mapping, base = _source_view(fd, data_offset, data_len)
         stream = torch.cuda.current_stream(device)
         events: list[Any] = [None, None]
+        done_all = False
         try:
             for index, start in enumerate(range(0, data_len, self.chunk_bytes)):
                 stop = min(start + self.chunk_bytes, data_len)
@@ -280,12 +281,13 @@ class DeviceStager:
             for event in events:
                 if event is not None:
                     event.synchronize()
-            events = [None, None]
-        finally:  # a failure part-way: the pair goes back once no DMA reads it, as far as one can wait
-            for event in events:
-                if event is not None:
-                    with contextlib.suppress(Exception):
-                        event.synchronize()
+            done_all = True
+        finally:
+            # a failure part-way: the pair goes back once no DMA reads it (one may have been queued
+            # without its event), as far as one can wait
+            if not done_all:
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
             del base
             with contextlib.suppress(BufferError):
                 mapping.close()

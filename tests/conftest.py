@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,9 @@ if TYPE_CHECKING:
 @pytest.fixture
 def shm_dir() -> Iterator[Path]:
     """A fresh directory on /dev/shm (tmpfs), removed afterwards."""
-    with temporary_dir("skippyd-test-", os.environ.get("SKIPPYD_TEST_SHM", "/dev/shm")) as path:
+    from daemonutil import TEST_SHM
+
+    with temporary_dir("skippyd-test-", TEST_SHM) as path:
         yield path
 
 

@@ -16,6 +16,10 @@ from typing import Any
 
 import skippyd
 
+#: The tmpfs the tests' L2 directories go on: /dev/shm, or SKIPPYD_TEST_SHM (another tmpfs, where /dev/shm
+#: is a container's small default, as on the GPU machine).
+TEST_SHM = os.environ.get("SKIPPYD_TEST_SHM", "/dev/shm")
+
 
 class DaemonProcess:
     def __init__(
@@ -24,9 +28,7 @@ class DaemonProcess:
         self.root = root
         self.socket = root / "d.sock"
         self.state_dir = root / "state"
-        # (SKIPPYD_TEST_SHM: another tmpfs, where /dev/shm is a container's small default)
-        shm = os.environ.get("SKIPPYD_TEST_SHM", "/dev/shm")
-        self.shm_dir = Path(tempfile.mkdtemp(prefix="skippyd-test-l2-", dir=shm))
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="skippyd-test-l2-", dir=TEST_SHM))
         self.args = [
             "--socket", str(self.socket),
             "--state-dir", str(self.state_dir),

@@ -129,11 +129,21 @@ def _serve(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[
     )
 
 
-def test_serve_without_redis_server_says_how_to_install_it_in_one_line(tmp_short: Path) -> None:
+def test_serve_without_redis_server_says_how_to_install_it_in_one_line(
+    tmp_short: Path, shm_dir: Path
+) -> None:
     bare = tmp_short / "bin"
     bare.mkdir()
     env = {**os.environ, "PATH": str(bare)}
-    done = _serve(["--state-dir", str(tmp_short / "s"), "--socket", str(tmp_short / "x.sock")], env)
+    where = [
+        "--state-dir",
+        str(tmp_short / "s"),
+        "--socket",
+        str(tmp_short / "x.sock"),
+        "--shm-dir",
+        str(shm_dir),
+    ]
+    done = _serve(where, env)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -150,10 +160,18 @@ def test_serve_without_redis_server_says_how_to_install_it_in_one_line(tmp_short
         (["--socket-group", "no-such-group-here", "--redis-url", "none"], "socket_group"),
     ],
 )
-def test_serve_rejects_bad_values_naming_the_key(tmp_short: Path, args: list[str], names: str) -> None:
-    done = _serve(
-        ["--state-dir", str(tmp_short / "s"), "--socket", str(tmp_short / "x.sock"), *args], dict(os.environ)
-    )
+def test_serve_rejects_bad_values_naming_the_key(
+    tmp_short: Path, shm_dir: Path, args: list[str], names: str
+) -> None:
+    where = [
+        "--state-dir",
+        str(tmp_short / "s"),
+        "--socket",
+        str(tmp_short / "x.sock"),
+        "--shm-dir",
+        str(shm_dir),
+    ]
+    done = _serve([*where, *args], dict(os.environ))
     assert done.returncode == 2
     assert names in done.stderr and "skippyd: error:" in done.stderr
 

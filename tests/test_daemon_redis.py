@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from click.testing import CliRunner
-from daemonutil import DaemonProcess, eventually
+from daemonutil import TEST_SHM, DaemonProcess, eventually
 from redisutil import RedisServer
 
 from skippyd import WarmTable
@@ -176,7 +176,7 @@ def test_a_second_serve_on_a_live_daemons_directories_is_refused_and_touches_not
     table = WarmTable.from_url(embedded_url(live))
     assert eventually(table.nodes)
     pid = redis_pid(live)
-    other_shm = Path(tempfile.mkdtemp(prefix="skippyd-test-l2-", dir="/dev/shm"))
+    other_shm = Path(tempfile.mkdtemp(prefix="skippyd-test-l2-", dir=TEST_SHM))
     other_state = live.root / "other-state"
     second = live.root / "second.sock"
     try:

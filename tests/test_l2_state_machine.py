@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from blake3 import blake3
+from daemonutil import TEST_SHM
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -28,7 +29,7 @@ COUNTERS = ("hits", "misses", "inserts", "evictions", "admission_rejects", "refu
 class L2Machine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.dir = Path(tempfile.mkdtemp(prefix="skippyd-sm-", dir="/dev/shm"))
+        self.dir = Path(tempfile.mkdtemp(prefix="skippyd-sm-", dir=TEST_SHM))
         self.tier = L2Tier.open(self.dir, BUDGET)
         self.order: OrderedDict[str, tuple[int, str]] = OrderedDict()  # key -> (file size, digest)
         self.counters = dict.fromkeys(COUNTERS, 0)

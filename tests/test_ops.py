@@ -352,3 +352,29 @@ def test_the_watchdog_is_fed_only_while_every_background_thread_lives(tmp_short:
     listener.close()
     assert messages.count("WATCHDOG=1") >= 2
     assert messages[-1].startswith("STATUS=unhealthy") and "skippyd-test-worker" in messages[-1]
+
+
+def test_doctor_tries_the_acl_on_a_file_it_removes_at_once_where_the_filesystem_has_no_o_tmpfile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Some filesystems refuse O_TMPFILE but take POSIX ACLs: doctor tries the ACL on a named file instead,
+    removed at once, and still answers (nothing left in the directory). Pure logic: the refusal is
+    injected."""
+    import errno
+
+    from skippyd import doctor as doc
+    from skippyd.config import Config
+
+    real_open = os.open
+
+    def no_tmpfile(path: Any, flags: int, *args: Any) -> int:
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    tried: list[int] = []
+    monkeypatch.setattr(os, "setxattr", lambda fd, *_args: tried.append(fd))
+    (finding,) = doc.check_sharing(Config(shm_dir=str(tmp_path), allowed_gids=(65533,)))
+    assert finding.level == doc.OK and "gid 65533 read access" in finding.what and len(tried) == 1
+    assert list(tmp_path.iterdir()) == []

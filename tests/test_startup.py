@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from daemonutil import DaemonProcess, eventually
+from daemonutil import TEST_SHM, DaemonProcess, eventually
 
 import skippyd
 from skippyd.coordination import WarmTable
@@ -43,7 +43,7 @@ def _fill_l2(daemon: DaemonProcess, entries: int, nbytes: int) -> None:
 
 
 def test_serve_runs_the_embedded_default_from_a_relative_state_dir(tmp_short: Path) -> None:
-    shm = Path("/dev/shm") / f"skippyd-rel-{os.getpid()}"
+    shm = Path(TEST_SHM) / f"skippyd-rel-{os.getpid()}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "skippyd", "serve", "--state-dir", "relstate", "--socket", "s.sock",
          "--shm-dir", str(shm), "--l2-budget", "64MiB", "--node", "rel"],
@@ -119,7 +119,7 @@ def test_a_second_daemon_on_a_live_socket_is_refused_at_once(daemon: DaemonProce
 
 
 def test_an_l2_budget_larger_than_the_tmpfs_is_a_warning_in_the_log(make_daemon: Any) -> None:
-    vfs = os.statvfs("/dev/shm")
+    vfs = os.statvfs(TEST_SHM)
     too_big = vfs.f_blocks * vfs.f_frsize * 2
     daemon = make_daemon(budget=str(too_big)).start()
     assert "is larger than the filesystem" in daemon.log_text()

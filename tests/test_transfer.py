@@ -859,6 +859,7 @@ def test_a_device_stager_runs_as_many_copies_at_once_as_it_has_pairs_of_buffers_
     held: set[int] = set()
     count = threading.Lock()
     empty = torch.empty
+    together = threading.Barrier(pairs, timeout=10)  # (copies of one round meet: none ends alone first)
 
     def pinned(*args: Any, **kwargs: Any) -> torch.Tensor:
         assert kwargs.pop("pin_memory", False)
@@ -872,7 +873,8 @@ def test_a_device_stager_runs_as_many_copies_at_once_as_it_has_pairs_of_buffers_
             held.add(id(pair))
             running[0] += 1
             most[0] = max(most[0], running[0])
-        time.sleep(0.05)
+        together.wait()
+        time.sleep(0.01)
         with count:
             running[0] -= 1
             held.discard(id(pair))
@@ -883,7 +885,7 @@ def test_a_device_stager_runs_as_many_copies_at_once_as_it_has_pairs_of_buffers_
     monkeypatch.setattr(torch, "empty", pinned)
     threads = [
         threading.Thread(target=stager.to_device, args=(-1, 0, 4096, [], torch.device("cuda", 0)))
-        for _ in range(5)
+        for _ in range(3 * pairs)
     ]
     for thread in threads:
         thread.start()
@@ -996,3 +998,64 @@ def test_the_idle_sweep_makes_the_last_calls_device_current_on_its_own_thread_on
     sweeper.join()
     assert made == [("sweeper", 2)]
     transfer.close()
+
+
+def _closed(mapping: Any) -> bool:
+    return bool(mapping.closed)  # (a call, so that mypy does not narrow it between two looks)
+
+
+def test_a_staging_buffer_released_before_any_call_of_the_transfer_closes_at_once() -> None:
+    """A process whose transfer has begun no call (its device restores so far were entries served once,
+    say) has registered nothing and runs no idle sweeper: a staging buffer released then is unmapped at
+    once, not queued for a call that may never come; one a copy still holds a view of is queued."""
+    import mmap
+
+    from skippyd.transfer.device import DeviceTransfer
+
+    rec = Recorder()
+    transfer = DeviceTransfer(register=rec.register, unregister=rec.unregister)
+    free = mmap.mmap(-1, 8192)
+    transfer.release_later(free, [1 << 20])
+    assert _closed(free) and not transfer._released
+    held = mmap.mmap(-1, 8192)
+    view = memoryview(held)  # (a copy into it on its way)
+    transfer.release_later(held, [2 << 20])
+    assert not _closed(held) and len(transfer._released) == 1
+    view.release()
+    transfer.sweep_idle()
+    assert _closed(held) and not transfer._released and rec.calls == []
+    transfer.close()
+
+
+def test_an_idle_sweep_that_cannot_make_its_device_current_still_unmaps_what_holds_no_registration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Unregistering needs the device made current; unmapping a staging buffer nothing registered does
+    not: where set_device fails, those still go, a registered one stays (never unmapped while
+    registered), and the failure is raised for the sweeper to log."""
+    import mmap
+    import threading
+
+    from skippyd.transfer import device as dev
+
+    def refuse(_index: int) -> None:
+        raise RuntimeError("CUDA error: no device")
+
+    rec = Recorder()
+    transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister)
+    transfer._sweeper = threading.Thread(target=lambda: None)  # (as after a first call: releases queue)
+    transfer._device_index = 5
+    plain, registered = mmap.mmap(-1, 8192), mmap.mmap(-1, 8192)
+    assert transfer.book.ensure(("host", 4 << 20), 1, 4 << 20, [(0, 8192)], readonly=False) is not None
+    transfer.release_later(plain, [3 << 20])
+    transfer.release_later(registered, [4 << 20])
+    monkeypatch.setattr(torch.cuda, "set_device", refuse)
+    with pytest.raises(RuntimeError, match="no device"):
+        transfer.sweep_idle()
+    assert _closed(plain) and not _closed(registered) and rec.count("unregister") == 0
+    monkeypatch.setattr(torch.cuda, "set_device", lambda _index: None)
+    transfer.sweep_idle()
+    assert _closed(registered) and rec.count("unregister") == 1
+    transfer._sweeper = None
+    transfer.close()
+    dev._thread_device.__dict__.pop("index", None)  # (this thread's note of cuda:5, made by the stand-in)

@@ -671,10 +671,10 @@ class DeviceTransfer:
             return False
         dst, src, size = columns()
         count = len(size)
-        array = ctypes.c_uint64 * count  # (over numpy arrays as they are: no Python object a copy)
-        dsts = array.from_buffer(np.ascontiguousarray(dst, dtype=np.uint64).data)
-        srcs = array.from_buffer(np.ascontiguousarray(src, dtype=np.uint64).data)
-        sizes = array.from_buffer(np.ascontiguousarray(size, dtype=np.uint64).data)
+        array = ctypes.c_uint64 * count  # (over numpy copies, writable whatever was given: no object a copy)
+        dsts = array.from_buffer(np.array(dst, dtype=np.uint64).data)
+        srcs = array.from_buffer(np.array(src, dtype=np.uint64).data)
+        sizes = array.from_buffer(np.array(size, dtype=np.uint64).data)
         attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)
         index, failed = ctypes.c_size_t(0), ctypes.c_size_t(0)
         with _current_context_of(stream):
@@ -1394,7 +1394,19 @@ class DeviceTransfer:
         behind another thread's device copy, so it takes no lock. Never the other way round:
         unmapped while still registered, CUDA would keep the old pages for that range, and a new mapping
         at the same address (the next staging buffer's, likely) would be written through them, the book
-        finding the range registered already: the daemon would store other bytes than the caller's."""
+        finding the range registered already: the daemon would store other bytes than the caller's.
+
+        Before this transfer's first call has begun (no sweeper yet) nothing of it can be registered, and
+        the mapping is closed at once: queued, it could wait for a call that never comes (a process whose
+        only device restores are entries served once, which take the pinned path). A copy into it on its
+        way holds a view of it (the mapping cannot close: queued, and that copy's call starts the
+        sweeper)."""
+        if self._sweeper is None:
+            try:
+                mapping.close()
+                return
+            except BufferError:
+                pass
         self._released.append((mapping, tuple(addresses)))
 
     def _begin(self, device: torch.device) -> None:
@@ -1425,17 +1437,25 @@ class DeviceTransfer:
         with self._lock:
             if not len(self.maps) and not self._released:
                 return
-            _make_current(self._device_index)
+            try:
+                _make_current(self._device_index)
+            except Exception:
+                self._release_dropped(unregistered_only=True)  # (unmapping needs no device)
+                raise
             self._release_dropped()
             self.maps.sweep()
             self.sweep_punched(every=self.idle_sweep)  # (spaced out past 256 slabs, as at calls)
 
-    def _release_dropped(self) -> None:
+    def _release_dropped(self, *, unregistered_only: bool = False) -> None:
         # (under self._lock) unregister first, then unmap; a mapping still in use (a copy into it on its
-        # way: it may register it yet) is kept for the next look, its registrations dropped again then
+        # way: it may register it yet) is kept for the next look, its registrations dropped again then.
+        # unregistered_only: where no device can be made current, only those with no registration go
         busy = []
         while self._released:
             mapping, addresses = self._released.popleft()
+            if unregistered_only and any(("host", address) in self.book for address in addresses):
+                busy.append((mapping, addresses))
+                continue
             for address in addresses:
                 self.book.drop(("host", address))
             try:
