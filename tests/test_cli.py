@@ -129,21 +129,19 @@ def _serve(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[
     )
 
 
+def _places(tmp_short: Path, shm_dir: Path) -> list[str]:
+    """A serve's state dir, socket and L2 dir, all removed after the test."""
+    state, socket_path = str(tmp_short / "s"), str(tmp_short / "x.sock")
+    return ["--state-dir", state, "--socket", socket_path, "--shm-dir", str(shm_dir)]
+
+
 def test_serve_without_redis_server_says_how_to_install_it_in_one_line(
     tmp_short: Path, shm_dir: Path
 ) -> None:
     bare = tmp_short / "bin"
     bare.mkdir()
     env = {**os.environ, "PATH": str(bare)}
-    where = [
-        "--state-dir",
-        str(tmp_short / "s"),
-        "--socket",
-        str(tmp_short / "x.sock"),
-        "--shm-dir",
-        str(shm_dir),
-    ]
-    done = _serve(where, env)
+    done = _serve(_places(tmp_short, shm_dir), env)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1
@@ -163,15 +161,7 @@ def test_serve_without_redis_server_says_how_to_install_it_in_one_line(
 def test_serve_rejects_bad_values_naming_the_key(
     tmp_short: Path, shm_dir: Path, args: list[str], names: str
 ) -> None:
-    where = [
-        "--state-dir",
-        str(tmp_short / "s"),
-        "--socket",
-        str(tmp_short / "x.sock"),
-        "--shm-dir",
-        str(shm_dir),
-    ]
-    done = _serve([*where, *args], dict(os.environ))
+    done = _serve([*_places(tmp_short, shm_dir), *args], dict(os.environ))
     assert done.returncode == 2
     assert names in done.stderr and "skippyd: error:" in done.stderr
 

@@ -985,6 +985,7 @@ def test_the_idle_sweep_makes_the_last_calls_device_current_on_its_own_thread_on
     rec = Recorder()
     transfer = DeviceTransfer(register=rec.register, unregister=rec.unregister)
     transfer._device_index = 2  # (the last call's device)
+    transfer._sweeper = threading.Thread(target=lambda: None)  # (as after a first call: releases queue)
 
     def sweep_twice() -> None:
         for _ in range(2):
@@ -997,6 +998,7 @@ def test_the_idle_sweep_makes_the_last_calls_device_current_on_its_own_thread_on
     sweeper.start()
     sweeper.join()
     assert made == [("sweeper", 2)]
+    transfer._sweeper = None
     transfer.close()
 
 
