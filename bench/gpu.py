@@ -32,6 +32,7 @@ import contextlib
 import faulthandler
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -558,6 +559,9 @@ def main(argv: list[str] | None = None) -> int:
         help="every S seconds, print where each thread is (faulthandler): a hang shows where it stopped",
     )  # fmt: skip
     args = parser.parse_args(argv)
+    # a time limit's SIGINT ends the run with the rows so far, even where SIGINT came in ignored (a
+    # background job of a shell without job control)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.watchdog > 0:
         faulthandler.dump_traceback_later(args.watchdog, repeat=True)
     from skippyd.transfer.device import batch_available

@@ -221,8 +221,17 @@ def test_a_clean_stop_gives_the_reserve_back_and_keeps_the_cached_data(make_daem
 
 
 def test_top_prints_one_view_after_another_when_its_output_is_piped(daemon: DaemonProcess) -> None:
-    args = [sys.executable, "-m", "skippyd", "top", "--interval", "0.2", "--socket", str(daemon.socket)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # (-X faulthandler: a top that does not stop is made to say where it was, below)
+    args = [sys.executable, "-X", "faulthandler", "-m", "skippyd", "top", "--interval", "0.2",
+            "--socket", str(daemon.socket)]  # fmt: skip
+    # top gets Ctrl-C's default whatever this process inherited (a run started in the background by a
+    # shell without job control ignores SIGINT, and so would its children): a handled signal is reset
+    # at exec, an ignored one is not
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         assert proc.stdout is not None
         headers = 0
@@ -238,7 +247,12 @@ def test_top_prints_one_view_after_another_when_its_output_is_piped(daemon: Daem
         assert any(line.startswith("L2") for line in seen)
     finally:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=10)
+        try:
+            _, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # (faulthandler prints every thread's stack)
+            _, err = proc.communicate(timeout=10)
+            pytest.fail(f"top did not stop within 10 s of SIGINT; where it was:\n{err[-6000:]}")
     assert proc.returncode == 0 and "Traceback" not in err
     head = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # `skippyd top | head -1`
     assert head.stdout is not None and head.stdout.readline().startswith(b"skippyd 0.1.0")
