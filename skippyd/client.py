@@ -482,7 +482,33 @@ def _to_cuda(  # noqa: PLR0917 - the restore's parts, passed through
     return stager.to_device(fd, offset, length, specs, device)
 
 
-class _Conn:
+class _HoldsStaging:
+    """A connection's staging buffer, the part the blocking and the async connections share (their
+    ``stage`` request is what differs)."""
+
+    staging: _Staging | None
+    info: dict[str, Any]
+
+    def _staging_or_size(self, size: int, halves: bool) -> _Staging | int:
+        """The buffer held, where it fits ``size`` bytes used in halves or whole; else the size to ask
+        the daemon for, the buffer held closed (smaller, or used the other way)."""
+        if self.staging is not None and self.staging.fits(size, halves):
+            return self.staging
+        want = _staging_size(self.staging, size, self.info)
+        self._drop_staging()
+        return want
+
+    def _adopt_staging(self, reply: dict[str, Any], fds: list[int]) -> _Staging:
+        self.staging = _Staging.from_reply(reply, fds)
+        return self.staging
+
+    def _drop_staging(self) -> None:
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
+
+
+class _Conn(_HoldsStaging):
     """One blocking connection: handshake, request/reply with descriptors, and its staging buffer."""
 
     def __init__(self, path: str, connect_timeout: float) -> None:
@@ -567,20 +593,13 @@ class _Conn:
     def ensure_staging(self, size: int, timeout: float, halves: bool = False) -> _Staging:
         """A staging buffer of at least ``size`` bytes, to be used in halves or whole (a new one when the
         one held is smaller or was used the other way)."""
-        if self.staging is not None and self.staging.fits(size, halves):
-            return self.staging
-        want = _staging_size(self.staging, size, self.info)
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
-        reply, fds = self.request({"op": "stage", "size": want}, timeout)
-        self.staging = _Staging.from_reply(reply, fds)
-        return self.staging
+        held = self._staging_or_size(size, halves)
+        if isinstance(held, _Staging):
+            return held
+        return self._adopt_staging(*self.request({"op": "stage", "size": held}, timeout))
 
     def close(self) -> None:
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
+        self._drop_staging()
         self.decoder.close()
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -849,7 +868,7 @@ class Client:
         self.close()
 
 
-class _AsyncConn:
+class _AsyncConn(_HoldsStaging):
     """A non-blocking connection with pipelined requests; replies are matched by request id."""
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
@@ -938,15 +957,10 @@ class _AsyncConn:
 
     async def ensure_staging(self, size: int, timeout: float, halves: bool = False) -> _Staging:
         """As :meth:`_Conn.ensure_staging`."""
-        if self.staging is not None and self.staging.fits(size, halves):
-            return self.staging
-        want = _staging_size(self.staging, size, self.info)
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
-        reply, fds = await self.request({"op": "stage", "size": want}, timeout)
-        self.staging = _Staging.from_reply(reply, fds)
-        return self.staging
+        held = self._staging_or_size(size, halves)
+        if isinstance(held, _Staging):
+            return held
+        return self._adopt_staging(*await self.request({"op": "stage", "size": held}, timeout))
 
     def close(self) -> None:
         if self.closed:
@@ -954,9 +968,7 @@ class _AsyncConn:
         self.closed = True
         with contextlib.suppress(Exception):
             self.loop.remove_reader(self.sock.fileno())
-        if self.staging is not None:
-            self.staging.close()
-            self.staging = None
+        self._drop_staging()
         self.decoder.close()
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -1104,9 +1116,8 @@ class AsyncClient:
                     # one must not write into that buffer. It asks for a new one instead, and the
                     # daemon runs a connection's requests in order, so the abandoned request has read
                     # the old buffer before the new one is lent (other requests in flight are kept).
-                    if conn is not None and conn.staging is not None and not _answered(exc):
-                        conn.staging.close()
-                        conn.staging = None
+                    if conn is not None and not _answered(exc):
+                        conn._drop_staging()
                     raise
             raise AssertionError("unreachable")
 
