@@ -5,8 +5,8 @@ mapped (one open file each, to notice when the daemon removes it) and registered
 of a prefix read before neither maps nor registers again (registering costs ≈ 0.05-0.1 s a GiB). Both
 are bounded, least recently used first:
 
-* **kept files**: 256 (8 GiB of 32 MiB slabs); ``SKIPPYD_KEPT_FILES`` sets it (at least 16; each is an
-  open file: keep it under a quarter of ``ulimit -n``).
+* **kept files**: 256, slabs and entry files alike (8 GiB of 32 MiB slabs); ``SKIPPYD_KEPT_FILES`` sets
+  it (at least 16; each is an open file: keep it under a quarter of ``ulimit -n``).
 * **registered bytes**: 64 GiB; ``SKIPPYD_PIN_LIMIT`` sets it (a size: ``256GiB``; at least 1 MiB).
 
 Why not more by default: registering pins pages. Those of a slot the daemon punches (and of a file it
