@@ -976,7 +976,7 @@ def capture(
                 except NoSpace:
                     if not a:
                         raise
-                    break  # (as one put would: the blocks before are kept, the entry says how many)
+                    break  # (as one put would: the blocks before are kept; a restore takes those)
                 stored, present, nbytes = stored + put.stored, present + put.present, nbytes + put.nbytes
                 if put.skipped:  # a block not stored: every later one would be a hole, so none is sent
                     break
