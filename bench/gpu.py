@@ -588,7 +588,15 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
     print(f"bench.gpu on {name}, torch {torch.__version__}, cuMemcpyBatchAsync: {batch_available()}")
     try:
-        return _run(args, device, entries, block_total, block_sizes, ttft_points, budget)
+        if not args.dry:
+            return _run(args, device, entries, block_total, block_sizes, ttft_points, budget)
+        # the dry run's CPU "device" goes through the transfer layer as CUDA would (skippyd.transfer.sim:
+        # stand-in streams and events, a batch call that moves bytes by address), so its exact rows check
+        # the same code paths a GPU run takes
+        from skippyd.transfer.sim import simulated
+
+        with simulated():
+            return _run(args, device, entries, block_total, block_sizes, ttft_points, budget)
     except KeyboardInterrupt:  # (a time limit's SIGINT: the rows so far still print)
         row("bench", "INTERRUPTED", f"after {time.perf_counter() - started:.0f} s")
         return 1
@@ -622,7 +630,7 @@ def _run(  # noqa: PLR0917 - main's choices
             for shape, points in ttft_points.items():
                 failed += section("ttft", lambda shape=shape, points=points: ttft(  # type: ignore[misc]
                     client, device, shape, points, 256 * MiB / h2d))  # fmt: skip
-        if device.type == "cuda":
+        if device.type == "cuda" or args.dry:  # (the dry run's: the simulated transfer's)
             from skippyd.transfer.device import _torch_runtime, transfer
 
             moved = transfer()

@@ -1,5 +1,6 @@
 """The benches the team runs in one prepared try on the GPU machine still run: ``bench.gpu --dry`` (tiny
-sizes, on the CPU) goes through every section, its bit-exact checks hold, and it prints its table."""
+sizes, on the CPU, through the simulated transfer: skippyd.transfer.sim) goes through every section, its
+bit-exact checks hold, its copies went through the transfer layer, and it prints its table."""
 
 from __future__ import annotations
 
@@ -27,3 +28,6 @@ def test_the_gpu_bench_dry_run_passes_every_exact_check_and_prints_one_table() -
     for section in ("restore", "get_into", "put", "ttft"):
         assert any(line.startswith(f"| {section} ") for line in table), f"no {section} rows"
     assert "FAILED" not in done.stdout
+    (moved,) = [line for line in table if "copies / calls (batch still in use)" in line]
+    copies, calls = (int(x) for x in moved.split("|")[3].split("/"))
+    assert copies > 100 and calls > 10 and "| True " in moved, moved  # the dry run's copies, batched
