@@ -631,7 +631,8 @@ def _run(  # noqa: PLR0917 - main's choices
                 failed += section("ttft", lambda shape=shape, points=points: ttft(  # type: ignore[misc]
                     client, device, shape, points, 256 * MiB / h2d))  # fmt: skip
         if device.type == "cuda" or args.dry:  # (the dry run's: the simulated transfer's)
-            from skippyd.transfer.device import _torch_runtime, transfer
+            from skippyd.transfer.cuda import _torch_runtime
+            from skippyd.transfer.device import transfer
 
             moved = transfer()
             stats = moved.book.stats

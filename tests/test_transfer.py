@@ -561,16 +561,16 @@ def test_a_slabs_records_carry_its_slots_generations_where_a_client_reads_them_a
 
     from skippyd.l2 import slabs
     from skippyd.shm import PAGE
-    from skippyd.transfer import device
+    from skippyd.transfer import filemaps
 
-    assert (device._SLAB_MAGIC, device._SLAB_VERSION, device._RECORDS_AT, device._RECORD_BYTES) == (
+    assert (filemaps._SLAB_MAGIC, filemaps._SLAB_VERSION, filemaps._RECORDS_AT, filemaps._RECORD_BYTES) == (
         slabs.SLAB_MAGIC, slabs.SLAB_VERSION, PAGE, slabs.RECORD_SIZE,
     )  # fmt: skip
-    assert (device._GENERATION_AT, device._MAX_SLOTS) == (slabs.GENERATION_AT, slabs.MAX_SLOTS)
+    assert (filemaps._GENERATION_AT, filemaps._MAX_SLOTS) == (slabs.GENERATION_AT, slabs.MAX_SLOTS)
     made = slabs.Slab.create(shm_dir, 8192, 4)
 
     def read(slab: slabs.Slab) -> Any:
-        return device.slab_slot_map(np.frombuffer(bytes(slab.mapping), dtype=np.uint8))
+        return filemaps.slab_slot_map(np.frombuffer(bytes(slab.mapping), dtype=np.uint8))
 
     try:
         assert read(made) == (made.data_start, 8192, made.slot_map())
@@ -597,7 +597,7 @@ def test_a_slabs_records_carry_its_slots_generations_where_a_client_reads_them_a
             adopted.close()
     finally:
         made.close()
-    assert device.slab_slot_map(np.zeros(8192, dtype=np.uint8)) is None  # not a slab
+    assert filemaps.slab_slot_map(np.zeros(8192, dtype=np.uint8)) is None  # not a slab
 
 
 # ---------------------------------------------------------------- no CUDA here
@@ -778,7 +778,7 @@ def test_registrations_ask_to_be_portable_and_a_driver_that_refuses_only_that_is
     without it, and a range no flags can register is copied unpinned. Pure logic: a recording cudart."""
     from types import SimpleNamespace
 
-    from skippyd.transfer import device as dev
+    from skippyd.transfer import cuda
 
     calls: list[tuple[int, int, int]] = []
     refuse: set[int] = set()
@@ -788,15 +788,15 @@ def test_registrations_ask_to_be_portable_and_a_driver_that_refuses_only_that_is
         return 1 if flags in refuse else 0  # (cudaErrorInvalidValue, or cudaSuccess)
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostRegister=register))
-    monkeypatch.setattr(dev, "_portable", [True])
-    assert dev._cuda_register(4096, 8192, 8)  # (cudaHostRegisterReadOnly)
+    monkeypatch.setattr(cuda, "_portable", [True])
+    assert cuda._cuda_register(4096, 8192, 8)  # (cudaHostRegisterReadOnly)
     assert calls == [(4096, 8192, 9)]  # read-only and portable, in one call
     refuse.update({1, 9})
     calls.clear()
-    assert dev._cuda_register(4096, 8192, 0) and dev._cuda_register(8192, 4096, 8)
+    assert cuda._cuda_register(4096, 8192, 0) and cuda._cuda_register(8192, 4096, 8)
     assert calls == [(4096, 8192, 1), (4096, 8192, 0), (8192, 4096, 8)]  # asked once, then never again
     refuse.add(8)
-    assert not dev._cuda_register(8192, 4096, 8)
+    assert not cuda._cuda_register(8192, 4096, 8)
 
 
 def test_a_failed_registration_clears_its_error_in_torchs_own_runtime_library(
@@ -810,7 +810,7 @@ def test_a_failed_registration_clears_its_error_in_torchs_own_runtime_library(
     import os
     from types import SimpleNamespace
 
-    from skippyd.transfer import device as dev
+    from skippyd.transfer import cuda
 
     class Call:
         def __init__(self) -> None:
@@ -832,14 +832,14 @@ def test_a_failed_registration_clears_its_error_in_torchs_own_runtime_library(
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(ctypes, "CDLL", load)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaHostRegister=lambda *_: 1))
-    monkeypatch.setattr(dev, "_portable", [True])
-    dev._torch_runtime.cache_clear()
+    monkeypatch.setattr(cuda, "_portable", [True])
+    cuda._torch_runtime.cache_clear()
     try:
-        assert not dev._cuda_register(4096, 4096, 8)  # refused with and without the portable flag
+        assert not cuda._cuda_register(4096, 4096, 8)  # refused with and without the portable flag
         assert loaded[0] == ("libcudart.so.13", os.RTLD_NOLOAD | os.RTLD_LAZY)  # (never loads a new one)
         assert runtime.cudaGetLastError.count == 2  # each failed call's error cleared where it was left
     finally:
-        dev._torch_runtime.cache_clear()
+        cuda._torch_runtime.cache_clear()
 
 
 @pytest.mark.parametrize("pairs", [1, 2])
@@ -918,7 +918,7 @@ def test_the_leases_thread_waits_for_each_copy_with_that_copys_device_current(
     events and streams, a recording set_device."""
     from types import SimpleNamespace
 
-    from skippyd.transfer import device as dev
+    from skippyd.transfer import leases as leases_module
 
     made: list[int] = []
     seen: list[list[int]] = []
@@ -928,7 +928,7 @@ def test_the_leases_thread_waits_for_each_copy_with_that_copys_device_current(
         def synchronize(self) -> None:
             seen.append(list(made))
 
-    leases = dev._Leases()
+    leases = leases_module._Leases()
     for index in (3, 3, 1):
         leases.hold(Event(), [], None, SimpleNamespace(device=torch.device("cuda", index)))
     leases.hold(Event(), [], None, None)  # (the simulator's: no device)
@@ -1038,6 +1038,7 @@ def test_an_idle_sweep_that_cannot_make_its_device_current_still_unmaps_what_hol
     import mmap
     import threading
 
+    from skippyd.transfer import cuda
     from skippyd.transfer import device as dev
 
     def refuse(_index: int) -> None:
@@ -1060,4 +1061,4 @@ def test_an_idle_sweep_that_cannot_make_its_device_current_still_unmaps_what_hol
     assert _closed(registered) and rec.count("unregister") == 1
     transfer._sweeper = None
     transfer.close()
-    dev._thread_device.__dict__.pop("index", None)  # (this thread's note of cuda:5, made by the stand-in)
+    cuda._thread_device.__dict__.pop("index", None)  # (this thread's note of cuda:5, made by the stand-in)

@@ -23,8 +23,9 @@ from daemonutil import eventually
 from skippyd.keys import encode_tokens
 from skippyd.payload import TensorSpec
 from skippyd.tensors import device_views
+from skippyd.transfer import cuda, plan
 from skippyd.transfer import device as dev
-from skippyd.transfer import plan
+from skippyd.transfer import leases as leases_module
 from skippyd.transfer.sim import FakeEvent, FakeStream, Recorder
 
 MODEL, STATE = "sim-model@sha256:0", "paged-kv-v1"
@@ -46,7 +47,7 @@ def sim(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iter
     monkeypatch.setattr(torch.cuda, "current_stream", lambda _device=None: current)
     monkeypatch.setattr(torch.cuda, "stream", lambda _stream: contextlib.nullcontext())
     _memmove_batch.calls = 0  # type: ignore[attr-defined]
-    monkeypatch.setattr(dev, "_batch", [_memmove_batch if request.param == "batch" else None])
+    monkeypatch.setattr(cuda, "_batch", [_memmove_batch if request.param == "batch" else None])
     rec = Recorder()
     transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister)
     transfer.idle_sweep = 3600  # (calls sweep; a test of the idle sweeper sets its own)
@@ -794,7 +795,7 @@ class _SlowEvent:
 
 
 def test_unregistering_one_range_waits_only_for_the_copies_that_read_it() -> None:
-    leases = dev._Leases()
+    leases = leases_module._Leases()
     slow = _SlowEvent()
     leases.hold(slow, [], {0x1000})
     leases.drain_for(0x9000)  # another range: no wait (it would hang here otherwise)
@@ -1100,7 +1101,7 @@ def test_a_batch_call_the_driver_refuses_is_issued_one_copy_a_run_and_no_batch_g
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda _device=None: current)
     monkeypatch.setattr(torch.cuda, "stream", lambda _stream: contextlib.nullcontext())
-    monkeypatch.setattr(dev, "_batch", [refusing])
+    monkeypatch.setattr(cuda, "_batch", [refusing])
     rec = Recorder()
     transfer = dev.DeviceTransfer(register=rec.register, unregister=rec.unregister)
     transfer.idle_sweep = 3600

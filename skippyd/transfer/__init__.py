@@ -4,10 +4,11 @@
 * :mod:`.book`: which host memory is registered with CUDA, for which generation of its file or slot
   (pure logic, with injected register/unregister calls).
 * :mod:`.streams`: the caller's CUDA streams carried into a worker thread (the async client's copies).
-* :mod:`.device` (imports torch): CUDA device checks (a typed :class:`~skippyd.errors.NoDevice`), kept
-  mappings of the daemon's files, the registrations, skippyd's own CUDA stream per direction, batched
+* :mod:`.device` (imports torch): the registrations, skippyd's own CUDA stream per direction, batched
   copies (``cuMemcpyBatchAsync`` when ``cuda-bindings`` has it, else one ``cudaMemcpyAsync`` per run
-  through torch) and the events the caller's stream waits on.
+  through torch) and the events the caller's stream waits on; on :mod:`.cuda` (CUDA device checks, a
+  typed :class:`~skippyd.errors.NoDevice`; registration and the batch call's binding), :mod:`.filemaps`
+  (kept mappings of the daemon's files) and :mod:`.leases` (descriptors held until a copy has landed).
 
 The daemon never imports this package. CPU copies do not go through it (they stay plain memcpys).
 """

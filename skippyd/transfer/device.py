@@ -1,11 +1,9 @@
 """CUDA copies between skippyd's shared memory and device tensors (client side; imports torch).
 
-* :func:`resolve_device` turns what a caller passed into a ``torch.device``; asking for CUDA where this
-  process has none (no CUDA build, no GPU, no such index) is :class:`~skippyd.errors.NoDevice`.
-* :class:`FileMaps` keeps shared mappings of the daemon's linked files (entry files, block slabs), made
-  through a fresh open file description (``/proc/self/fd``), so a kept mapping holds no lease: the
-  daemon may evict and reuse the memory, and the *generation* of an entry file or of a slab's slot
-  (docs/protocol.md) says when it did.
+What it stands on: :mod:`.cuda` (which device a caller means, registration, the batched copy, events),
+:mod:`.filemaps` (kept mappings of the daemon's files, through descriptions that hold no lease) and
+:mod:`.leases` (the reply descriptors held until a copy's event has passed).
+
 * :class:`DeviceTransfer` registers the ranges a copy needs with ``cudaHostRegister`` once per entry
   file generation or slot generation (:class:`~skippyd.transfer.book.RegistrationBook`: a punched slot
   re-registers only the ranges over it, waiting only for the copies in flight that read those ranges),
@@ -24,28 +22,37 @@ from __future__ import annotations
 import bisect
 import contextlib
 import ctypes
-import functools
 import logging
 import mmap
 import os
-import stat
-import struct
 import threading
 import time
-import warnings
 import weakref
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Collection, Hashable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from skippyd.errors import BadFrame, InvalidArgument, Mismatch, NoDevice
+from skippyd.errors import BadFrame, InvalidArgument, Mismatch
 
-from . import map_without_leases
 from .book import RegistrationBook, SlotMap
+from .cuda import (
+    _SRC_ACCESS_ORDER_STREAM,
+    _batch_function,
+    _cuda_register,
+    _cuda_unregister,
+    _current_context_of,
+    _event,
+    _make_current,
+    _MemcpyAttributes,
+    batch_available,
+    resolve_device,
+)
+from .filemaps import _LOOK_EVERY_CALL, FileMaps, _address_of, _Mapped, slab_slot_map
+from .leases import _Leases
 from .limits import kept_files, pin_limit
 from .pages import PageLayout
 from .plan import Flat, Run, page_spans, page_spans_of, plan_runs, split_runs
@@ -62,301 +69,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("skippyd.transfer")
-
-_SRC_ACCESS_ORDER_STREAM = 1  # CUmemcpySrcAccessOrder: the source is read in stream order
-_MAX_PENDING = 256  # copies in flight (their leases held) before a new one waits for the oldest
-
-
-# ---------------------------------------------------------------- devices
-
-
-def resolve_device(device: Any) -> torch.device:
-    """``device`` as a ``torch.device`` (None: the CPU); a CUDA device this process cannot use is
-    :class:`~skippyd.errors.NoDevice`, one clear line."""
-    if device is None:
-        return torch.device("cpu")
-    try:
-        target = device if isinstance(device, torch.device) else torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise InvalidArgument(f"not a device: {device!r} ({exc})") from None
-    if target.type != "cuda":
-        return target
-    if not torch.cuda.is_available():
-        why = "this torch has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
-        raise NoDevice(f"{target} was asked for, but {why} (torch {torch.__version__})")
-    count = torch.cuda.device_count()
-    index = target.index if target.index is not None else torch.cuda.current_device()
-    if not 0 <= index < count:
-        raise NoDevice(f"{target} was asked for, but this process sees {count} CUDA device(s)")
-    return torch.device("cuda", index)
-
-
-# ---------------------------------------------------------------- CUDA calls
-
-
-#: cudaHostRegisterPortable: the range is pinned for every CUDA context of the process, not only the one
-#: current on the registering thread (without it, a copy on another device's stream, say a restore to
-#: cuda:1 asked for from a thread whose device is cuda:0, would treat the memory as pageable: ≈ 9× slower).
-_PORTABLE = 1
-#: Whether registrations ask for _PORTABLE (cleared, once, where the driver refuses it but not the rest).
-_portable = [True]
-
-
-def _cuda_register(address: int, nbytes: int, flags: int) -> bool:
-    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-    if _portable[0]:
-        err = cudart.cudaHostRegister(address, nbytes, flags | _PORTABLE)
-        if int(getattr(err, "value", err)) == 0:
-            return True
-        _clear_last_error()
-    err = cudart.cudaHostRegister(address, nbytes, flags)
-    ok = int(getattr(err, "value", err)) == 0
-    if not ok:
-        log.warning("cudaHostRegister of %d bytes failed (%s): copying that memory unpinned", nbytes, err)
-        _clear_last_error()
-    elif _portable[0]:
-        _portable[0] = False
-        log.info("cudaHostRegisterPortable refused where the registration alone is not: not asked again")
-    return ok
-
-
-def _current_context_of(stream: Any) -> contextlib.AbstractContextManager[Any]:
-    """The batch call is a driver call, run in the calling thread's current context: that of ``stream``'s
-    device must be current (the caller's device may be another; torch's ``copy_`` sees to it itself)."""
-    index = _device_index_of(stream)
-    if index is None or index == torch.cuda.current_device():  # (None: the simulator's stand-ins)
-        return contextlib.nullcontext()
-    return torch.cuda.device(index)
-
-
-def _cuda_unregister(address: int) -> None:
-    err = torch.cuda.cudart().cudaHostUnregister(address)  # type: ignore[no-untyped-call]
-    if int(getattr(err, "value", err)) != 0:
-        _clear_last_error()
-
-
-def _clear_last_error() -> None:
-    """A failed runtime call leaves its error for the next ``cudaGetLastError`` of the same runtime
-    library in this thread, which torch would then raise at an unrelated kernel launch: cleared in
-    torch's runtime (the one ``torch.cuda.cudart()`` calls go through), not cuda-bindings' (linked into it
-    statically: clearing that one leaves torch's error in place)."""
-    library = _torch_runtime()
-    if library is not None:
-        library.cudaGetLastError()
-
-
-@functools.cache
-def _torch_runtime() -> Any:
-    """torch's CUDA runtime library as loaded (``libcudart.so.<major>``, by its soname, else the mapped
-    file of that name); None where none is loaded (a torch that links it statically)."""
-    major = (torch.version.cuda or "").split(".")[0]
-    names = [f"libcudart.so.{major}"] if major else []
-    with contextlib.suppress(OSError), open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-        names += sorted({line.split(None, 5)[5].strip() for line in maps
-                         if "/libcudart.so" in line and len(line.split(None, 5)) == 6})  # fmt: skip
-    for name in names:
-        try:
-            library = ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-        except OSError:
-            continue
-        library.cudaGetLastError.restype = ctypes.c_int
-        return library
-    log.debug("no loaded libcudart found: a failed registration's error is not cleared")
-    return None
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = [
-        ("srcAccessOrder", ctypes.c_uint),
-        ("srcLocHint", ctypes.c_uint * 2),
-        ("dstLocHint", ctypes.c_uint * 2),
-        ("flags", ctypes.c_uint),
-    ]
-
-
-_BATCH_TYPE = ctypes.CFUNCTYPE(
-    ctypes.c_uint,  # CUresult
-    ctypes.c_void_p,  # dsts
-    ctypes.c_void_p,  # srcs
-    ctypes.c_void_p,  # sizes
-    ctypes.c_size_t,  # count
-    ctypes.c_void_p,  # attrs
-    ctypes.c_void_p,  # attrsIdxs
-    ctypes.c_size_t,  # numAttrs
-    ctypes.c_void_p,  # failIdx (the 12.8 entry point)
-    ctypes.c_void_p,  # stream
-)
-_batch: list[Any] = []  # [] not looked up yet, [None] unavailable, [function]
-
-
-def _batch_function() -> Any:
-    if not _batch:
-        function = None
-        try:
-            from cuda.bindings import driver
-
-            err, address, _status = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", 12080, 0)
-            if err == driver.CUresult.CUDA_SUCCESS and int(address):
-                function = _BATCH_TYPE(int(address))
-        except Exception as exc:  # no cuda-bindings, or a driver older than 12.8
-            log.debug("cuMemcpyBatchAsync is not available (%s): one copy per run", exc)
-        _batch.append(function)
-    return _batch[0]
-
-
-def batch_available() -> bool:
-    """Whether copies go out as one ``cuMemcpyBatchAsync`` per transfer (else one copy per run)."""
-    return _batch_function() is not None
-
-
-# ---------------------------------------------------------------- kept mappings
-
-
-@dataclass(slots=True)
-class _Mapped:
-    keep: int  # our own description of the file (no lease): to notice it was removed
-    mapping: mmap.mmap
-    size: int
-    base: int  # the mapping's address
-    host: torch.Tensor  # uint8 over the whole mapping
-    writable: bool
-
-
-def _address_of(buffer: Any) -> tuple[int, torch.Tensor]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a read-only mapping: torch warns that it is not writable
-        host = torch.frombuffer(buffer, dtype=torch.uint8)
-    return host.data_ptr(), host
-
-
-def _linked(fd: int) -> bool:
-    try:
-        return os.fstat(fd).st_nlink > 0
-    except OSError:
-        return False
-
-
-_LOOK_EVERY_CALL = 256  # kept mappings up to which every sweep looks at all of them
-
-
-class FileMaps:
-    """Shared mappings of the daemon's linked files (slabs, entry files), kept across calls by (device,
-    inode): the ``limit`` most recently used. Made through ``/proc/self/fd`` (a fresh description: no
-    lease is held by a kept mapping) and dropped once the file is unlinked. ``on_drop(key)`` runs before
-    a mapping goes (the device transfer waits for the copies in flight and unregisters it). Mappings in
-    ``pinned`` (collected copies not issued yet) are never dropped; the limit may be passed meanwhile."""
-
-    def __init__(self, on_drop: Callable[[Hashable], None], limit: int = 256) -> None:
-        self.limit = limit
-        self._on_drop = on_drop
-        self._maps: OrderedDict[Hashable, _Mapped] = OrderedDict()
-        self.pinned: Counter[Hashable] = Counter()
-        self._swept = 0.0
-
-    def get(self, fd: int, end: int, needed: Collection[Hashable] = ()) -> tuple[Hashable, _Mapped] | None:
-        """The mapping of the file open as ``fd`` covering ``[0, end)``; None for a descriptor that is not
-        a linked regular file (a memfd: served once) or that this process cannot open again (the caller
-        copies another way). Mappings in ``needed`` (and pinned ones) are not dropped to make room. A kept
-        mapping is used only while its own file is still linked (so never for another file that took its
-        inode number)."""
-        info = os.fstat(fd)
-        if info.st_nlink == 0 or not stat.S_ISREG(info.st_mode) or info.st_size < end:
-            return None
-        key = (info.st_dev, info.st_ino)
-        found = self._maps.get(key)
-        if found is not None and found.size == info.st_size and _linked(found.keep):
-            self._maps.move_to_end(key)
-            return key, found
-        if found is not None:
-            self.drop(key)
-        made = map_without_leases(fd, info.st_size)
-        if made is None:  # (a file this process may not open again, or map: used through the reply's fd)
-            return None
-        keep, mapping = made
-        base, host = _address_of(mapping)
-        self._maps[key] = _Mapped(keep, mapping, info.st_size, base, host, False)
-        if len(self._maps) > self.limit:
-            for old in [k for k in self._maps if k != key and not self.pinned[k] and k not in needed]:
-                self.drop(old)
-                if len(self._maps) <= self.limit:
-                    break
-        return key, self._maps[key]
-
-    def sweep(self, *, every: float = 0.0) -> None:
-        """Drops mappings of files the daemon removed (their pages would stay alive through us), then the
-        least recently used past the limit; with ``every``, looks for removed files only if the last
-        look is that many seconds old (a call's own mappings are checked by :meth:`get` either way).
-        Past ``_LOOK_EVERY_CALL`` mappings (a raised ``SKIPPYD_KEPT_FILES``) the looks are spaced out in
-        proportion (0.1 s a 256: one ``fstat`` a mapping), so a large working set does not cost each
-        call milliseconds and a removed file's pages go within seconds."""
-        now = time.monotonic()
-        if len(self._maps) > _LOOK_EVERY_CALL:
-            every = max(every, 0.1 * len(self._maps) / _LOOK_EVERY_CALL)
-        if not every or now - self._swept >= every:
-            self._swept = now
-            for key, mapped in list(self._maps.items()):
-                if self.pinned[key]:
-                    continue
-                try:
-                    gone = os.fstat(mapped.keep).st_nlink == 0
-                except OSError:
-                    gone = True
-                if gone:
-                    self.drop(key)
-        if len(self._maps) > self.limit:  # (a layered get may pass it): the least recently used go
-            for key in [k for k in self._maps if not self.pinned[k]][: len(self._maps) - self.limit]:
-                self.drop(key)
-
-    def drop(self, key: Hashable) -> None:
-        mapped = self._maps.pop(key, None)
-        if mapped is None:
-            return
-        self._on_drop(key)
-        del mapped.host
-        with contextlib.suppress(BufferError):
-            mapped.mapping.close()
-        with contextlib.suppress(OSError):
-            os.close(mapped.keep)
-
-    def peek(self, key: Hashable) -> _Mapped | None:
-        """The kept mapping of ``key``, if any (its recency unchanged)."""
-        return self._maps.get(key)
-
-    def close(self) -> None:
-        for key in list(self._maps):
-            self.drop(key)
-
-    def __len__(self) -> int:
-        return len(self._maps)
-
-
-# The slab file layout a client reads slot generations from (docs/format.md, "Block slabs"; the daemon's
-# skippyd.l2.slabs writes it, and a test holds the two to the same numbers)
-_SLAB_MAGIC, _SLAB_VERSION = b"SKPSLAB1", 1
-_SLAB_HEAD = struct.Struct("<8sIIQQ")  # magic, version, slots, slot_size, data_start
-_RECORDS_AT, _RECORD_BYTES, _GENERATION_AT, _MAX_SLOTS = 4096, 256, 192, 256
-
-
-def slab_slot_map(host: np.ndarray) -> SlotMap | None:
-    """A mapped slab's slot generations, as a ``blocks_get`` reply's slot map gives them, read from its
-    records (``host``: uint8 over the whole file); None when it is not a slab of this layout, or one
-    whose records do not carry them (an older daemon's: zero)."""
-    if len(host) < _RECORDS_AT:
-        return None
-    magic, version, slots, slot_size, data_start = _SLAB_HEAD.unpack(host[: _SLAB_HEAD.size].tobytes())
-    if (
-        magic != _SLAB_MAGIC
-        or version != _SLAB_VERSION
-        or not 1 <= slots <= _MAX_SLOTS
-        or data_start < _RECORDS_AT + slots * _RECORD_BYTES
-        or len(host) < data_start + slots * slot_size
-    ):
-        return None
-    records = host[_RECORDS_AT : _RECORDS_AT + slots * _RECORD_BYTES].reshape(slots, _RECORD_BYTES)
-    fields = records[:, _GENERATION_AT : _GENERATION_AT + 8]
-    if not fields.any(axis=1).all():
-        return None  # a slab of a daemon that does not write them (generation 0 is never given)
-    return data_start, slot_size, fields.tobytes()
 
 
 # ---------------------------------------------------------------- the transfer
@@ -417,111 +129,6 @@ class Layered:
         for fd in self.take_leases():
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-class _Leases:
-    """The leases of copies in flight: a thread waits for each copy's event, then closes its descriptors,
-    so the daemon may reuse the memory as soon as the copy has landed (and never before). At most
-    ``_MAX_PENDING`` copies are held; past that, a new one waits for the oldest."""
-
-    def __init__(self) -> None:
-        self._queue: deque[tuple[Any, list[int], set[int], int | None]] = deque()
-        self._held = 0
-        self._reading: Counter[int] = Counter()  # registration address -> copies in flight reading it
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def hold(
-        self, event: Any, fds: list[int], registrations: set[int] | None = None, stream: Any = None
-    ) -> None:
-        """Holds ``fds`` until ``event`` (recorded on ``stream``) passes; ``registrations``: the addresses
-        of the registered ranges the copy reads (each unregisters only once the copy has landed)."""
-        reads = registrations or set()
-        index = _device_index_of(stream)
-        with self._cond:
-            while self._held >= _MAX_PENDING:
-                self._cond.wait()
-            self._queue.append((event, fds, reads, index))
-            self._reading.update(reads)
-            self._held += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="skippyd-leases", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                event, fds, reads, index = self._queue.popleft()
-            try:
-                _make_current(index)
-            except Exception as exc:  # (the copy is still waited for below)
-                log.warning("cannot make cuda:%s current on the leases' thread (%s)", index, exc)
-            try:
-                event.synchronize()
-            except Exception as exc:  # a failed copy still gives its leases back
-                log.warning("a copy's event failed (%s); its leases are released", exc)
-            finally:
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                with self._cond:
-                    self._held -= 1
-                    self._reading.subtract(reads)
-                    for address in reads:
-                        if self._reading[address] <= 0:
-                            del self._reading[address]
-                    self._cond.notify_all()
-
-    def drain(self) -> None:
-        with self._cond:
-            while self._held:
-                self._cond.wait()
-
-    def drain_for(self, address: int) -> None:
-        """Waits until no copy in flight reads the registration made at ``address`` (copies of other
-        registrations go on)."""
-        with self._cond:
-            while self._reading.get(address, 0) > 0:
-                self._cond.wait()
-
-    def __len__(self) -> int:
-        with self._cond:
-            return self._held
-
-
-_thread_device = threading.local()  # .index: the device _make_current made current on this thread
-
-
-def _make_current(index: int | None) -> None:
-    """Makes ``cuda:index`` current on one of skippyd's own threads (the leases', the idle sweeper's),
-    once per change (None: no device, the simulator's). Their CUDA runtime calls (an event's wait,
-    unregistering) on a thread with no device made current would create a context on device 0: hundreds
-    of MiB of a GPU the process may not use. Never on a caller's thread (its current device is its own)."""
-    if index is None or getattr(_thread_device, "index", None) == index:
-        return
-    torch.cuda.set_device(index)
-    _thread_device.index = index
-
-
-def _device_index_of(stream: Any) -> int | None:
-    """The CUDA device of ``stream`` (None: the simulator's stand-ins, or no stream)."""
-    device = getattr(stream, "device", None)
-    if isinstance(device, torch.device) and device.type == "cuda":
-        return device.index
-    return None
-
-
-def _event() -> Any:
-    """The event of copies whose leases the leases' thread holds. Blocking: that thread waits for every
-    copy in flight, and sleeps instead of spinning a core the whole time (a default event's wait spins
-    where the process has fewer CUDA contexts than CPUs, which is every engine), for a wake-up of tens
-    of µs before the leases go, which delays no caller (the caller's stream waits on the event on the
-    GPU). A put's own wait before its request goes out keeps a default event (the caller waits briefly
-    and a wake-up would add to every put)."""
-    return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
 
 
 #: Seconds without a call after which :func:`_sweep_while_idle` looks (then as often, while idle).

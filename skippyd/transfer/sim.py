@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import cuda
 from . import device as dev
 
 __all__ = ["FakeEvent", "FakeStream", "Recorder", "Sim", "memmove_batch", "simulated"]
@@ -139,7 +140,7 @@ def simulated(
         (torch.cuda, "Event", FakeEvent),
         (torch.cuda, "current_stream", lambda _device=None: current),
         (torch.cuda, "stream", lambda _stream: contextlib.nullcontext()),
-        (dev, "_batch", [batch]),
+        (cuda, "_batch", [batch]),
     ]
     if batch is not None:  # the pages' scatter on the "device" moves bytes only when the batch call does
         put_rows = dev._put_rows
