@@ -251,15 +251,9 @@ class DeviceTransfer:
         if not runs:
             return
         self.copies += len(runs)
-
-        def columns() -> tuple[list[int], list[int], list[int]]:
-            return (
-                [address(r.dst, r.dst_offset) for r in runs],
-                [address(r.src, r.src_offset) for r in runs],
-                [r.nbytes for r in runs],
-            )
-
-        if self._issue_batch(columns, stream):
+        dst = [address(r.dst, r.dst_offset) for r in runs]
+        src = [address(r.src, r.src_offset) for r in runs]
+        if self._issue_batch(dst, src, [r.nbytes for r in runs], stream):
             return
         with torch.cuda.stream(stream):
             for run in runs:
@@ -268,15 +262,14 @@ class DeviceTransfer:
                 )
                 self.calls += 1
 
-    def _issue_batch(self, columns: Callable[[], tuple[Any, Any, Any]], stream: torch.cuda.Stream) -> bool:
-        """Issues one transfer's copies as one ``cuMemcpyBatchAsync`` on ``stream``: True once issued;
-        False where the driver has none, or refused this one (then one copy per run, from now on), and
-        the caller issues them itself. ``columns()``: the copies' destination addresses, source addresses
-        and sizes (lists or integer arrays), asked for only where a batch call goes out."""
+    def _issue_batch(self, dst: Any, src: Any, size: Any, stream: torch.cuda.Stream) -> bool:
+        """Issues one transfer's copies (their destination addresses, source addresses and sizes: lists
+        or integer arrays) as one ``cuMemcpyBatchAsync`` on ``stream``: True once issued; False where the
+        driver has none, or refused this one (then one copy per run, from now on), and the caller issues
+        them itself."""
         function = _batch_function() if self._use_batch else None
         if function is None:
             return False
-        dst, src, size = columns()
         count = len(size)
         array = ctypes.c_uint64 * count  # (over numpy copies, writable whatever was given: no object a copy)
         dsts = array.from_buffer(np.array(dst, dtype=np.uint64).data)
@@ -815,7 +808,7 @@ class DeviceTransfer:
         if not count:
             return
         self.copies += count
-        if self._issue_batch(lambda: (dst, src, size), stream):
+        if self._issue_batch(dst, src, size, stream):
             return
         src_keys, dst_keys = buffers
         with torch.cuda.stream(stream):
