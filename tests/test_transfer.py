@@ -1062,3 +1062,31 @@ def test_an_idle_sweep_that_cannot_make_its_device_current_still_unmaps_what_hol
     transfer._sweeper = None
     transfer.close()
     cuda._thread_device.__dict__.pop("index", None)  # (this thread's note of cuda:5, made by the stand-in)
+
+
+def test_a_batch_call_takes_address_columns_given_as_read_only_arrays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch call's arguments are ctypes arrays over numpy buffers; a caller's columns may be read-only
+    arrays (views of a plan's), which ctypes cannot take as they are: the call gets writable copies and
+    the columns' values. Pure logic: a batch stand-in that records what it was given."""
+    import numpy as np
+
+    from skippyd.transfer import cuda
+    from skippyd.transfer.device import DeviceTransfer
+
+    got: list[list[int]] = []
+
+    def batch(dsts: Any, srcs: Any, sizes: Any, count: int, *_rest: Any) -> int:
+        got.extend([list(dsts[:count]), list(srcs[:count]), list(sizes[:count])])
+        return 0
+
+    monkeypatch.setattr(cuda, "_batch", [batch])
+    columns = [np.array(values, dtype=np.uint64) for values in ([8192, 16384], [4096, 12288], [100, 200])]
+    for column in columns:
+        column.flags.writeable = False
+    rec = Recorder()
+    transfer = DeviceTransfer(register=rec.register, unregister=rec.unregister)
+    assert transfer._issue_batch(columns[0], columns[1], columns[2], sim.FakeStream())  # type: ignore[arg-type]
+    assert got == [[8192, 16384], [4096, 12288], [100, 200]]
+    transfer.close()
