@@ -24,7 +24,7 @@ class BuildExt(build_ext):
 
 class BuildPy(build_py):
     """The scripts live at the top of the repository (one file per atomic operation, documented in their
-    headers); the wheel ships them inside the package, where ``skippyd.coordination`` reads them."""
+    headers); the wheel ships them inside the package, where ``skippyd.cluster.coordination`` reads them."""
 
     def run(self) -> None:
         super().run()

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from skippyd.cluster.redis_embedded import EmbeddedRedis
 from skippyd.keys import Identity
 from skippyd.l2 import L2Tier, copy_into
 from skippyd.payload import Entry, TensorDecl
-from skippyd.redis_embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "benchmarks.md"

@@ -170,7 +170,7 @@ def settle(device: torch.device) -> None:
     """The device's work done and skippyd's copies' leases given back (so the daemon may reuse memory)."""
     sync(device)
     if device.type == "cuda":
-        from skippyd.transfer.device import transfer
+        from skippyd.client.transfer.device import transfer
 
         transfer().drain()
 
@@ -564,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.watchdog > 0:
         faulthandler.dump_traceback_later(args.watchdog, repeat=True)
-    from skippyd.transfer.device import batch_available
+    from skippyd.client.transfer.device import batch_available
 
     if args.dry:
         device = torch.device("cpu")
@@ -590,10 +590,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not args.dry:
             return _run(args, device, entries, block_total, block_sizes, ttft_points, budget)
-        # the dry run's CPU "device" goes through the transfer layer as CUDA would (skippyd.transfer.sim:
+        # the dry run's CPU "device" goes through the transfer layer as CUDA would (transfer.sim:
         # stand-in streams and events, a batch call that moves bytes by address), so its exact rows check
         # the same code paths a GPU run takes
-        from skippyd.transfer.sim import simulated
+        from skippyd.client.transfer.sim import simulated
 
         with simulated():
             return _run(args, device, entries, block_total, block_sizes, ttft_points, budget)
@@ -616,7 +616,7 @@ def _run(  # noqa: PLR0917 - main's choices
     budget: str,
 ) -> int:
     import skippyd
-    from skippyd.transfer.device import batch_available
+    from skippyd.client.transfer.device import batch_available
 
     section = partial(_section, profile=args.profile)
     with daemon(args.socket, budget) as path, skippyd.Client(path, timeout=300) as client:
@@ -631,8 +631,8 @@ def _run(  # noqa: PLR0917 - main's choices
                 failed += section("ttft", lambda shape=shape, points=points: ttft(  # type: ignore[misc]
                     client, device, shape, points, 256 * MiB / h2d))  # fmt: skip
         if device.type == "cuda" or args.dry:  # (the dry run's: the simulated transfer's)
-            from skippyd.transfer.cuda import _torch_runtime
-            from skippyd.transfer.device import transfer
+            from skippyd.client.transfer.cuda import _torch_runtime
+            from skippyd.client.transfer.device import transfer
 
             moved = transfer()
             stats = moved.book.stats

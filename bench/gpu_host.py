@@ -4,7 +4,7 @@
 
 What a restore to CUDA costs the host before the DMA engine takes over: the daemon's ``blocks_get``
 round trips, placements, piece lists, run planning, registration look-ups, lease bookkeeping, the batch
-call's arguments. :mod:`skippyd.transfer.sim` stands in for CUDA (streams and events that record, a
+call's arguments. :mod:`skippyd.client.transfer.sim` stands in for CUDA (streams and events that record, a
 ``cudaHostRegister`` that records, a ``cuMemcpyBatchAsync`` that only counts in the timed calls and moves
 the bytes by address in one checked call per case), and the "device" tensors are CPU tensors. So the
 figures are host time (µs), never bandwidth; the bytes a GPU would move are not moved in the timed calls.
@@ -128,7 +128,7 @@ class Case:
 
 def _raw_gets(client: Any, space: Any, keys: list[bytes]) -> None:
     """The daemon's side alone: the blocks_get requests a get_into makes, descriptors closed."""
-    from skippyd.blockspace import MAX_KEYS_PER_REQUEST
+    from skippyd.client.blockspace import MAX_KEYS_PER_REQUEST
 
     done = 0
     while done < len(keys):
@@ -325,7 +325,7 @@ def measure(reps: int, profile: str | None, tokens: int, only: str | None) -> li
     import skippyd
     import skippyd.integrations.transformers  # (the simulator patches its hook)
     from bench.gpu import daemon
-    from skippyd.transfer.sim import simulated
+    from skippyd.client.transfer.sim import simulated
 
     rows: list[dict[str, Any]] = []
     with daemon(None, "10GiB") as path, skippyd.Client(path, timeout=300) as client, simulated() as sim:

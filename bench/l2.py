@@ -21,7 +21,7 @@ import torch
 
 from bench._common import admit as admit_entry
 from bench._common import fmt_rate, fmt_time, machine, median, redis_server, table, timed, write_section
-from skippyd import tensors as skt
+from skippyd.client import tensors as skt
 from skippyd.keys import Identity, cache_key, encode_tokens
 from skippyd.l2 import L2Tier
 from skippyd.payload import TensorDecl

@@ -42,7 +42,7 @@ import redis
 
 import skippyd
 from skippyd import WarmTable
-from skippyd.coordination import _source
+from skippyd.cluster.coordination import _source
 
 from ._common import BenchDaemon, fmt_time, machine, redis_server, table, write_section
 

@@ -42,8 +42,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 
 import skippyd
+from skippyd.cluster.redis_embedded import EmbeddedRedis
 from skippyd.integrations import transformers as skt
-from skippyd.redis_embedded import EmbeddedRedis
 
 VOCAB = 32000
 NODES = ("node-a", "node-b")

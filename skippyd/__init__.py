@@ -40,15 +40,15 @@ __version__ = "0.1.0"
 _LAZY = {
     "Client": "skippyd.client",
     "AsyncClient": "skippyd.client",
-    "BlockSpace": "skippyd.blockspace",
-    "AsyncBlockSpace": "skippyd.blockspace",
-    "BlocksPut": "skippyd.blockspace",
+    "BlockSpace": "skippyd.client.blockspace",
+    "AsyncBlockSpace": "skippyd.client.blockspace",
+    "BlocksPut": "skippyd.client.blockspace",
     "CaptureResult": "skippyd.client",
     "Hit": "skippyd.client",
     "Restored": "skippyd.client",
-    "WarmTable": "skippyd.coordination",
-    "Route": "skippyd.coordination",
-    "Promotions": "skippyd.coordination",
+    "WarmTable": "skippyd.cluster.coordination",
+    "Route": "skippyd.cluster.coordination",
+    "Promotions": "skippyd.cluster.coordination",
     "Identity": "skippyd.keys",
     "cache_key": "skippyd.keys",
     "encode_tokens": "skippyd.keys",
@@ -97,7 +97,7 @@ __all__ = [
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import AsyncClient, CaptureResult, Client, Hit, Restored
-    from .coordination import Promotions, Route, WarmTable
+    from .cluster.coordination import Promotions, Route, WarmTable
     from .keys import Identity, cache_key, encode_tokens
 
 

@@ -460,7 +460,7 @@ def _table(redis_url: str | None, state_dir: str | None, redis_prefix: str | Non
     url = config.redis_url or embedded_redis_url(config.state_dir)
     if url == "none":
         _fail("this configuration runs without Redis (redis_url = none)", 2)
-    from .coordination import WarmTable
+    from .cluster.coordination import WarmTable
 
     return WarmTable.from_url(url, prefix=config.redis_prefix, timeout=5.0, **table)
 

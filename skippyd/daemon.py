@@ -21,8 +21,9 @@ from pathlib import Path
 
 from . import __version__
 from .blocks import Admission
+from .cluster.coordination import Coordinator, LocalPromotions, PromotionSettings
+from .cluster.redis_embedded import EmbeddedRedis
 from .config import Config, human_size
-from .coordination import Coordinator, LocalPromotions, PromotionSettings
 from .display import plural
 from .errors import ConfigError, StoreLocked
 from .files import release_owner_lock, take_owner_lock
@@ -33,7 +34,6 @@ from .l3 import L3Store
 from .locate import remove_runtime, write_runtime
 from .logs import setup_logging
 from .payload import Entry
-from .redis_embedded import EmbeddedRedis
 from .server import Server, check_socket_free
 from .shm import set_copy_threads, share_with
 from .stats import ServerState, Snapshot

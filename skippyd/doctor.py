@@ -92,7 +92,7 @@ def check_redis(config: Config, daemon: Snapshot | None) -> Iterator[Finding]:
             return
     else:
         url = config.redis_url
-    from .coordination import server_version
+    from .cluster.coordination import server_version
 
     try:
         version = server_version(url)

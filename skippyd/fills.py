@@ -47,7 +47,7 @@ PROMOTER = "skippyd-promoter"
 
 
 class PromotionPolicy(Protocol):
-    """Whether an L3 fill earns a place in L2 (see :class:`skippyd.coordination.Promotions`)."""
+    """Whether an L3 fill earns a place in L2 (see :class:`skippyd.cluster.coordination.Promotions`)."""
 
     def consider(self, digest: str, token_count: int, payload_bytes: int, /) -> bool: ...
 

@@ -103,7 +103,8 @@ OPERATIONS: dict[str, Operation] = {
 
 
 class WarmFeed(Protocol):
-    """What the handlers need from the daemon's Redis link (see :class:`skippyd.coordination.Coordinator`)."""
+    """What the handlers need from the daemon's Redis link
+    (:class:`skippyd.cluster.coordination.Coordinator`)."""
 
     def ran(self, model: str, tokens: bytes) -> None: ...
 

@@ -99,7 +99,7 @@ _SHARED_GID = [-1]
 _SHARED_ACL = [b""]
 #: Their mode: readable by that group, so a client of another user in it (the socket's group) can open a
 #: descriptor it was handed again (``/proc/self/fd``) and keep a mapping through a description of its own,
-#: which holds no lease (skippyd.transfer.map_without_leases; mapping the reply's own would keep its
+#: which holds no lease (skippyd.client.transfer.map_without_leases; mapping the reply's own would keep its
 #: leases, and with 0600 files the client had to read through the reply's descriptor every call). No new
 #: reach: the directories stay 0700, so only a descriptor the daemon handed over leads to a file.
 SHARED_MODE = 0o640

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
 from .blocks import BlockCounters
-from .coordination import RedisStatus
+from .cluster.coordination import RedisStatus
 from .display import human_age, plural
 from .durable import DurableStats
 from .fills import FillStats

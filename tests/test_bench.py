@@ -1,6 +1,6 @@
 """The benches the team runs in one prepared try on the GPU machine still run: ``bench.gpu --dry`` (tiny
-sizes, on the CPU, through the simulated transfer: skippyd.transfer.sim) goes through every section, its
-bit-exact checks hold, its copies went through the transfer layer, and it prints its table."""
+sizes, on the CPU, through the simulated transfer: skippyd.client.transfer.sim) goes through every
+section, its bit-exact checks hold, its copies went through the transfer layer, and it prints its table."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import torch
 from daemonutil import DaemonProcess, eventually
 
 import skippyd
-from skippyd import blockspace
+from skippyd.client import blockspace
 from skippyd.errors import InvalidArgument, TooLarge
 
 MODEL, STATE = "block-model@sha256:0", "paged-kv-v1"
@@ -184,7 +184,7 @@ def test_a_leased_slot_is_not_reused_until_its_reader_lets_go(make_daemon: Any) 
 def test_get_into_copies_through_a_kept_slab_mapping_and_a_reused_slot_gives_its_new_bytes(
     make_daemon: Any,
 ) -> None:
-    from skippyd.blockspace import slab_maps
+    from skippyd.client.blockspace import slab_maps
 
     slab_maps.close()
     # with the reserve on: a slot it is faulting in (or a free slot the digester still reads) holds budget
@@ -216,7 +216,7 @@ def test_get_into_copies_through_a_kept_slab_mapping_and_a_reused_slot_gives_its
 def test_a_kept_slab_mapping_holds_no_lease_so_evicted_slots_are_taken_again_at_once(
     make_daemon: Any,
 ) -> None:
-    from skippyd.blockspace import slab_maps
+    from skippyd.client.blockspace import slab_maps
 
     slab_maps.close()
     # (no reserve faulting slots in, no digester leasing them: every put hashes its blocks before its reply)
@@ -286,7 +286,7 @@ def test_a_client_of_another_user_allowed_by_group_uid_or_gid_keeps_its_slab_map
             os.setgroups(groups)
             os.setgid(groups[0])
             os.setuid(_NOBODY)
-            from skippyd.blockspace import slab_maps
+            from skippyd.client.blockspace import slab_maps
 
             slab_maps.close()
             try:
@@ -361,8 +361,8 @@ def test_get_into_copies_through_the_replys_descriptor_where_no_mapping_can_be_m
     import mmap
     from types import SimpleNamespace
 
-    from skippyd import transfer
-    from skippyd.blockspace import slab_maps
+    from skippyd.client import transfer
+    from skippyd.client.blockspace import slab_maps
 
     with daemon.client() as client:
         blocks = space(client, namespace="no-mapping")
@@ -389,7 +389,7 @@ def test_get_into_copies_through_the_replys_descriptor_where_no_mapping_can_be_m
 def test_slab_maps_keep_slab_files_only_and_drop_one_whose_file_is_gone(shm_dir: Path) -> None:
     import os
 
-    from skippyd.blockspace import SlabMaps
+    from skippyd.client.blockspace import SlabMaps
 
     maps = SlabMaps(limit=2)
     paths = [shm_dir / f"slab-{i}" for i in range(4)]
@@ -740,7 +740,7 @@ def test_a_get_leaves_the_chains_head_newest_across_a_restart(make_daemon: Any) 
 
 def _copy_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records how many memcpys each get_into's host copy makes (the runs after merging)."""
-    from skippyd import blockspace
+    from skippyd.client import blockspace
 
     counts: list[int] = []
     original = blockspace._memmoves

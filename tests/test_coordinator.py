@@ -12,11 +12,11 @@ import pytest
 from daemonutil import eventually
 from redisutil import RedisServer
 
-from skippyd import coordination
-from skippyd.coordination import Coordinator
+from skippyd.cluster import coordination
+from skippyd.cluster.coordination import Coordinator
+from skippyd.cluster.rediskeys import WARM_SHARDS, RedisKeys
 from skippyd.errors import CoordinationTimeout, CoordinationUnavailable
 from skippyd.keys import encode_tokens
-from skippyd.rediskeys import WARM_SHARDS, RedisKeys
 
 # about a second of Lua work on the server (it handles nothing else meanwhile)
 BUSY_LUA = "local x = 0 for i = 1, 150000000 do x = x + i end return 1"

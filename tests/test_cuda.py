@@ -1,4 +1,4 @@
-"""The CUDA data path (skippyd.transfer.device), end to end against a real daemon: restores, get_into,
+"""The CUDA data path (skippyd.client.transfer.device), end to end against a real daemon: restores, get_into,
 puts and captures by DMA through registered shared memory, bit-exact, including after the daemon gave
 the memory to other bytes (a new generation). Every test here needs a CUDA device (marked ``cuda``);
 the daemon runs without Redis, as on the GPU machine."""
@@ -28,7 +28,7 @@ def proc(make_daemon: Any) -> Any:
 
 
 def _transfer() -> Any:
-    from skippyd.transfer.device import transfer
+    from skippyd.client.transfer.device import transfer
 
     return transfer()
 
@@ -246,7 +246,7 @@ def test_skt_restore_to_cuda_holds_one_view_a_layer_and_a_recycled_entry_file_re
 
 
 def test_no_device_error_is_not_raised_where_cuda_exists() -> None:
-    from skippyd.transfer.device import resolve_device
+    from skippyd.client.transfer.device import resolve_device
 
     assert resolve_device("cuda").type == "cuda"
     with pytest.raises(skippyd.NoDevice):
@@ -419,7 +419,7 @@ def test_concurrent_restores_through_pinned_buffers_each_get_their_own_bytes(
     DeviceStager (an entry served once, as from L3: forced here) each take a pair of its pinned buffers."""
     import asyncio
 
-    from skippyd.transfer import device as dev
+    from skippyd.client.transfer import device as dev
 
     monkeypatch.setattr(dev.DeviceTransfer, "entry_to_device", lambda *_args, **_kwargs: None)
     payloads = {n: {"x": _random(torch.uint8, (96 << 20,), 40 + n)} for n in range(4)}

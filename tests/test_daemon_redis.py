@@ -23,11 +23,11 @@ from redisutil import RedisServer
 
 from skippyd import WarmTable
 from skippyd.cli import main
-from skippyd.coordination import connect
+from skippyd.cluster.coordination import connect
+from skippyd.cluster.redis_embedded import EmbeddedRedis
+from skippyd.cluster.rediskeys import RedisKeys
 from skippyd.errors import NotConfigured
 from skippyd.files import lock_holder
-from skippyd.redis_embedded import EmbeddedRedis
-from skippyd.rediskeys import RedisKeys
 
 MODEL, STATE = "m", "kv-v1"
 

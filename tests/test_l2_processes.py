@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from l2util import IDENT, key_of, size_of
 
-from skippyd import tensors as skt
+from skippyd.client import tensors as skt
 from skippyd.l2 import L2Tier
 
 READER = textwrap.dedent(
@@ -21,7 +21,7 @@ READER = textwrap.dedent(
     from blake3 import blake3
     from skippyd.l2 import L2Tier
     from skippyd.payload import decode_fixed, decode_header
-    from skippyd.tensors import map_entry
+    from skippyd.client.tensors import map_entry
     from skippyd.shm import open_reader
 
     path = sys.argv[1]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from skippyd.coordination import lua_source
+from skippyd.cluster.coordination import lua_source
 
 SCRIPTS = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "lua").glob("*.lua"))
 

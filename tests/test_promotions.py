@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from skippyd import Promotions
-from skippyd.coordination import LocalPromotions, PromotionSettings
+from skippyd.cluster.coordination import LocalPromotions, PromotionSettings
 
 MiB = 1 << 20
 MAX = 64 * MiB

@@ -19,10 +19,10 @@ from redis.crc import key_slot
 
 from skippyd import Route, WarmTable
 from skippyd.cli import main
-from skippyd.coordination import choose_route
+from skippyd.cluster.coordination import choose_route
+from skippyd.cluster.rediskeys import RedisKeys
 from skippyd.errors import InvalidArgument, NotFound
 from skippyd.keys import WARM_HASH_BYTES
-from skippyd.rediskeys import RedisKeys
 
 
 def prompt(first: int, blocks: int, tail: int = 0) -> list[int]:

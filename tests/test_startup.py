@@ -15,7 +15,7 @@ import torch
 from daemonutil import TEST_SHM, DaemonProcess, eventually
 
 import skippyd
-from skippyd.coordination import WarmTable
+from skippyd.cluster.coordination import WarmTable
 
 
 def _serve(

@@ -11,8 +11,8 @@ import torch
 from test_payload import CONTRACT_DTYPES
 
 from skippyd import payload
+from skippyd.client.tensors import torch_dtype
 from skippyd.keys import encode_tokens
-from skippyd.tensors import torch_dtype
 
 
 @pytest.mark.parametrize(

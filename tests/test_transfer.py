@@ -15,10 +15,10 @@ import torch
 from daemonutil import DaemonProcess
 
 import skippyd
+from skippyd.client.transfer import RegistrationBook, Run, plan, plan_runs, sim, split_runs
+from skippyd.client.transfer.device import FileMaps, resolve_device
+from skippyd.client.transfer.plan import page_spans
 from skippyd.errors import NoDevice
-from skippyd.transfer import RegistrationBook, Run, plan, plan_runs, sim, split_runs
-from skippyd.transfer.device import FileMaps, resolve_device
-from skippyd.transfer.plan import page_spans
 
 MODEL, STATE = "transfer-model@sha256:0", "paged-kv-v1"
 BLOCK = 16
@@ -515,7 +515,7 @@ def test_past_256_kept_files_a_sweep_looks_for_removed_ones_only_every_so_often(
 
 
 def test_the_kept_files_and_registered_bytes_are_256_and_64_gib_unless_set() -> None:
-    from skippyd.transfer.limits import kept_files, pin_limit
+    from skippyd.client.transfer.limits import kept_files, pin_limit
 
     assert (kept_files({}), pin_limit({})) == (256, 64 << 30)
     assert kept_files({"SKIPPYD_KEPT_FILES": " 4096 "}) == 4096
@@ -534,7 +534,7 @@ def test_the_kept_files_and_registered_bytes_are_256_and_64_gib_unless_set() -> 
 def test_a_limit_set_wrong_is_a_config_error_naming_its_variable(
     name: str, value: str, says: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from skippyd.transfer.device import DeviceTransfer
+    from skippyd.client.transfer.device import DeviceTransfer
 
     monkeypatch.setenv(name, value)
     with pytest.raises(skippyd.ConfigError) as raised:
@@ -543,7 +543,7 @@ def test_a_limit_set_wrong_is_a_config_error_naming_its_variable(
 
 
 def test_the_device_transfer_takes_its_limits_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    from skippyd.transfer.device import DeviceTransfer
+    from skippyd.client.transfer.device import DeviceTransfer
 
     monkeypatch.setenv("SKIPPYD_KEPT_FILES", "4096")
     monkeypatch.setenv("SKIPPYD_PIN_LIMIT", "3GiB")
@@ -559,9 +559,9 @@ def test_a_slabs_records_carry_its_slots_generations_where_a_client_reads_them_a
 ) -> None:
     import numpy as np
 
+    from skippyd.client.transfer import filemaps
     from skippyd.l2 import slabs
     from skippyd.shm import PAGE
-    from skippyd.transfer import filemaps
 
     assert (filemaps._SLAB_MAGIC, filemaps._SLAB_VERSION, filemaps._RECORDS_AT, filemaps._RECORD_BYTES) == (
         slabs.SLAB_MAGIC, slabs.SLAB_VERSION, PAGE, slabs.RECORD_SIZE,
@@ -647,7 +647,7 @@ def test_cpu_gets_puts_captures_and_restores_never_make_a_device_transfer(daemon
         "assert b.get_into(keys, out) == 2 and all(o.sum() == 4096 for o in out)\n"
         "c.capture(model='m', state='s', tokens=[1], tensors={'k': torch.ones(3)}, durable=False)\n"
         "assert c.restore(model='m', state='s', tokens=[1]) is not None\n"
-        "import skippyd.transfer.device as d\n"
+        "import skippyd.client.transfer.device as d\n"
         "assert not d._transfer, 'the CPU path made a device transfer'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -671,7 +671,7 @@ def test_skt_restore_to_cuda_without_cuda_raises_no_device(
 def test_the_callers_streams_wrapper_is_the_function_itself_where_cuda_was_never_initialised() -> None:
     """On a CPU-only host (or before any CUDA use) the async client's worker threads run the work as it
     is: nothing to carry, and torch's CUDA state is not touched."""
-    from skippyd.transfer import in_callers_streams
+    from skippyd.client.transfer import in_callers_streams
 
     def work(x: int) -> int:
         return x + 1
@@ -739,7 +739,7 @@ def test_the_callers_streams_reach_a_worker_thread_without_a_context_on_any_othe
     import threading
     from types import SimpleNamespace
 
-    from skippyd.transfer import in_callers_streams
+    from skippyd.client.transfer import in_callers_streams
 
     fake = _FakeCudaRuntime(contexts={2, 3})
     monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=fake))
@@ -778,7 +778,7 @@ def test_registrations_ask_to_be_portable_and_a_driver_that_refuses_only_that_is
     without it, and a range no flags can register is copied unpinned. Pure logic: a recording cudart."""
     from types import SimpleNamespace
 
-    from skippyd.transfer import cuda
+    from skippyd.client.transfer import cuda
 
     calls: list[tuple[int, int, int]] = []
     refuse: set[int] = set()
@@ -810,7 +810,7 @@ def test_a_failed_registration_clears_its_error_in_torchs_own_runtime_library(
     import os
     from types import SimpleNamespace
 
-    from skippyd.transfer import cuda
+    from skippyd.client.transfer import cuda
 
     class Call:
         def __init__(self) -> None:
@@ -853,7 +853,7 @@ def test_a_device_stager_runs_as_many_copies_at_once_as_it_has_pairs_of_buffers_
     import threading
     import time
 
-    from skippyd.tensors import DeviceStager
+    from skippyd.client.tensors import DeviceStager
 
     running, most, made = [0], [0], [0]
     held: set[int] = set()
@@ -897,7 +897,7 @@ def test_a_device_stager_runs_as_many_copies_at_once_as_it_has_pairs_of_buffers_
 def test_a_device_stager_whose_pinned_buffers_cannot_be_made_gives_its_place_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from skippyd.tensors import DeviceStager
+    from skippyd.client.tensors import DeviceStager
 
     def refuse(*_args: Any, **_kwargs: Any) -> torch.Tensor:
         raise RuntimeError("CUDA error: out of memory")
@@ -918,7 +918,7 @@ def test_the_leases_thread_waits_for_each_copy_with_that_copys_device_current(
     events and streams, a recording set_device."""
     from types import SimpleNamespace
 
-    from skippyd.transfer import leases as leases_module
+    from skippyd.client.transfer import leases as leases_module
 
     made: list[int] = []
     seen: list[list[int]] = []
@@ -942,7 +942,7 @@ def test_a_transfers_pieces_merge_within_one_registration_and_one_across_a_bound
     destination buffer, and a span picks the same bytes of every block."""
     from types import SimpleNamespace
 
-    from skippyd.transfer.device import DeviceTransfer
+    from skippyd.client.transfer.device import DeviceTransfer
 
     rec = Recorder()
     transfer = DeviceTransfer(register=rec.register, unregister=rec.unregister)
@@ -978,7 +978,7 @@ def test_the_idle_sweep_makes_the_last_calls_device_current_on_its_own_thread_on
     import mmap
     import threading
 
-    from skippyd.transfer.device import DeviceTransfer
+    from skippyd.client.transfer.device import DeviceTransfer
 
     made: list[tuple[str, int]] = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: made.append((threading.current_thread().name, i)))
@@ -1012,7 +1012,7 @@ def test_a_staging_buffer_released_before_any_call_of_the_transfer_closes_at_onc
     once, not queued for a call that may never come; one a copy still holds a view of is queued."""
     import mmap
 
-    from skippyd.transfer.device import DeviceTransfer
+    from skippyd.client.transfer.device import DeviceTransfer
 
     rec = Recorder()
     transfer = DeviceTransfer(register=rec.register, unregister=rec.unregister)
@@ -1038,8 +1038,8 @@ def test_an_idle_sweep_that_cannot_make_its_device_current_still_unmaps_what_hol
     import mmap
     import threading
 
-    from skippyd.transfer import cuda
-    from skippyd.transfer import device as dev
+    from skippyd.client.transfer import cuda
+    from skippyd.client.transfer import device as dev
 
     def refuse(_index: int) -> None:
         raise RuntimeError("CUDA error: no device")
@@ -1072,8 +1072,8 @@ def test_a_batch_call_takes_address_columns_given_as_read_only_arrays(
     the columns' values. Pure logic: a batch stand-in that records what it was given."""
     import numpy as np
 
-    from skippyd.transfer import cuda
-    from skippyd.transfer.device import DeviceTransfer
+    from skippyd.client.transfer import cuda
+    from skippyd.client.transfer.device import DeviceTransfer
 
     got: list[list[int]] = []
 

@@ -1,5 +1,5 @@
 """The device transfer's own logic on the CPU, against a real daemon: CUDA's streams and events are
-replaced by stand-ins that record what was asked (skippyd.transfer.sim, which bench.gpu_host uses too),
+replaced by stand-ins that record what was asked (skippyd.client.transfer.sim, which bench.gpu_host uses too),
 the "device" tensors are CPU tensors, and the batched copy is a stand-in that moves bytes by address
 with ``memmove`` (so the addresses the batch call would get are checked byte for byte). What this cannot
 check is CUDA itself: tests/test_cuda.py does that on a GPU. Both copy paths (one batch call, one
@@ -20,13 +20,13 @@ import pytest
 import torch
 from daemonutil import eventually
 
+from skippyd.client.tensors import device_views
+from skippyd.client.transfer import cuda, plan
+from skippyd.client.transfer import device as dev
+from skippyd.client.transfer import leases as leases_module
+from skippyd.client.transfer.sim import FakeEvent, FakeStream, Recorder
 from skippyd.keys import encode_tokens
 from skippyd.payload import TensorSpec
-from skippyd.tensors import device_views
-from skippyd.transfer import cuda, plan
-from skippyd.transfer import device as dev
-from skippyd.transfer import leases as leases_module
-from skippyd.transfer.sim import FakeEvent, FakeStream, Recorder
 
 MODEL, STATE = "sim-model@sha256:0", "paged-kv-v1"
 BLOCK = 16
@@ -266,7 +266,7 @@ def test_mappings_a_layered_get_still_needs_outlive_the_limit_and_go_once_it_is_
 def through_sim(sim: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """``BlockSpace.get_into`` sends every tensor piece to the simulated transfer (as it does CUDA ones), and
     counts the memcpys its host path makes (none are expected)."""
-    from skippyd import blockspace
+    from skippyd.client import blockspace
 
     monkeypatch.setattr(blockspace, "_CPU_AS_DEVICE", True)
     monkeypatch.setattr(dev, "transfer", lambda: sim["transfer"])
@@ -364,7 +364,7 @@ def test_put_pages_of_small_device_pages_gathers_them_on_the_device_in_chunks_th
 ) -> None:
     from paged import vllm_block, vllm_caches
 
-    from skippyd import blockspace
+    from skippyd.client import blockspace
 
     gathered: list[int] = []
     real = dev.gather_pages
@@ -483,7 +483,7 @@ def test_a_staging_buffer_dropped_without_close_is_unregistered_before_it_is_unm
     only then goes; one never registered goes at once."""
     import gc
 
-    from skippyd.client import _Staging
+    from skippyd.client.client import _Staging
 
     transfer, rec = sim["transfer"], sim["rec"]
     monkeypatch.setattr(dev, "_transfer", [transfer])

@@ -389,11 +389,11 @@ def test_block_tokens_out_of_range_is_refused_with_one_clear_line(
 def test_a_restore_the_cuda_way_holds_one_view_per_layer_and_continues_exactly(
     client: skippyd.Client, namespace: str, built: Any
 ) -> None:
-    """Through the CUDA simulator (skippyd.transfer.sim: CPU tensors sent the way CUDA ones go), a
+    """Through the CUDA simulator (skippyd.client.transfer.sim: CPU tensors sent the way CUDA ones go), a
     restore copies the blocks into one buffer layer by layer, each layer holds ONE view of its keys in
     every block (not one per block) and an event, and the first forward joins it: the continuation's
     logits equal those on the cache that never left the process, bit for bit."""
-    from skippyd.transfer.sim import simulated
+    from skippyd.client.transfer.sim import simulated
 
     model = built("llama")
     tokens = hfmodels.prompt(3 * B + 40)

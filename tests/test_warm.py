@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from redisutil import RedisServer
 
 from skippyd import WarmTable
+from skippyd.cluster.rediskeys import RedisKeys
 from skippyd.errors import CoordinationUnavailable, InvalidArgument
 from skippyd.keys import WARM_HASH_BYTES, encode_tokens, warm_chain
-from skippyd.rediskeys import RedisKeys
 
 
 class SeedWarm:
@@ -346,7 +346,7 @@ def test_scripts_are_reloaded_after_a_script_flush(redis_url: str) -> None:
 def test_every_key_of_a_script_shares_one_cluster_slot_and_the_shards_spread_over_slots() -> None:
     from redis.crc import key_slot
 
-    from skippyd.rediskeys import WARM_SHARDS
+    from skippyd.cluster.rediskeys import WARM_SHARDS
 
     keys = RedisKeys("prod")
     slots = set()
@@ -396,7 +396,7 @@ def test_every_lua_header_names_the_keys_python_passes(
     from blake3 import blake3
 
     from skippyd import Promotions
-    from skippyd.coordination import _Scripts, lua_source
+    from skippyd.cluster.coordination import _Scripts, lua_source
 
     passed: dict[str, list[list[str]]] = {}
     real_call, real_many = _Scripts.__call__, _Scripts.many

@@ -112,7 +112,7 @@ def test_the_host_pool_seen_as_page_planes_is_every_pages_own_pieces(layout: str
 def test_batch_get_v1_reads_by_page_numbers_and_falls_back_to_pieces_for_a_page_off_its_boundary(
     layout: str, daemon: DaemonProcess, backends: Backends, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from skippyd.blockspace import BlockSpace
+    from skippyd.client.blockspace import BlockSpace
 
     calls: list[str] = []
     for name in ("get_into", "get_into_pages"):

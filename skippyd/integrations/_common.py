@@ -13,7 +13,7 @@ from typing import Any
 from blake3 import blake3
 
 import skippyd
-from skippyd.blockspace import BlockSpace
+from skippyd.client.blockspace import BlockSpace
 from skippyd.errors import SkippydError
 
 __all__ = ["Admission", "admission", "check_durable", "check_options", "layout_state", "why"]
@@ -66,7 +66,7 @@ class Admission:
     under another model, layout or rank is another block, offered on its own."""
 
     def __init__(self, promotions: Any) -> None:
-        from skippyd.coordination import LocalPromotions
+        from skippyd.cluster.coordination import LocalPromotions
 
         self.promotions = promotions
         self.local = LocalPromotions(promotions.settings)

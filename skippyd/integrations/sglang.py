@@ -59,7 +59,7 @@ from blake3 import blake3
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
 import skippyd
-from skippyd.blockspace import BlockSpace
+from skippyd.client.blockspace import BlockSpace
 from skippyd.errors import SkippydError
 from skippyd.integrations._common import admission, check_durable, check_options, layout_state, why
 

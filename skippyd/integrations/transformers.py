@@ -50,10 +50,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from skippyd.blockspace import in_two
+from skippyd.client.blockspace import in_two
+from skippyd.client.transfer.device import (
+    resolve_device,
+)  # the largest block: a model's layers are split below it
 from skippyd.errors import InvalidArgument, Mismatch, NoSpace
 from skippyd.protocol import MAX_BLOCK_BYTES
-from skippyd.transfer.device import resolve_device  # the largest block: a model's layers are split below it
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -685,7 +687,7 @@ class _Store:
         )
 
 
-#: The CUDA simulator only (skippyd.transfer.sim): blocks restored to the CPU go the way CUDA ones do.
+#: The CUDA simulator only (skippyd.client.transfer.sim): blocks restored to the CPU go the way CUDA ones do.
 _CPU_AS_DEVICE = False
 
 
@@ -737,7 +739,7 @@ def _blocks_on_device(  # noqa: PLR0917 - the restore's parts, passed through
     DMA issued layer by layer (a layer's keys and values lie side by side in every block: one run per
     block and layer, or fewer where slots and slices are both consecutive); ``events[layer]`` is set for
     each layer of ``group``."""
-    from skippyd.transfer.device import transfer
+    from skippyd.client.transfer.device import transfer
 
     if not keys:
         return []

@@ -44,7 +44,7 @@ def release_host(mapping: mmap.mmap, addresses: tuple[int, ...]) -> None:
     waiting). Where the device side registered a range of it, that range is unregistered first, at the
     transfer's next call or idle sweep, and only then the mapping closed (until then it stays mapped, so
     no new mapping can take its addresses); imports nothing when the device side never ran."""
-    device = sys.modules.get("skippyd.transfer.device")
+    device = sys.modules.get("skippyd.client.transfer.device")
     if device is None or not device.release_host(mapping, addresses):
         with contextlib.suppress(BufferError):
             mapping.close()

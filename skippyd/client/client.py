@@ -3,7 +3,7 @@
 A restore to the CPU copies nothing: the daemon sends a read-only descriptor of the entry, and the
 tensors are views of a private copy-on-write mapping of it (writing to them never changes the cache).
 A restore to ``cuda:N`` is a DMA from the entry's shared memory, registered with CUDA once per file
-generation (:mod:`skippyd.transfer`), queued on skippyd's stream; the caller's current stream waits for
+generation (:mod:`skippyd.client.transfer`), queued on skippyd's stream; the caller's current stream waits for
 it. (An entry served once from L3 goes through reusable pinned buffers instead.) A capture writes the
 tensors' bytes into shared memory the daemon lent this connection (CUDA tensors by DMA straight into
 it); the daemon copies them into memory only it can write and hashes them there.
@@ -29,9 +29,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
-from . import __version__
-from .blockspace import AsyncBlockSpace, BlockSpace, BlocksPut
-from .errors import (
+from skippyd import __version__
+from skippyd.errors import (
     BadFrame,
     ConnectionLost,
     InvalidArgument,
@@ -40,10 +39,10 @@ from .errors import (
     Timeout,
     error_from_wire,
 )
-from .keys import encode_tokens
-from .locate import DEFAULT_SOCKET, resolve_socket_path
-from .payload import TensorSpec, plan_layout
-from .protocol import (
+from skippyd.keys import encode_tokens
+from skippyd.locate import DEFAULT_SOCKET, resolve_socket_path
+from skippyd.payload import TensorSpec, plan_layout
+from skippyd.protocol import (
     DEFAULT_MAX_FRAME,
     PROTOCOL_VERSION,
     Frame,
@@ -52,6 +51,8 @@ from .protocol import (
     encode_frame,
     recv_fds_into,
 )
+
+from .blockspace import AsyncBlockSpace, BlockSpace, BlocksPut
 from .transfer import in_callers_streams, release_host
 
 if TYPE_CHECKING:  # torch loads on the first capture or restore, so pings and stats stay light
@@ -280,7 +281,7 @@ def _tensor_table(tensors: Mapping[str, Any]) -> tuple[list[Any], list[TensorSpe
 
 def _device(device: str | torch.device | None) -> torch.device:
     """The target of a restore: a CUDA device this process has none of is :class:`NoDevice`."""
-    from .transfer.device import resolve_device
+    from .transfer.cuda import resolve_device
 
     return resolve_device(device)
 
@@ -413,12 +414,12 @@ class _Staging:
         """Unmaps the buffer now where no device copy can have registered it (no CUDA transfer in this
         process); else its registrations go at the transfer's next call or idle sweep, then the mapping,
         in that order, and never waiting here (on an event loop's thread, behind another thread's device
-        copy): :func:`~skippyd.transfer.release_host`."""
+        copy): :func:`~skippyd.client.transfer.release_host`."""
         self._dropped.detach()
         release_host(self.mapping, self._halves)
 
 
-#: The CUDA simulator only (skippyd.transfer.sim): a restore to the CPU goes the way one to CUDA does.
+#: The CUDA simulator only (skippyd.client.transfer.sim): a restore to the CPU goes the way one to CUDA does.
 _CPU_AS_DEVICE = False
 
 
@@ -785,7 +786,7 @@ class Client:
             return _staged_limit(self._connection().info)
 
     def blocks(self, *, model: str, state: str, namespace: str = "", block_tokens: int) -> BlockSpace:
-        """The blocks of one identity and block size (see :class:`~skippyd.blockspace.BlockSpace`)."""
+        """The blocks of one identity and block size (see :class:`~skippyd.client.blockspace.BlockSpace`)."""
         return BlockSpace(
             self._call, self._staged, self._staging_max, ahead=(self._send, self._receive, self._abandon),
             model=model, state=state, namespace=namespace, block_tokens=block_tokens,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from blake3 import blake3
 
-from .errors import ConfigError
+from skippyd.errors import ConfigError
 
 __all__ = ["SCHEMA_VERSION", "WARM_SHARDS", "RedisKeys", "WarmShard"]
 

@@ -127,7 +127,7 @@ def simulated(
     """CUDA simulated on the CPU (see the module). ``mode``: ``"batch"`` (one batch call per issue) or
     ``"per-run"`` (one ``copy_`` per run). ``through``: ``BlockSpace.get_into``, ``Client.restore`` and
     ``skt.restore`` send CPU destinations to the simulated transfer (the process's :func:`dev.transfer`)."""
-    from skippyd import blockspace, client
+    from skippyd.client import blockspace, client
 
     current = FakeStream()
     batch = Batch(copy=copy) if mode == "batch" else None

@@ -5,10 +5,10 @@ What it stands on: :mod:`.cuda` (which device a caller means, registration, the 
 :mod:`.leases` (the reply descriptors held until a copy's event has passed).
 
 * :class:`DeviceTransfer` registers the ranges a copy needs with ``cudaHostRegister`` once per entry
-  file generation or slot generation (:class:`~skippyd.transfer.book.RegistrationBook`: a punched slot
+  file generation or slot generation (:class:`~skippyd.client.transfer.book.RegistrationBook`: a punched slot
   re-registers only the ranges over it, waiting only for the copies in flight that read those ranges),
   merges the copies into runs
-  (:mod:`~skippyd.transfer.plan`), and issues them on skippyd's own stream per device and direction:
+  (:mod:`~skippyd.client.transfer.plan`), and issues them on skippyd's own stream per device and direction:
   one ``cuMemcpyBatchAsync`` call (``cuda-bindings``, the ``gpu`` extra) or one ``copy_`` per run.
 
   - host → device (restore, ``get_into``): returns once the copies are queued; the caller's current
@@ -68,7 +68,7 @@ __all__ = [
     "transfer",
 ]
 
-log = logging.getLogger("skippyd.transfer")
+log = logging.getLogger("skippyd.client.transfer")
 
 
 # ---------------------------------------------------------------- the transfer

@@ -2,7 +2,7 @@
 
 The only module that imports ``redis``. Each fact changes through one Lua script (``skippyd/lua/``),
 so it is atomic on a single Redis, a shared one and a Redis Cluster alike (every script's keys share a
-hash slot; key names come from :mod:`skippyd.rediskeys`). Redis errors become
+hash slot; key names come from :mod:`skippyd.cluster.rediskeys`). Redis errors become
 :class:`~skippyd.errors.CoordinationUnavailable` here, at the boundary.
 
 * :class:`WarmTable` — the seed's ``Warm`` (superfluid ``fleet_warm``): which node last ran each prompt
@@ -38,11 +38,18 @@ from blake3 import blake3
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from .config import valid_node_name, valid_redis_url
-from .errors import CoordinationTimeout, CoordinationUnavailable, InvalidArgument, NotFound, SkippydError
-from .keys import WARM_HASH_BYTES, encode_tokens, warm_chain
+from skippyd.config import valid_node_name, valid_redis_url
+from skippyd.errors import (
+    CoordinationTimeout,
+    CoordinationUnavailable,
+    InvalidArgument,
+    NotFound,
+    SkippydError,
+)
+from skippyd.keys import WARM_HASH_BYTES, encode_tokens, warm_chain
+from skippyd.workers import Health
+
 from .rediskeys import MAX_WARM_SHARDS, WARM_SHARDS, RedisKeys, WarmShard
-from .workers import Health
 
 __all__ = [
     "DEFAULT_PROMOTION",
@@ -60,7 +67,7 @@ __all__ = [
     "server_version",
 ]
 
-log = logging.getLogger("skippyd.coordination")
+log = logging.getLogger("skippyd.cluster.coordination")
 
 THREAD = "skippyd-coordination"
 
@@ -120,7 +127,7 @@ def lua_source(name: str) -> str:
     packed = resources.files("skippyd").joinpath("lua", name)
     if packed.is_file():
         return packed.read_text()
-    return (Path(__file__).resolve().parent.parent / "lua" / name).read_text()
+    return (Path(__file__).resolve().parents[2] / "lua" / name).read_text()
 
 
 class _Scripts:

@@ -24,7 +24,7 @@ from skippyd.errors import InvalidArgument, NoDevice
 
 __all__ = ["batch_available", "resolve_device"]
 
-log = logging.getLogger("skippyd.transfer")
+log = logging.getLogger("skippyd.client.transfer")
 
 _SRC_ACCESS_ORDER_STREAM = 1  # CUmemcpySrcAccessOrder: the source is read in stream order
 

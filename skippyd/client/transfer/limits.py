@@ -11,9 +11,9 @@ are bounded, least recently used first:
 
 Why not more by default: registering pins pages. Those of a slot the daemon punches (and of a file it
 removes) stay pinned, outside the daemon's budget, until this process looks again: about once a second
-while it transfers (:meth:`~skippyd.transfer.device.DeviceTransfer.sweep_punched`), and once a second
+while it transfers (:meth:`~skippyd.client.transfer.device.DeviceTransfer.sweep_punched`), and once a second
 on the idle sweeper's thread when it does not
-(:meth:`~skippyd.transfer.device.DeviceTransfer.sweep_idle`). The bounds cap that memory meanwhile.
+(:meth:`~skippyd.client.transfer.device.DeviceTransfer.sweep_idle`). The bounds cap that memory meanwhile.
 Raise them for a working set larger than 8 GiB where the host has the room.
 
 A value that does not parse is :class:`~skippyd.errors.ConfigError`, naming the variable.

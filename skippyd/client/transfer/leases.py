@@ -15,7 +15,7 @@ from .cuda import _device_index_of, _make_current
 
 __all__: list[str] = []
 
-log = logging.getLogger("skippyd.transfer")
+log = logging.getLogger("skippyd.client.transfer")
 
 _MAX_PENDING = 256  # copies in flight (their leases held) before a new one waits for the oldest
 

@@ -1,13 +1,13 @@
 """The registration book: which host memory is registered with CUDA, for which generation of its file.
 
 Pure logic (no torch, no CUDA): the calls that register and unregister are injected, so the CPU tests
-drive the book with a hook that records them. The device side (:mod:`skippyd.transfer.device`) passes
+drive the book with a hook that records them. The device side (:mod:`skippyd.client.transfer.device`) passes
 ``cudaHostRegister``/``cudaHostUnregister``.
 
 * **Once per memory.** A range is registered the first time a copy needs it and kept for the next
   copies; a later copy that needs more of the same mapping registers only the part not yet covered
   (ranges are never merged: a run is cut at registration boundaries instead, see
-  :func:`skippyd.transfer.plan.split_runs`). Ranges are page-aligned, so two never share a page.
+  :func:`skippyd.client.transfer.plan.split_runs`). Ranges are page-aligned, so two never share a page.
 * **Read-only where it only reads** (``cudaHostRegisterReadOnly``, flag 8, for a ``PROT_READ`` mapping).
 * **Generations.** Every span a copy needs carries the generation the daemon gave its memory: an entry
   file's (one unit: another generation unregisters every range of that file), or a block slot's

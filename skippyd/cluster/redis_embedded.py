@@ -31,10 +31,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .config import embedded_redis_socket, embedded_redis_url
-from .errors import ConfigError, SkippydError, StoreLocked
-from .files import lock_holder, release_owner_lock, take_owner_lock
-from .workers import Health
+from skippyd.config import embedded_redis_socket, embedded_redis_url
+from skippyd.errors import ConfigError, SkippydError, StoreLocked
+from skippyd.files import lock_holder, release_owner_lock, take_owner_lock
+from skippyd.workers import Health
 
 __all__ = ["EmbeddedRedis", "redis_server_binary"]
 
@@ -323,7 +323,7 @@ def _die_with_parent(prctl: Callable[..., int] | None) -> None:
 
 def _ping(path: Path) -> str:
     """``PONG``, ``LOADING`` or ``""`` (no answer yet): one PING over the unix socket, without redis-py
-    (only :mod:`skippyd.coordination` speaks Redis's client protocol for real)."""
+    (only :mod:`skippyd.cluster.coordination` speaks Redis's client protocol for real)."""
     try:
         with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as conn:
             conn.settimeout(1.0)
