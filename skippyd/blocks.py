@@ -785,6 +785,8 @@ class BlockRules:
                     blocks.room_changed()  # committed blocks are evictable: puts waiting look again
                     self._wake_parked()  # and reads parked on these copies go on
                 blocks.touch(job.bound)
+                if to_disk and not held_back and self.writer is not None:
+                    committed += self._present_for_disk(job.bound, committed)
             durability = "none"
             if held_back:
                 admitted, nbytes_to_disk = self._admit(job.space, job.bound)
@@ -860,6 +862,21 @@ class BlockRules:
         with self.l2.lock:
             self._evict_epoch += 1
             self._evict_marks[identity] = self._evict_epoch
+
+    def _present_for_disk(self, bound: Sequence[bytes], committed: Sequence[bytes]) -> list[bytes]:
+        """The blocks of a put to disk that it found held in L2 but L3 does not hold yet (an earlier put
+        without ``durable``, or one whose write is still queued): they go to L3 with this put's own, so a
+        ``"sync"`` reply says ``"written"`` only once every block it names is on disk. Their records ask
+        for the copy from now on (a restart re-queues it). Under the tier's lock."""
+        blocks = self.l2.blocks
+        mine = set(committed)
+        extra = []
+        for key in bound:
+            if key in mine or not blocks.holds(key) or self._on_disk(key):
+                continue
+            blocks.want_written(key)  # (False when it asks already: still waited for, below)
+            extra.append(key)
+        return extra
 
     def _admit(self, space: BlockSpaceId, bound: Sequence[bytes]) -> tuple[list[bytes], int]:
         """Counts every block of a put that only L2 holds toward L3 admission (one call for the put, in

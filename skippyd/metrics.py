@@ -24,8 +24,8 @@ from prometheus_client.registry import Collector
 
 from . import __version__
 from .blocks import BlockCounters
+from .cluster.coordination import RedisStatus
 from .config import parse_addr
-from .coordination import RedisStatus
 from .durable import DurableStats
 from .errors import ConfigError
 from .fills import FillStats
@@ -139,6 +139,8 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
         ("block_backlog", "l3_block_backlog", "blocks waiting for L3 to have room", False),
         ("block_writes_deferred", "l3_block_writes_deferred", "block write jobs deferred", True),
         ("block_recovered", "l3_blocks_recovered", "durable blocks re-queued at start", True),
+        ("block_writes_lost", "l3_block_writes_lost",
+         "blocks that left L2 (or were evicted) before their L3 write read them", True),
     )),
     "ops": (Counters, "skippyd_", _rows(
         ("corrupt_fallbacks", "corrupt_fallbacks", "restores that fell back to a shorter prefix", True),

@@ -48,6 +48,7 @@ class BlockWriterStats:
     block_writes_deferred: int = 0
     block_write_failures: int = 0
     block_recovered: int = 0
+    block_writes_lost: int = 0  # blocks a write found in neither tier (evicted from L2 before it ran)
 
 
 @dataclass(slots=True)
@@ -57,7 +58,7 @@ class _Job:
     seq: int  # its number on the writer's eviction clock (ended once the job is done or dropped)
     nbytes: int
     done: threading.Event | None = None
-    written: bool = False
+    outcome: str = "deferred"  # what a sync put's waiter hears once done: "written", "none" or "deferred"
     attempts: int = 0
     ready_at: float = 0.0
 
@@ -91,9 +92,10 @@ class BlockWriter:
     def submit(
         self, keys: list[bytes], identity: bytes, seq: int, nbytes: int, *, sync: bool, timeout: float
     ) -> str:
-        """Queues these committed blocks (of a put begun at ``seq``) for L3: ``"queued"``, ``"written"``
-        (sync, fsynced), or ``"deferred"`` (the queue is full, or a sync wait ran out: written later unless
-        evicted)."""
+        """Queues these blocks (of a put begun at ``seq``) for L3: ``"queued"``, ``"written"`` (sync: every
+        one of them is in an fsynced pack), ``"none"`` (sync: some left L2 before the write could read
+        them, or were evicted, and L3 does not hold them), or ``"deferred"`` (the queue is full, or a sync
+        wait ran out: written later unless evicted)."""
         if not keys:
             return "written" if sync else "queued"
         job = _Job(keys, identity, self._clock.begin(since=seq), nbytes, threading.Event() if sync else None)
@@ -108,8 +110,7 @@ class BlockWriter:
             self._stats.block_jobs_queued += 1
         if job.done is None:
             return "queued"
-        job.done.wait(timeout)
-        return "written" if job.written else "deferred"
+        return job.outcome if job.done.wait(timeout) else "deferred"
 
     def forget(self, identity: bytes | None) -> None:
         """An explicit eviction: the blocks of ``identity`` (None: all) of puts begun before now are never
@@ -255,8 +256,16 @@ class BlockWriter:
                 for key in owners:
                     if self.l3.blocks.holds(key):
                         self.l2.blocks.mark_written(key)
+                lost = 0
+                for job in live:  # written only where L3 now holds every block the job named
+                    missing = sum(1 for key in job.keys if not self.l3.blocks.holds(key))
+                    job.outcome = "none" if missing else "written"
+                    lost += missing
+            if lost:
+                with self._lock:
+                    self._stats.block_writes_lost += lost
+                log.info("%d block(s) left L2 or were evicted before their L3 write; not written", lost)
             for job in live:
-                job.written = True
                 self._finish(job)
         finally:
             for view in views:

@@ -12,7 +12,7 @@ from blake3 import blake3
 from daemonutil import DaemonProcess, eventually
 
 import skippyd
-from skippyd.blockspace import MAX_KEYS_PER_REQUEST
+from skippyd.client.blockspace import MAX_KEYS_PER_REQUEST
 from skippyd.l3 import L3Store
 from skippyd.l3.packs import BlockItem, PackRecord
 
@@ -61,6 +61,30 @@ def test_sync_blocks_come_back_from_l3_after_a_reboot(make_daemon: Any) -> None:
         out = [torch.empty(NBYTES, dtype=torch.uint8) for _ in keys]
         assert blocks.get_into(keys, out) == 6
         assert all(torch.equal(a, b) for a, b in zip(out, data, strict=True))
+
+
+def test_a_sync_put_of_blocks_l2_already_holds_writes_them_to_l3_before_it_says_written(
+    make_daemon: Any,
+) -> None:
+    """Blocks put first without ``durable`` and then again with ``"sync"`` are present, not stored, the
+    second time: the reply still says ``"written"`` only once L3 holds them, so a reboot keeps them."""
+    proc = make_daemon().start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        keys = blocks.keys(list(range(4 * BLOCK)))
+        data = block_data(4, seed=7)
+        assert blocks.put(keys, data, durable=False).durability == "none"
+        assert client.stats()["l3"]["block_count"] == 0
+        again = blocks.put(keys, data, durable="sync")
+        assert (again.stored, again.present, again.durability) == (0, 4, "written")
+        assert client.stats()["l3"]["block_count"] == 4
+    proc.kill9()
+    reboot(proc)
+    proc.start()
+    with proc.client() as client:
+        blocks = blocks_of(client)
+        assert blocks.contains(keys) == 4
+        assert all(torch.equal(a, b) for a, b in zip(blocks.get(keys), data, strict=True))
 
 
 def test_a_get_of_more_keys_than_one_request_takes_comes_back_whole_from_l3(make_daemon: Any) -> None:
@@ -340,6 +364,44 @@ def test_an_eviction_stays_in_force_for_a_queued_write_however_many_evictions_fo
         writer._write([job])
         assert l2.blocks.held(bind_keys(space, [b"k"])) == 1  # still in L2: the write alone decided
         assert l3.stats().block_count == 0
+
+
+def test_a_sync_block_write_whose_blocks_left_l2_before_it_ran_says_none_not_written(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A queued block job holds no lease: when L2 evicts its blocks before the writer reaches it, nothing
+    can be written, and a sync put's waiter hears ``"none"`` (counted as lost), never ``"written"``."""
+    from skippyd.blocks import BlockRules
+    from skippyd.keys import bind_keys, block_space
+    from skippyd.l2 import L2Tier
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        writer = BlockWriter(l2, l3, Health())  # not started until L2 has let the blocks go
+        rules = BlockRules(l2, l3=l3, writer=writer)
+        space = block_space(MODEL, STATE, "", BLOCK)
+        raw = [b"k0", b"k1", b"k2"]
+        data = memoryview(bytes(range(256)) * 48)
+        answer: dict[str, str] = {}
+        putter = threading.Thread(
+            target=lambda: answer.setdefault(
+                "durability",
+                rules.put(space, raw, [4096] * 3, [0, 4096, 8192], data, durable="sync").durability,
+            )
+        )
+        putter.start()
+        eventually(lambda: writer._queue.qsize() == 1)
+        with l2.lock:
+            while l2.blocks.evict_oldest():
+                pass
+        assert l2.blocks.held(bind_keys(space, raw)) == 0
+        writer.start()
+        putter.join(30)
+        assert answer == {"durability": "none"}
+        assert l3.stats().block_count == 0
+        assert writer.stats().block_writes_lost == 3
+        writer.close()
 
 
 def test_with_second_put_admission_blocks_reach_l3_only_when_offered_again(make_daemon: Any) -> None:
