@@ -326,6 +326,43 @@ def test_a_load_of_an_entry_rewritten_since_its_lookup_is_not_found(l2: L2Tier, 
         assert bytes(buf) == expected_bytes(l2, second)
 
 
+def test_a_load_racing_a_rewrite_of_its_key_is_a_miss_and_quarantines_no_other_key(
+    l2: L2Tier, tmp_path: Path
+) -> None:
+    """A newer write of the key goes into place between a load's index look-up and its manifest read
+    (outside the lock): the load sees the new manifest, which is a miss (the entry changed), not a
+    corrupt one. Quarantining would also take the old object and every other key's manifest sharing it."""
+    first = admit(l2, "abc", [64 * KB], fill=1)
+    twin = admit(l2, "xyz", [64 * KB], fill=1)  # the same bytes under another key: one object for both
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        store(l2, l3, first)
+        store(l2, l3, twin)
+        looked_up = l3.get(first.key)
+        assert looked_up is not None
+        rewrites: list[bool] = []
+        armed = [True]
+        second: list[Entry] = []
+
+        class RewriteBeforeTheRead(Layout):
+            def manifest_path(self, key: str) -> Path:
+                if key == first.key and armed:
+                    armed.clear()  # (the rewrite asks for this path too)
+                    second.append(admit(l2, "abc", [64 * KB], fill=2))  # the same key, other bytes
+                    rewrites.append(store(l2, l3, second[0]))  # lands between the look-up and the read
+                return super().manifest_path(key)
+
+        object.__setattr__(l3, "layout", RewriteBeforeTheRead(l3.layout.root))
+        with pytest.raises(NotFound):
+            l3.load_into(first.key, memoryview(bytearray(first.data_len)), expected=looked_up)
+        assert rewrites == [True]
+        assert l3.stats().corrupt == 0
+        assert load(l3, twin.key) == expected_bytes(l2, twin)
+        assert load(l3, first.key) == expected_bytes(l2, second[0])
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        assert load(l3, twin.key) == expected_bytes(l2, twin), "and after a restart"
+        assert not any((tmp_path / "l3" / "quarantine").iterdir())
+
+
 def test_quarantining_an_old_version_keeps_the_keys_newer_manifest_in_service(
     l2: L2Tier, tmp_path: Path
 ) -> None:

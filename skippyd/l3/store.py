@@ -330,6 +330,10 @@ class L3Store:
             if manifest.entry.ref() != ref.entry or manifest.object != ref.object:
                 raise CorruptEntry("L3 manifest disagrees with the index built from it")
         except CorruptEntry as exc:
+            with self._lock:
+                rewritten = self._index.get(key) is not record
+            if rewritten:  # a newer write of the key went into place after the look-up: this read is stale
+                raise NotFound("the L3 entry changed since it was looked up") from None
             self.quarantine(ref, str(exc))
             raise
         return manifest
