@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from blake3 import blake3
 from daemonutil import DaemonProcess, eventually
 
 import skippyd
 from skippyd.client.blockspace import MAX_KEYS_PER_REQUEST
+from skippyd.errors import NoSpace
 from skippyd.l3 import L3Store
 from skippyd.l3.packs import BlockItem, PackRecord
 
@@ -298,6 +302,67 @@ def test_a_pack_left_mostly_dead_is_compacted_and_its_live_blocks_kept(tmp_path:
             assert store.blocks.read_into([item.record.key], [view]) == 1
             assert bytes(view) == bytes(item.data)
         assert not store.blocks.holds(items[0].record.key)
+
+
+def test_blocks_evicted_while_their_pack_is_compacted_stay_evicted_after_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compaction reads a pack's live blocks without the lock, then writes them as a new pack: an
+    eviction in between (``evict`` of an identity) must not bring them back in the new pack."""
+    from skippyd.l3.packs import L3Blocks
+
+    a, b = b"a" * 32, b"b" * 32
+    items = [_item(a, n) for n in range(6)] + [_item(b, n) for n in range(6, 8)]
+    with L3Store.open(tmp_path / "l3", 1 << 30) as store:
+        assert store.blocks.write(items) == 8
+        with store.lock:
+            assert store.blocks.remove([i.record.key for i in items[:5]]) == 5
+        candidate = store.blocks.compaction_candidate()
+        assert candidate is not None and len(candidate) == 3
+        read = L3Blocks.read_into
+
+        def read_then_evict(self: L3Blocks, keys: Any, views: Any) -> int:
+            count = read(self, keys, views)
+            with store.lock:
+                assert store.blocks.remove_identity(b) == 2  # (what evict does on a handler thread)
+            return count
+
+        monkeypatch.setattr(L3Blocks, "read_into", read_then_evict)
+        assert store.blocks.compact(candidate)
+        monkeypatch.setattr(L3Blocks, "read_into", read)
+        assert [store.blocks.holds(i.record.key) for i in items[5:]] == [True, False, False]
+    with L3Store.open(tmp_path / "l3", 1 << 30) as store:
+        assert [store.blocks.holds(i.record.key) for i in items[5:]] == [True, False, False]
+        assert store.stats().block_count == 1
+
+
+def test_evicting_blocks_on_a_full_disk_is_no_space_and_keeps_what_it_could_not_record(
+    mount_tmpfs: Any,
+) -> None:
+    """An eviction's dead marks cannot be appended on a full disk: the reply is ``no_space`` (never
+    ``internal``) and the blocks stay held, in memory as on disk, instead of leaving the index until the
+    next start brings them back; with room again the same eviction holds across a restart."""
+    root = Path(mount_tmpfs("1m")) / "l3"
+    a, b = b"a" * 32, b"b" * 32
+    items = [_item(a, n) for n in range(3)] + [_item(b, n) for n in range(3, 6)]
+    with L3Store.open(root, 1 << 30) as store:
+        assert store.blocks.write(items) == 6  # one pack: a and b share it
+        filler = root.parent / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"x" * 4096)
+        os.close(fd)
+        with store.lock, pytest.raises(NoSpace):
+            store.blocks.remove_identity(a)
+        assert all(store.blocks.holds(i.record.key) for i in items)
+        filler.unlink()
+    with L3Store.open(root, 1 << 30) as store:
+        assert all(store.blocks.holds(i.record.key) for i in items)
+        with store.lock:
+            assert store.blocks.remove_identity(a) == 3
+    with L3Store.open(root, 1 << 30) as store:
+        assert [store.blocks.holds(i.record.key) for i in items] == [False] * 3 + [True] * 3
 
 
 def test_removed_blocks_stay_removed_after_a_restart_and_duplicates_resolve_to_the_newest(

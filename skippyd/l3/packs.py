@@ -34,7 +34,7 @@ from typing import Any
 
 from blake3 import blake3
 
-from skippyd.errors import CorruptEntry
+from skippyd.errors import CorruptEntry, NoSpace
 from skippyd.files import fsync_dir, private_dirs, remove
 from skippyd.shm import new_name
 
@@ -314,6 +314,8 @@ class L3Blocks:
                 held = self._index.get(key)
                 if key in seen or (held is not None and held[0] is not superseding):
                     continue
+                if superseding is not None and held is None:  # evicted since compaction read it
+                    continue
                 seen.add(key)
                 todo.append(item)
             if not todo:
@@ -361,7 +363,10 @@ class L3Blocks:
             written = 0
             for index, record in enumerate(records):
                 held = self._index.get(record.key)
-                if superseding is not None and held is not None and held[0] is superseding:
+                if superseding is not None:
+                    if held is None or held[0] is not superseding:  # evicted while this pack was written
+                        pack.dead.add(index)
+                        continue
                     superseding.dead.add(held[1])
                     self._unlink_child(record)
                     self._live_bytes -= record.nbytes
@@ -376,8 +381,11 @@ class L3Blocks:
                 self._link_child(record)
                 self._live_bytes += record.nbytes
                 written += 1
-            if pack.dead:
-                self._append_dead(pack, sorted(pack.dead), sync=False)
+            if pack.dead:  # (fsynced: an eviction during the write must not come back after a power cut)
+                try:
+                    self._append_dead(pack, sorted(pack.dead), sync=True)
+                except OSError as exc:  # (the pack is in place; only its dead marks wait for a restart)
+                    log.warning("L3 could not record %d dead block(s) of a new pack: %s", len(pack.dead), exc)
             self._stats.block_writes += 1
             self._stats.block_blocks_written += written
             self._stats.block_bytes_written += size
@@ -444,31 +452,51 @@ class L3Blocks:
     # ------------------------------------------------------------------ removal
     def remove(self, keys: Iterable[bytes], *, sync: bool = True) -> int:
         """Marks these blocks and every block continuing them dead (fsynced with ``sync``); returns how
-        many."""
-        doomed: dict[str, list[int]] = {}
+        many.
+
+        A pack's deaths go to disk before the index forgets its blocks (a pack left with nothing live is
+        removed instead, which writes nothing). Where they cannot be written (a full disk), that pack's
+        blocks stay, here and on disk alike, the others go, and :class:`NoSpace` says so: never an
+        eviction that holds only until the next start."""
+        doomed: dict[str, list[tuple[bytes, int]]] = {}
+        seen: set[bytes] = set()
         stack = [k for k in keys if k in self._index]
-        count = 0
         while stack:
             key = stack.pop()
-            found = self._index.pop(key, None)
-            if found is None:
+            found = self._index.get(key)
+            if found is None or key in seen:
                 continue
-            pack, index = found
-            record = pack.records[index]
-            self._unlink_child(record)
-            stack.extend(self._children.pop(key, ()))
-            pack.dead.add(index)
-            self._live_bytes -= record.nbytes
-            doomed.setdefault(pack.name, []).append(index)
-            count += 1
-        for name, indexes in doomed.items():
+            seen.add(key)
+            doomed.setdefault(found[0].name, []).append((key, found[1]))
+            stack.extend(self._children.get(key, ()))
+        count = 0
+        failure: OSError | None = None
+        for name, victims in doomed.items():
             pack = self._packs[name]
-            if pack.live == 0:
+            whole = pack.live == len(victims)
+            if not whole:
+                try:
+                    self._append_dead(pack, [index for _, index in victims], sync=sync)
+                except OSError as exc:
+                    failure = exc
+                    continue
+            for key, index in victims:
+                record = pack.records[index]
+                del self._index[key]
+                self._unlink_child(record)
+                self._children.pop(key, None)
+                pack.dead.add(index)
+                self._live_bytes -= record.nbytes
+                count += 1
+            if whole:
                 self._drop_pack(pack)
-            else:
-                self._append_dead(pack, indexes, sync=sync)
-        if sync and doomed:
+        if sync and count:
             fsync_dir(self.directory)
+        if failure is not None:
+            log.warning("L3 could not record %d pack(s)' evicted blocks: %s", len(doomed), failure)
+            raise NoSpace(
+                f"L3 could not record the eviction of some blocks ({failure.strerror}); they stay held"
+            ) from failure
         return count
 
     def remove_identity(self, identity: bytes) -> int:
@@ -489,7 +517,8 @@ class L3Blocks:
         pack = min(self._packs.values(), key=lambda p: p.last_use)
         keys = [r.key for i, r in enumerate(pack.records) if i not in pack.dead]
         self._stats.block_evictions += len(keys)
-        self.remove(keys, sync=False)
+        with contextlib.suppress(NoSpace):  # (the pack goes whole; only blocks continuing it elsewhere
+            self.remove(keys, sync=False)  # may stay, unreachable behind it, until their own pack goes)
         if pack.name in self._packs:  # (only if nothing was live: remove() dropped it otherwise)
             self._drop_pack(pack)
         return True
