@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeGuard
 
 from . import __version__
@@ -63,6 +64,7 @@ INLINE, WORKER, BY_PROMPT = "inline", "worker", "by_prompt"
 
 #: TEST HOOK, not a setting: while the file this environment variable names exists, every copy that runs
 #: behind a put's reply waits before it starts (at most a minute), so a test can hold a copy in flight.
+#: A number written into the file lets that many waiting copies through, one at a time (each takes one).
 COPY_GATE_ENV = "SKIPPYD_TEST_COPY_GATE"
 _COPY_GATE_MAX_S = 60.0
 
@@ -526,12 +528,28 @@ def _put_reply(outcome: PutOutcome) -> Reply:
     )
 
 
+_GATE_PASSES = threading.Lock()
+
+
 def _gated(path: str, run: Callable[[], object]) -> object:
-    """The test hook of :data:`COPY_GATE_ENV`: waits while ``path`` exists (at most a minute), then runs."""
+    """The test hook of :data:`COPY_GATE_ENV`: waits while ``path`` exists (at most a minute) and holds
+    no pass for this copy, then runs."""
     deadline = time.monotonic() + _COPY_GATE_MAX_S
-    while os.path.exists(path) and time.monotonic() < deadline:
+    while os.path.exists(path) and time.monotonic() < deadline and not _take_pass(path):
         time.sleep(0.005)
     return run()
+
+
+def _take_pass(path: str) -> bool:
+    with _GATE_PASSES:
+        try:
+            passes = int(Path(path).read_text() or 0)
+        except (OSError, ValueError):
+            return False
+        if passes <= 0:
+            return False
+        Path(path).write_text(str(passes - 1))
+        return True
 
 
 def _blocks_reply(served: Served) -> Reply:

@@ -297,22 +297,26 @@ class Connection:
             self.queued_bytes -= frame.size
             self._account_partial(self.decoder.buffered + self.queued_bytes)
             request_id, body = frame.request_id, frame.body
+            staged = _names_half(body)
             try:
                 if server.stopping:
                     raise ShuttingDown("the daemon is shutting down")
                 op, handler, pooled = server.handlers.route(self.session, body)
             except SkippydError as exc:
-                self._reply_error(request_id, exc)
+                if not self._answer_after_copy(staged, functools.partial(self._reply_error, request_id, exc)):
+                    return
                 continue
             except Exception as exc:  # a bug in routing: answered, never an exception on the loop
-                self._reply_failure(request_id, exc, "routing a request failed")
+                failure = functools.partial(self._reply_failure, request_id, exc, "routing a request failed")
+                if not self._answer_after_copy(staged, failure):
+                    return
                 continue
             state.ops[op] += 1
             started = time.perf_counter()
             session = self.session
             if pooled:
                 work = functools.partial(_run_pooled, handler, session, body)
-                self._submit(request_id, op, started, work, staged=_names_half(body))
+                self._submit(request_id, op, started, work, staged=staged)
                 return
             try:
                 reply = handler(session, body)
@@ -329,6 +333,27 @@ class Connection:
             state.latency.observe(op, time.perf_counter() - started)
         if not self.running and not self.reading:
             self._resume_reading_if_room()
+
+    def _answer_after_copy(self, staged: bool, answer: Callable[[], None]) -> bool:
+        """Sends ``answer`` (an error found before the request ran) now: True. But the answer to a request
+        naming a half, an error too, frees the other half for the client, and the copy of the request
+        before may still read it: then it is sent once that copy has ended, and the connection's later
+        requests wait behind it (False: the caller stops)."""
+        if not (staged and self.copy is not None):
+            answer()
+            return True
+        self.running = True
+
+        def after_the_copy() -> None:  # (from _copied, on the event loop)
+            self.running = False
+            answer()
+            if self.closed and self.copy is None:
+                self.server.handlers.close_session(self.session)
+            self.server.maybe_stopped()
+            self._run_next()
+
+        self.held = after_the_copy
+        return False
 
     def _submit(
         self, request_id: int, op: str, started: float, work: Callable[[], Reply], *, staged: bool = False

@@ -8,6 +8,7 @@ so "the reply came before the copy" is a fact the test arranges, not a race it h
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import threading
 import time
@@ -493,3 +494,107 @@ def test_a_capture_too_large_for_a_half_gets_a_buffer_of_its_own_and_puts_go_bac
         assert restored is not None and restored.digest == result.digest
         assert torch.equal(restored.tensors["x"], big["x"])
         assert same(blocks.get(keys), data)
+
+
+class _Raw:
+    """The protocol by hand: requests pipelined on one connection, replies read when the test says."""
+
+    def __init__(self, path: Path) -> None:
+        import socket
+
+        from skippyd.protocol import FrameDecoder, FrameType
+
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(30)
+        self.sock.connect(str(path))
+        self.decoder = FrameDecoder(expect=(FrameType.REPLY, FrameType.ERROR))
+        self.request_id = 0
+
+    def send(self, body: dict[str, Any]) -> int:
+        from skippyd.protocol import FrameType, encode_frame
+
+        self.request_id += 1
+        self.sock.sendall(encode_frame(FrameType.REQUEST, self.request_id, body))
+        return self.request_id
+
+    def answer(self, timeout: float = 30.0) -> Any:
+        """The next reply or error frame, or None if none comes within ``timeout``."""
+        from skippyd.protocol import recv_fds_into
+
+        self.sock.settimeout(timeout)
+        while (frame := self.decoder.next_frame()) is None:
+            try:
+                data, fds = recv_fds_into(self.sock)
+            except TimeoutError:
+                return None
+            assert data, "the daemon closed the connection"
+            self.decoder.feed(data, fds)
+        return frame
+
+    def close(self) -> None:
+        self.decoder.close()
+        self.sock.close()
+
+
+def test_an_error_for_a_request_naming_a_half_waits_for_the_copy_reading_the_other_half(
+    make_daemon: Any, gate: Path
+) -> None:
+    """At a clean stop a queued put naming half 0 is answered ``shutting_down``: that answer frees half 1
+    for the client, so it comes only once the copy of the put before, which reads half 1, has ended.
+    Before, it came at once, and a client writing half 1 then changed an acknowledged put's bytes."""
+    import mmap
+    import signal
+
+    from skippyd.protocol import FrameType
+
+    proc: DaemonProcess = make_daemon(env={COPY_GATE_ENV: str(gate)}).start()
+    raw = _Raw(proc.socket)
+    ident = {"op": "blocks_put", "model": MODEL, "state": STATE, "namespace": "", "block_tokens": BLOCK}
+
+    def put(key: bytes, half: int) -> dict[str, Any]:
+        one = {"keys": [key], "sizes": [BLOCK_BYTES], "offsets": [0]}
+        return {**ident, **one, "half": half, "durable": False}
+
+    try:
+        raw.send({"op": "hello", "versions": [1]})
+        assert raw.answer().type == FrameType.REPLY
+        raw.send({"op": "stage", "size": 2 * BLOCK_BYTES})
+        staged = raw.answer()
+        assert staged.type == FrameType.REPLY
+        (fd,) = staged.fds
+        region = mmap.mmap(fd, staged.body["size"], flags=mmap.MAP_SHARED)
+        half = staged.body["size"] // 2
+        region[:BLOCK_BYTES] = b"a" * BLOCK_BYTES
+        raw.send(
+            {**ident, "keys": [b"A"], "sizes": [BLOCK_BYTES], "offsets": [0], "half": 0, "durable": False}
+        )
+        assert raw.answer().body["stored"] == 1  # A's copy (of half 0) waits at the gate
+        region[half : half + BLOCK_BYTES] = b"b" * BLOCK_BYTES
+        raw.send(
+            {**ident, "keys": [b"B"], "sizes": [BLOCK_BYTES], "offsets": [0], "half": 1, "durable": False}
+        )
+        raw.send(
+            {**ident, "keys": [b"C"], "sizes": [BLOCK_BYTES], "offsets": [0], "half": 0, "durable": False}
+        )
+        assert raw.answer(_STILL) is None  # B's reply waits for A's copy; C is queued behind B
+        proc.send(signal.SIGTERM)  # C will be answered shutting_down
+        time.sleep(_STILL)
+        gate.write_text("1")  # A's copy passes the gate, B's (of half 1) waits at it
+        b_reply = raw.answer()
+        assert b_reply.type == FrameType.REPLY and b_reply.body["stored"] == 1
+        assert raw.answer(_STILL) is None, "C was answered while B's copy had still to read half 1"
+        gate.unlink()
+        c_error = raw.answer()
+        assert c_error.type == FrameType.ERROR and c_error.body["code"] == "shutting_down"
+        region[half : half + BLOCK_BYTES] = b"X" * BLOCK_BYTES  # the answer let the client write half 1
+        region.close()
+        os.close(fd)
+    finally:
+        raw.close()
+    assert proc.proc is not None and proc.proc.wait(30) == 0
+    proc.proc = None
+    proc.env.pop(COPY_GATE_ENV)
+    proc.start()
+    with proc.client() as client:
+        (got,) = space(client).get([b"B"])  # adopted from the tmpfs: what B's copy read, not the X's
+        assert bytes(got.numpy()) == b"b" * BLOCK_BYTES
