@@ -340,8 +340,8 @@ def _close_all(fds: list[int]) -> None:
 
 def _answered(exc: BaseException) -> bool:
     """True when ``exc`` is the daemon's own error reply: the request is over on its side too.
-    ``shutting_down`` is not: a stopping daemon answers it at once, before a copy behind an earlier
-    reply may have read its staging half, so the connection (and its staging) is dropped."""
+    ``shutting_down`` is not: daemons before 2026-12 answered it at once, before a copy behind an
+    earlier reply may have read its staging half, so the connection (and its staging) is dropped."""
     return isinstance(exc, SkippydError) and not isinstance(
         exc, (Timeout, ConnectionLost, BadFrame, ShuttingDown)
     )
