@@ -16,6 +16,7 @@ import contextlib
 import grp
 import logging
 import os
+import resource
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -62,6 +63,7 @@ def run(
     """
     setup_logging(config.log_level, config.log_format)
     preflight(config)
+    raise_open_files_limit()
     set_copy_threads(config.copy_thread_count)  # (a copy_threads above 8 gets the threads it names)
     # the files clients are handed: readable by the socket's group and the allowed ids (shm.share)
     group = grp.getgrnam(config.socket_group).gr_gid if config.socket_group else -1  # (preflight checked it)
@@ -228,6 +230,20 @@ def _owned(what: str, flag: str) -> Iterator[None]:
         raise StoreLocked(
             f"{exc}: another skippyd uses this {what}; stop it, or give this daemon its own {flag}"
         ) from None
+
+
+def raise_open_files_limit(most: int = 1 << 20) -> int:
+    """Raises this process's soft limit on open descriptors to its hard limit (at most ``most``), as
+    servers do: slab and entry descriptors travel in replies, and a shell's soft limit is often 1024.
+    Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = most if hard == resource.RLIM_INFINITY else min(hard, most)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("could not raise the open files limit from %d to %d: %s", soft, target, exc)
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def preflight(config: Config) -> None:

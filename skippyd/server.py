@@ -51,9 +51,14 @@ log = logging.getLogger("skippyd.server")
 
 _RECV_SIZE = 256 * 1024
 _MAX_OUT_BYTES = 8 << 20
+#: Descriptors replies may hold while they wait for a client to read them: past this, a connection's
+#: queued requests wait (a client pipelining gets and never reading would otherwise hold the daemon's
+#: descriptors until it has none left for anyone).
+_MAX_OUT_FDS = 64
 _MAX_QUEUED_FRAMES = 64
 _MAX_QUEUED_BYTES = 32 << 20  # decoded requests waiting on one connection
 _MAX_CONNECTIONS = 2048
+_ACCEPT_PAUSE_S = 0.5  # how long accepting rests when the daemon is out of descriptors or memory
 _MAX_CONNECTIONS_PER_UID = 1024  # one local user cannot take every slot from the others
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
@@ -187,6 +192,7 @@ class Connection:
         self.running = False
         self.out: deque[tuple[memoryview, list[int]]] = deque()
         self.out_bytes = 0
+        self.out_fds = 0  # descriptors held by replies in ``out``
         self.reading = False
         self.writing = False
         self.closed = False
@@ -215,7 +221,7 @@ class Connection:
     def waiting_on_us(self) -> bool:
         """Reading is paused because this connection's earlier requests are still running or queued
         (not because the client stopped reading its replies): its frame clock does not run."""
-        return not self.reading and not self.closed and self.out_bytes <= _MAX_OUT_BYTES
+        return not self.reading and not self.closed and not self._replies_backed_up()
 
     def _pause_reading(self) -> None:
         if self.reading:
@@ -272,8 +278,12 @@ class Connection:
         return (
             len(self.queue) < _MAX_QUEUED_FRAMES
             and self.queued_bytes <= _MAX_QUEUED_BYTES
-            and self.out_bytes <= _MAX_OUT_BYTES
+            and not self._replies_backed_up()
         )
+
+    def _replies_backed_up(self) -> bool:
+        """The client is not reading its replies: this connection's next requests wait until it does."""
+        return self.out_bytes > _MAX_OUT_BYTES or self.out_fds > _MAX_OUT_FDS
 
     def _protocol_error(self, exc: SkippydError) -> None:
         log.info("closing connection %d: %s", self.session.id, exc)
@@ -291,6 +301,8 @@ class Connection:
         server = self.server
         state = server.state
         while not self.running and self.queue and not self.closed:
+            if self._replies_backed_up():
+                break  # it runs once the client has read its replies (_on_writable runs it)
             if self.copy is not None and not _names_half(self.queue[0].body):
                 break  # it runs once this connection's copies have committed (_copied runs it)
             frame = self.queue.popleft()
@@ -482,7 +494,11 @@ class Connection:
         self._send(data, reply.fds)
 
     def _reply_failure(self, request_id: int, exc: Exception, what: str) -> None:
-        """A typed error goes back as itself; anything else is a bug: logged, answered as internal."""
+        """A typed error goes back as itself; the daemon out of descriptors is ``busy`` (it passes);
+        anything else is a bug: logged, answered as internal."""
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            log.warning("%s: the daemon is out of file descriptors (%s)", what, exc)
+            exc = Busy("the daemon is out of file descriptors; retry shortly")
         if not isinstance(exc, SkippydError):
             log.error("%s", what, exc_info=exc)
             exc = SkippydError(f"internal error: {type(exc).__name__}")
@@ -518,6 +534,7 @@ class Connection:
                 data = data[sent:]
         self.out.append((memoryview(data), fds))
         self.out_bytes += len(data)
+        self.out_fds += len(fds)
         self._flush()
 
     def _flush(self) -> None:
@@ -534,6 +551,7 @@ class Connection:
                 break
             if fds:
                 _close_fds(fds)  # the kernel holds them now, attached to the first byte sent
+                self.out_fds -= len(fds)
             self.out_bytes -= sent
             if sent == len(view):
                 self.out.popleft()
@@ -541,7 +559,7 @@ class Connection:
                 self.out[0] = (view[sent:], [])
                 break
         if self.out and not self.writing and not self.closed:
-            self.server.loop.add_writer(self.fd, self._flush)
+            self.server.loop.add_writer(self.fd, self._on_writable)
             self.writing = True
         elif not self.out and self.writing:
             self.server.loop.remove_writer(self.fd)
@@ -549,6 +567,12 @@ class Connection:
         self._maybe_close()
         if not self.out:
             self._resume_reading_if_room()
+
+    def _on_writable(self) -> None:
+        """The client reads again: send what waits, then run what its backed-up replies held back."""
+        self._flush()
+        if not self.closed and not self.running and self.queue and not self._replies_backed_up():
+            self._run_next()
 
     def _maybe_close(self) -> None:
         if self.close_after_flush and not self.out and not self.running:
@@ -570,6 +594,7 @@ class Connection:
         for _view, fds in self.out:
             _close_fds(fds)
         self.out.clear()
+        self.out_fds = 0
         self.queue.clear()
         self.queued_bytes = 0
         self._account_partial(0)
@@ -583,7 +608,10 @@ class Connection:
 
 def _names_half(body: Any) -> bool:
     """A staged request that names its staging half (answered only once the copy before it has ended)."""
-    return isinstance(body, dict) and body.get("op") in STAGED_OPS and body.get("half") is not None
+    if not isinstance(body, dict):
+        return False
+    op = body.get("op")  # (any msgpack value: a map or a list is unhashable)
+    return isinstance(op, str) and op in STAGED_OPS and body.get("half") is not None
 
 
 def _run_pooled(handler: Handler, session: Session, body: dict[str, Any]) -> Reply:
@@ -741,6 +769,20 @@ class Server:
                     conn.close()
 
     # ------------------------------------------------------------- connections
+    def _pause_accepting(self, seconds: float) -> None:
+        """Stops accepting for ``seconds`` (new clients wait in the listen backlog meanwhile)."""
+        published = self._published
+        if published is None or self.stopping:
+            return
+        with contextlib.suppress(ValueError, OSError):
+            self.loop.remove_reader(published.sock.fileno())
+
+        def resume() -> None:
+            if self._published is published and not self.stopping:
+                self.loop.add_reader(published.sock.fileno(), self._accept)
+
+        self.loop.call_later(seconds, resume)
+
     def _accept(self) -> None:
         assert self._published is not None
         for _ in range(64):
@@ -750,6 +792,8 @@ class Server:
                 return
             except OSError as exc:
                 log.warning("accept failed: %s", exc)
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause_accepting(_ACCEPT_PAUSE_S)  # (else the ready socket spins the loop)
                 return
             sock.setblocking(False)
             self._next_session += 1

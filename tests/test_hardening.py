@@ -483,3 +483,108 @@ def test_l2_and_l3_filling_up_mid_write_leave_every_thread_alive_and_captures_re
     with L3Store.open(l3_fs / "l3", 1 << 30) as store:
         report = store.last_reconciliation
         assert report.manifests_quarantined == 0 and report.orphans_collected == 0, report
+
+
+def _open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_client_that_pipelines_gets_and_never_reads_holds_a_bounded_number_of_descriptors(
+    daemon: DaemonProcess,
+) -> None:
+    """Each ``blocks_get`` reply carries slab descriptors; replies a client does not read wait in the
+    daemon with theirs. A client sending gets without end and reading nothing holds at most a few dozen
+    of the daemon's descriptors (its later requests wait), and every other client is served as before."""
+    import select
+    import socket
+
+    from skippyd.protocol import FrameType, encode_frame
+
+    assert daemon.proc is not None
+    pid = daemon.proc.pid
+    with daemon.client() as client:
+        blocks = client.blocks(model="m", state="s", block_tokens=16)
+        keys = blocks.keys(list(range(16 * 8)))
+        # eight size classes: eight slabs, so each get reply carries eight descriptors
+        data = [torch.full((4096 << i,), i, dtype=torch.uint8) for i in range(8)]
+        assert blocks.put(keys, data, durable=False).stored == 8
+        assert blocks.contains(keys) == 8
+        before = _open_fds(pid)
+        hostile = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        hostile.connect(str(daemon.socket))
+        hostile.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]}))
+        get = {
+            "op": "blocks_get",
+            "model": "m",
+            "state": "s",
+            "namespace": "",
+            "block_tokens": 16,
+            "keys": keys,
+        }
+        frames = encode_frame(FrameType.REQUEST, 2, get) * 500
+        hostile.setblocking(False)
+        pending = memoryview(frames)
+        deadline = time.monotonic() + 3
+        most = before
+        while time.monotonic() < deadline:
+            try:
+                sent = hostile.send(pending)
+                pending = pending[sent:] if sent < len(pending) else memoryview(frames)
+            except BlockingIOError:
+                select.select([], [hostile], [], 0.1)
+            most = max(most, _open_fds(pid))
+        try:
+            assert most - before <= 96, f"the daemon went from {before} to {most} descriptors"
+            other = client.blocks(model="m", state="s", block_tokens=16)
+            got = other.get(keys)
+            assert [int(t[0]) for t in got] == list(range(8))
+            assert client.ping()
+        finally:
+            hostile.close()
+    assert eventually(lambda: _open_fds(pid) <= before + 8)
+
+
+def test_the_daemon_raises_its_open_files_limit_to_the_hard_limit() -> None:
+    """Started from a shell whose soft limit is low, the daemon serves with its hard limit (bounded)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "from skippyd.daemon import raise_open_files_limit\n"
+        "print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    returned, now, hard = (int(x) for x in out.stdout.split())
+    want = 1 << 20 if hard < 0 else min(hard, 1 << 20)
+    assert returned == now == want > 256
+
+
+@pytest.mark.parametrize("op", [{"a": 1}, [1, 2], None, 7])
+def test_an_op_that_is_not_a_string_is_an_invalid_argument_even_with_a_half(
+    daemon: DaemonProcess, op: object
+) -> None:
+    import socket
+
+    from skippyd.protocol import FrameDecoder, FrameType, encode_frame, recv_fds_into
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(str(daemon.socket))
+        sock.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]}))
+        sock.sendall(encode_frame(FrameType.REQUEST, 2, {"op": op, "half": 0}))
+        decoder = FrameDecoder(expect=(FrameType.REPLY, FrameType.ERROR))
+        frames: list[Any] = []
+        while len(frames) < 2:
+            while (frame := decoder.next_frame()) is not None:
+                frames.append(frame)
+            if len(frames) < 2:
+                data, fds = recv_fds_into(sock)
+                assert data, "the daemon closed the connection"
+                decoder.feed(data, fds)
+        decoder.close()
+    assert frames[1].type == FrameType.ERROR and frames[1].body["code"] == "invalid_argument"
+    with daemon.client() as client:
+        assert client.ping()
