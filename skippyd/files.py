@@ -10,7 +10,15 @@ from pathlib import Path
 
 from .errors import ConfigError, InvalidArgument, StoreLocked
 
-__all__ = ["fsync_dir", "lock_holder", "private_dirs", "release_owner_lock", "remove", "take_owner_lock"]
+__all__ = [
+    "durable_dir",
+    "fsync_dir",
+    "lock_holder",
+    "private_dirs",
+    "release_owner_lock",
+    "remove",
+    "take_owner_lock",
+]
 
 log = logging.getLogger("skippyd.files")
 
@@ -31,6 +39,16 @@ def private_dirs(*paths: Path) -> None:
             )
         if os.lstat(path).st_mode & 0o077:
             os.chmod(path, 0o700)
+
+
+def durable_dir(path: Path) -> None:
+    """``path`` is a directory (0700) whose entry in its parent is on disk: where this call creates it,
+    it fsyncs the parent, so a file fsynced and renamed into it later survives a power cut with it."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        return
+    fsync_dir(path.parent)
 
 
 # The owner locks this process holds: directory (st_dev, st_ino) -> (descriptor, owner) for each holder; the

@@ -411,3 +411,38 @@ def test_a_store_from_before_objects_were_named_by_layout_is_adopted_not_wiped(
         assert report.manifests_quarantined == 0 and report.orphans_collected == 1  # the old name
         assert load(upgraded, entry.key) == expected_bytes(l2, entry)
     assert current.exists() and not legacy.exists()
+
+
+def test_a_new_shard_directory_is_on_disk_before_a_file_is_renamed_into_it_and_evictions_are_synced(
+    l2: L2Tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An acknowledged write's manifest and object sit in ``xx/`` shard directories created on demand:
+    each new one's entry is fsynced in its parent (the rename's own directory fsync does not cover it),
+    so a power cut cannot lose the directory, and with it the acknowledged file."""
+    import skippyd.files
+    import skippyd.l3.layout
+    import skippyd.l3.store
+
+    synced: list[Path] = []
+    real = skippyd.files.fsync_dir
+
+    def recording(path: Path) -> None:
+        synced.append(Path(path))
+        real(path)
+
+    monkeypatch.setattr(skippyd.files, "fsync_dir", recording)
+    monkeypatch.setattr(skippyd.l3.layout, "fsync_dir", recording)
+    monkeypatch.setattr(skippyd.l3.store, "fsync_dir", recording)
+    entry = admit(l2, "abc", [64 * KB])
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        synced.clear()
+        assert store(l2, l3, entry)
+        found = l3.get(entry.key)
+        assert found is not None
+        for final in (l3.layout.manifest_path(entry.key), l3.layout.object_path(found.object)):
+            shard = final.parent
+            assert shard.parent in synced and shard in synced, (final, synced)
+            assert synced.index(shard.parent) < synced.index(shard)  # the directory first, then the file
+        synced.clear()
+        assert l3.remove(entry.key)
+        assert l3.layout.manifest_path(entry.key).parent in synced, "an explicit eviction is durable too"

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from skippyd.files import fsync_dir, private_dirs
+from skippyd.files import durable_dir, fsync_dir, private_dirs
 
 __all__ = ["Layout"]
 
@@ -81,7 +81,7 @@ class Layout:
 
     def stage_file(self, final: Path, data: memoryview) -> Path:
         """Writes and fsyncs ``data`` to a temporary file for ``final``; returns its path."""
-        final.parent.mkdir(mode=0o700, exist_ok=True)
+        durable_dir(final.parent)
         temp = self.tmp / f"{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         view = memoryview(data).cast("B")
@@ -104,7 +104,7 @@ class Layout:
         return temp
 
     def write_link(self, path: Path) -> None:
-        path.parent.mkdir(mode=0o700, exist_ok=True)
+        durable_dir(path.parent)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         os.close(fd)
         fsync_dir(path.parent)

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from skippyd.errors import CorruptEntry
-from skippyd.files import fsync_dir, remove
+from skippyd.files import durable_dir, fsync_dir, remove
 from skippyd.keys import is_hex_digest
 
 from .layout import Layout
@@ -133,7 +133,7 @@ def _adopt_legacy_object(layout: Layout, manifest: Manifest, objects: dict[str, 
     orphans."""
     old = layout.object_path(manifest.entry.digest)
     new = layout.object_path(manifest.object)
-    new.parent.mkdir(mode=0o700, exist_ok=True)
+    durable_dir(new.parent)
     os.link(old, new)
     fsync_dir(new.parent)
     objects[manifest.object] = objects[manifest.entry.digest]

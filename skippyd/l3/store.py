@@ -517,34 +517,53 @@ class L3Store:
             raise NoSpace("L3 is read-only: the write would take the disk below its minimum free space")
         self._make_room(need)
 
-    def _remove_record(self, record: _Record) -> None:
+    def _remove_record(self, record: _Record, touched: set[Path] | None = None) -> None:
+        """Forgets one entry and unlinks its manifest and link; with ``touched``, adds the directories
+        whose entries changed (an explicit eviction fsyncs them: it must not come back after a power
+        cut; a budget eviction need not)."""
         self._unindex(record)
         for path in (self.layout.manifest_path(record.entry.key), self._link_of(record.entry)):
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+            if touched is not None:
+                touched.add(path.parent)
         self._drop_object_if_unused(record.object)
 
+    def _sync_dirs(self, touched: set[Path]) -> None:
+        for directory in sorted(touched):
+            with contextlib.suppress(FileNotFoundError):
+                fsync_dir(directory)
+
     def remove(self, key: str) -> bool:
+        """Removes the entry under ``key``, durably (its manifest's removal is fsynced)."""
+        touched: set[Path] = set()
         with self._lock:
             record = self._index.get(key)
             if record is None:
                 return False
-            self._remove_record(record)
-            return True
+            self._remove_record(record, touched)
+        self._sync_dirs(touched)
+        return True
 
     def remove_by_digest(self, digest: str) -> int:
+        touched: set[Path] = set()
         with self._lock:
             keys = self._index.keys_of(digest)
             for key in keys:
-                self.remove(key)
-            return len(keys)
+                record = self._index.get(key)
+                if record is not None:
+                    self._remove_record(record, touched)
+        self._sync_dirs(touched)
+        return len(keys)
 
     def clear(self) -> int:
+        touched: set[Path] = set()
         with self._lock:
             records = list(self._index)
             for record in records:
-                self._remove_record(record)
-            return len(records)
+                self._remove_record(record, touched)
+        self._sync_dirs(touched)
+        return len(records)
 
     # ----------------------------------------------------------------- read path
     def load_into(self, key: str, dest: memoryview, *, expected: L3Ref | None = None) -> Manifest:
