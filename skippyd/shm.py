@@ -194,6 +194,22 @@ def allocate_file(path: Path, size: int) -> int:
     return fd
 
 
+def fill_holes(fd: int, size: int, *, start: int = 0) -> None:
+    """Gives bytes ``[start, start + size)`` of a tmpfs file their pages now where it has holes (a file
+    copied with ``cp --sparse``/``rsync -S``, or made by hand, next to what this daemon writes): a
+    write through a mapping into a hole faults a page in, and on a full tmpfs that is SIGBUS, the
+    daemon gone. :class:`NoSpace` when the tmpfs cannot give them (drop the file); ``fd`` is writable."""
+    st = os.fstat(fd)
+    if start == 0 and size >= st.st_size and st.st_blocks * 512 >= st.st_size:
+        return  # (every page of the file there already: the common case, one fstat)
+    try:
+        os.posix_fallocate(fd, start, size)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise NoSpace(f"no space to fill the holes of an adopted file: {exc.strerror}") from exc
+        raise
+
+
 def map_rw(fd: int, size: int) -> mmap.mmap:
     """A shared read-write mapping of the first ``size`` bytes of ``fd``."""
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)

@@ -6,6 +6,7 @@ one exact system call, the call is made to fail in-process (``os.pwrite`` raisin
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
@@ -588,3 +589,46 @@ def test_an_op_that_is_not_a_string_is_an_invalid_argument_even_with_a_half(
     assert frames[1].type == FrameType.ERROR and frames[1].body["code"] == "invalid_argument"
     with daemon.client() as client:
         assert client.ping()
+
+
+def test_a_sparse_file_left_in_l2_is_given_its_pages_or_dropped_at_start_never_a_sigbus(
+    mount_tmpfs: Any, monkeypatch: pytest.MonkeyPatch, tmp_short: Path
+) -> None:
+    """A free file of the right size but with no pages (copied with ``cp --sparse``, or made by hand)
+    would be reused for a capture and written through a mapping: on a full tmpfs, SIGBUS. Adoption gives
+    it its pages, or, where the tmpfs has none to give, drops it: the capture is ``no_space`` and the
+    daemon stays up."""
+    import daemonutil
+
+    import skippyd
+
+    monkeypatch.setattr(daemonutil, "TEST_SHM", str(mount_tmpfs("64m")))
+    proc = DaemonProcess(tmp_short, "--l2-reserve", "0", "--redis-url", "none", budget="48MiB")
+    tensor = torch.ones(1 << 20, dtype=torch.float32)  # 4 MiB
+    try:
+        proc.start()
+        with proc.client() as client:
+            client.capture(model="m", state="s", tokens=[1], tensors={"t": tensor}, durable=False)
+        size = next((proc.shm_dir / "entries").iterdir()).stat().st_size
+        proc.stop()
+        sparse = proc.shm_dir / "free" / "0123456789abcdef.free"
+        with sparse.open("wb") as f:
+            f.truncate(size)  # the right size class, no pages
+        assert sparse.stat().st_blocks == 0
+        filler = proc.shm_dir.parent / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, b"\0" * (1 << 20))
+        os.close(fd)
+        proc.start()
+        assert not sparse.exists(), "a sparse free file the full tmpfs cannot fill is dropped at start"
+        with proc.client() as client, pytest.raises(skippyd.NoSpace):
+            client.capture(model="m", state="s", tokens=[2], tensors={"t": tensor}, durable=False)
+        assert proc.proc is not None and proc.proc.poll() is None
+        filler.unlink()
+        with proc.client() as client:
+            client.capture(model="m", state="s", tokens=[3], tensors={"t": tensor}, durable=False)
+            assert client.restore(model="m", state="s", tokens=[3]) is not None
+    finally:
+        proc.cleanup()

@@ -19,7 +19,7 @@ from pathlib import Path
 from skippyd.errors import CorruptEntry, SkippydError
 from skippyd.files import remove
 from skippyd.payload import Entry, decode_fixed, decode_header, payload_digest
-from skippyd.shm import share, size_class
+from skippyd.shm import fill_holes, share, size_class
 
 __all__ = ["Adopted", "Found", "adopt", "bytes_to_verify"]
 
@@ -60,9 +60,11 @@ def bytes_to_verify(directory: Path) -> int:
     return total
 
 
-def _share(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+def _adopt_free(path: Path, size: int) -> None:
+    """A free file is written into when it is reused: every page of it is there (:func:`fill_holes`)."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
+        fill_holes(fd, size)
         share(fd, adopted=True)
     finally:
         os.close(fd)
@@ -80,8 +82,8 @@ def adopt(directory: Path, *, verify: bool = True, hash_threads: int = 2) -> Ado
             continue
         if child.name.endswith(".free") and stat.S_ISREG(st.st_mode) and size_class(st.st_size) == st.st_size:
             try:
-                _share(child)
-            except OSError:
+                _adopt_free(child, st.st_size)
+            except OSError:  # (NoSpace too: the tmpfs cannot give a sparse one its pages)
                 remove(child)
                 continue
             found.free.append((child, st.st_size))
@@ -104,8 +106,9 @@ def _adopt_one(path: Path, verify: bool, hash_threads: int) -> Found:
     st = path.lstat()
     if not stat.S_ISREG(st.st_mode):
         raise CorruptEntry(f"{path.name} is not a regular file")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
+        fill_holes(fd, st.st_size)  # (recycled into the pool once evicted: written through a mapping)
         fixed = decode_fixed(os.pread(fd, 64, 0))
         entry = decode_header(fixed, os.pread(fd, fixed.header_len, 64))
         if entry.key + ".skp" != path.name:

@@ -37,7 +37,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from skippyd.errors import NoSpace
-from skippyd.shm import PAGE, create_shared, new_name, next_generation, populate_write, share
+from skippyd.shm import PAGE, create_shared, fill_holes, new_name, next_generation, populate_write, share
 
 __all__ = [
     "MAX_SLOTS",
@@ -215,7 +215,8 @@ class Slab:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             slots, slot_size, data_start = _geometry(fd, path)
-            share(fd, adopted=True)  # (one an older daemon left 0600, or with another group or ACL)
+            fill_holes(fd, data_start)  # (the records are written through the mapping; free slots are
+            share(fd, adopted=True)  # punched by design and faulted in without SIGBUS when reused)
             return cls(path, fd, slots, slot_size, data_start)
         except BaseException:
             os.close(fd)
