@@ -262,10 +262,12 @@ class Connection:
             self.frame_started = now
         self._account_partial(decoder.buffered + self.queued_bytes)
         if self.server.partial_bytes > self.server.config.max_buffered and (decoder.mid_frame or queue):
-            # Many clients are each holding large requests unanswered or half-sent: shed this one rather
-            # than the host.
-            self._protocol_error(Busy("too many unfinished requests are buffered; retry shortly"))
-            return
+            # Clients are holding large requests unanswered or half-sent, more than the daemon buffers:
+            # shed the ones holding the most (a client that crossed the line with a small request is
+            # not the one to blame), then this one if it still does not fit.
+            self.server.shed_largest_buffers(self)
+            if self.closed or self.close_after_flush:
+                return
         if not self._has_room():
             self._pause_reading()
         self._run_next()
@@ -291,7 +293,8 @@ class Connection:
         self._pause_reading()
         self.queue.clear()
         self.queued_bytes = 0
-        self._account_partial(self.decoder.buffered)
+        self.decoder.close()  # (nothing more is read: what it buffered is dropped now, not at the close)
+        self._account_partial(0)
         self._send(encode_frame(FrameType.ERROR, 0, exc.to_wire()), [])
         self.close_after_flush = True
         self._maybe_close()
@@ -761,6 +764,19 @@ class Server:
         start) to end: acknowledged puts are committed before the tiers close."""
         while self.copying:
             await asyncio.sleep(0.005)
+
+    def shed_largest_buffers(self, reading: Connection) -> None:
+        """While more request bytes are buffered than ``max_buffered``, closes the connection holding the
+        most (``busy``), ``reading`` (the one that just read) last among equals."""
+        limit = self.config.max_buffered
+        while self.partial_bytes > limit:
+            candidates = [c for c in self.connections.values() if c.partial and not c.close_after_flush]
+            if not candidates:
+                return
+            hog = max(candidates, key=lambda c: (c.partial, c is not reading))
+            hog._protocol_error(Busy("too many unfinished requests are buffered; retry shortly"))
+            if hog is reading:
+                return
 
     def maybe_stopped(self) -> None:
         if self.stopping:

@@ -729,7 +729,8 @@ def test_clients_holding_half_sent_frames_are_shed_before_they_exhaust_memory(ma
         errors = [f.body["code"] for f in frames if f.type == FrameType.ERROR]
         shed.append("busy" in errors)
         hog.close()
-    assert shed.count(True) >= 1, "at least the one that went over the limit was dropped"
-    assert not shed[0], "the first one fit under the limit"
+    # 600 KiB each against 1 MiB: at most one may stay (which one is the largest when the line is
+    # crossed; test_hardening has the innocent small request that crosses it)
+    assert shed.count(False) <= 1, shed
     with proc.client() as client:
         assert client.ping()

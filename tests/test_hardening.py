@@ -632,3 +632,51 @@ def test_a_sparse_file_left_in_l2_is_given_its_pages_or_dropped_at_start_never_a
             assert client.restore(model="m", state="s", tokens=[3]) is not None
     finally:
         proc.cleanup()
+
+
+def test_past_max_buffered_the_connections_holding_the_most_are_shed_not_the_next_small_request(
+    make_daemon: Any,
+) -> None:
+    """Half-sent frames fill the daemon's request buffers to just under ``max_buffered``; a small hello
+    from another client then crosses the line. The client holding the most is shed (``busy``), never the
+    innocent one."""
+    import socket
+
+    from skippyd.protocol import HEADER, MAGIC, FrameDecoder, FrameType, encode_frame, recv_fds_into
+
+    proc: DaemonProcess = make_daemon(env={"SKIPPYD_MAX_BUFFERED": "4MiB"}).start()
+    limit = 4 << 20
+
+    def answer(sock: socket.socket) -> Any:
+        decoder = FrameDecoder(expect=(FrameType.REPLY, FrameType.ERROR))
+        while (frame := decoder.next_frame()) is None:
+            data, fds = recv_fds_into(sock)
+            if not data:
+                return None
+            decoder.feed(data, fds)
+        decoder.close()
+        return frame
+
+    hogs = []
+    try:
+        for part in (limit // 2, limit - limit // 2 - 1):  # together one byte under the limit
+            hog = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            hog.settimeout(10)
+            hog.connect(str(proc.socket))
+            hog.sendall(HEADER.pack(MAGIC, 1, FrameType.REQUEST, 0, 0, part + 1000, 0, 99) + b"\0" * part)
+            hogs.append(hog)
+        time.sleep(0.3)
+        for _ in range(3):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as innocent:
+                innocent.settimeout(10)
+                innocent.connect(str(proc.socket))
+                innocent.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]}))
+                frame = answer(innocent)
+                assert frame is not None and frame.type == FrameType.REPLY, frame
+        shed = answer(hogs[0])  # the largest: told busy, then closed
+        assert shed is not None and shed.type == FrameType.ERROR and shed.body["code"] == "busy"
+    finally:
+        for hog in hogs:
+            hog.close()
+    with proc.client() as client:
+        assert client.ping()
