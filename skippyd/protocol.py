@@ -74,7 +74,7 @@ class Frame:
     request_id: int
     body: dict[str, Any]
     fds: list[int] = field(default_factory=list)
-    size: int = 0  # body bytes on the wire
+    size: int = 0  # what it holds in memory: body bytes on the wire, plus its decoded arrays and maps
 
 
 def encode_body(body: dict[str, Any]) -> bytes:
@@ -85,20 +85,40 @@ def encode_body(body: dict[str, Any]) -> bytes:
 MAX_REQUEST_ITEMS = 1 << 18  # elements of all arrays and maps of one request body, together
 
 
+#: What a decoded container and one of its slots take in Python, about (a list or dict object, a pointer):
+#: a queued request is counted at its wire size plus this, so buffers bound memory, not only wire bytes.
+_CONTAINER_COST, _SLOT_COST = 64, 8
+
+
 class _ItemBudget:
     """Counts the elements of every container as msgpack builds it: a small frame of nested empty
-    arrays would otherwise become millions of Python objects (tens of bytes each per wire byte)."""
+    arrays would otherwise become millions of Python objects (tens of bytes each per wire byte). It
+    also bounds the containers by the body's length (an empty array is one wire byte and a Python
+    object of 56), and says what the decoded body costs."""
 
-    __slots__ = ("left",)
+    __slots__ = ("containers", "elements", "left", "most_containers")
 
-    def __init__(self, items: int) -> None:
+    def __init__(self, items: int, length: int) -> None:
         self.left = items
+        self.containers = self.elements = 0
+        self.most_containers = _MIN_CONTAINERS + length // 3  # (a tensor table takes ~4.5 bytes one)
 
     def spend(self, container: Any) -> Any:
         self.left -= len(container) + 1
+        self.containers += 1
+        self.elements += len(container)
         if self.left < 0:
             raise ValueError("too many array/map elements in one body")
+        if self.containers > self.most_containers:
+            raise ValueError("too many arrays and maps for the body's size")
         return container
+
+    @property
+    def cost(self) -> int:
+        return self.containers * _CONTAINER_COST + self.elements * _SLOT_COST
+
+
+_MIN_CONTAINERS = 4096
 
 
 def decode_body(
@@ -107,11 +127,21 @@ def decode_body(
     """Unpacks a msgpack map with every container and string bounded by the frame size.
 
     ``max_items`` (the daemon's side: :data:`MAX_REQUEST_ITEMS`) also bounds the elements of all
-    containers together, so the decoded body's memory stays proportional to what a request needs.
+    containers together, and the containers by the body's length, so the decoded body's memory stays
+    proportional to what a request needs.
     """
+    return decode_counted(raw, max_frame, max_items=max_items)[0]
+
+
+def decode_counted(
+    raw: bytes | memoryview, max_frame: int = DEFAULT_MAX_FRAME, *, max_items: int | None = None
+) -> tuple[dict[str, Any], int]:
+    """:func:`decode_body`, and about what its arrays and maps take in memory beyond the wire bytes
+    (0 without ``max_items``)."""
     options: dict[str, Any] = {}
+    budget: _ItemBudget | None = None
     if max_items is not None:
-        budget = _ItemBudget(max_items)
+        budget = _ItemBudget(max_items, len(raw))
         options.update(list_hook=budget.spend, object_hook=budget.spend)
     try:
         body = msgpack.unpackb(
@@ -130,7 +160,7 @@ def decode_body(
         raise BadFrame(f"body is not valid msgpack: {exc}") from exc
     if not isinstance(body, dict):
         raise BadFrame(f"body must be a map, not {type(body).__name__}")
-    return body
+    return body, budget.cost if budget is not None else 0
 
 
 def encode_frame(frame_type: int, request_id: int, body: dict[str, Any], nfds: int = 0) -> bytes:
@@ -215,8 +245,9 @@ class FrameDecoder:
         view = memoryview(buffer)
         raw = view[pos:end]
         error: BadFrame | None = None
+        cost = 0
         try:
-            body = decode_body(raw, self.max_frame, max_items=self.max_items)
+            body, cost = decode_counted(raw, self.max_frame, max_items=self.max_items)
         except BadFrame as exc:
             error = exc
         finally:
@@ -236,7 +267,7 @@ class FrameDecoder:
             for fd in fds:
                 _close_quietly(fd)
             raise error
-        return Frame(pending.type, pending.request_id, body, fds, pending.length)
+        return Frame(pending.type, pending.request_id, body, fds, pending.length + cost)
 
     def _claim_fds(self, count: int) -> list[int]:
         if not count:

@@ -174,3 +174,32 @@ def test_a_small_request_cannot_expand_into_millions_of_objects() -> None:
         {"op": "capture", "tensors": [{"name": f"t{i}", "shape": [2, 3]} for i in range(4096)]}
     )
     assert len(decode_body(fine, max_items=MAX_REQUEST_ITEMS)["tensors"]) == 4096
+
+
+def test_containers_are_bounded_by_the_bodys_size_and_a_queued_frame_counts_what_it_decodes_to() -> None:
+    """An empty array is one wire byte and a Python list of ~56: 100 KB of them (100k lists) is refused
+    though under the element budget, while the largest real table (16,384 tensors, scalar shapes, the
+    shortest distinct names) decodes; and a frame's ``size`` counts its arrays, so the daemon's
+    buffer limits bound memory rather than wire bytes."""
+    from skippyd.errors import BadFrame
+    from skippyd.payload import MAX_TENSORS
+    from skippyd.protocol import MAX_REQUEST_ITEMS, FrameDecoder, FrameType, decode_body, encode_body
+
+    bomb = encode_body({"op": "lookup", "x": [[[] for _ in range(50_000)] for _ in range(2)]})
+    assert len(bomb) < 110_000 and MAX_REQUEST_ITEMS > 100_000
+    with pytest.raises(BadFrame, match="for the body's size"):
+        decode_body(bomb, max_items=MAX_REQUEST_ITEMS)
+    table = [[f"{i:x}", "bool", []] for i in range(MAX_TENSORS)]
+    assert (
+        len(
+            decode_body(encode_body({"op": "capture", "tensors": table}), max_items=MAX_REQUEST_ITEMS)[
+                "tensors"
+            ]
+        )
+        == MAX_TENSORS
+    )
+    decoder = FrameDecoder(expect=(FrameType.REQUEST,), max_items=MAX_REQUEST_ITEMS)
+    wire = encode_frame(FrameType.REQUEST, 1, {"op": "capture", "tensors": table})
+    decoder.feed(wire)
+    frame = decoder.next_frame()
+    assert frame is not None and frame.size >= len(wire) - 24 + 2 * MAX_TENSORS * 64
