@@ -795,10 +795,13 @@ class BlockRules:
                     durability = self.writer.submit(
                         admitted, identity, seq, nbytes_to_disk, sync=False, timeout=self._sync_timeout
                     )
-            elif to_disk and self.writer is not None:
+            elif to_disk and self.writer is not None and committed:
                 durability = self.writer.submit(
                     committed, identity, seq, nbytes, sync=durable == "sync", timeout=self._sync_timeout
                 )
+            elif to_disk and self.writer is not None and (stored or present):
+                durability = "written"  # every block it names was on disk already
+            # (else it stored nothing and found nothing held: "none")
             self._count(
                 block_puts=1, block_put_offered=len(job.bound), block_put_stored=stored,
                 block_put_present=present, block_bytes_offered=sum(sizes), block_bytes_written=nbytes,

@@ -258,7 +258,9 @@ class Handlers:
     def op_stage(self, session: Session, body: dict[str, Any]) -> Reply:
         want = _uint(body, "size")
         limit = min(self.config.entry_limit, self.config.staging_budget)
-        if want == 0 or want > limit:
+        if want == 0:
+            raise InvalidArgument(f"staging of 0 bytes: size must be between 1 and {limit}")
+        if want > limit:
             raise TooLarge(f"staging of {want} bytes: must be between 1 and {limit}")
         size = (want + PAGE - 1) // PAGE * PAGE
         old = session.staging

@@ -297,6 +297,11 @@ def test_bad_requests_get_typed_errors_and_the_connection_stays_usable(daemon: D
         assert frame.type == FrameType.ERROR, body
         assert frame.request_id == rid
         assert frame.body["code"] in ("invalid_argument", "unsupported_dtype", "too_large"), frame.body
+    assert ask(97, {"op": "stage", "size": 0}).body["code"] == "invalid_argument"  # (not too_large)
+    space = {"model": "m", "state": "s", "namespace": "", "block_tokens": 16}
+    nothing = {"op": "blocks_put", **space, "keys": [b"k"], "sizes": [4096], "offsets": [-1]}
+    put = ask(98, nothing).body  # its only block not sent and not held: stored nothing, durable nothing
+    assert (put["stored"], put["present"], put["skipped"], put["durability"]) == (0, 0, 1, "none")
     pong = ask(99, {"op": "ping"}).body
     assert pong["pong"] is True and pong["node"] == "test-node" and pong["healthy"] is True
     sock.close()
