@@ -479,8 +479,8 @@ class DurableWriter:
             raise
 
     def _holds(self, entry: Entry) -> bool:
-        present = self.l3.get(entry.key)
-        return present is not None and present.entry.digest == entry.digest
+        """L3 holds these bytes under the key, on disk for good (never a rename whose fsync is to come)."""
+        return self.l3.holds_durably(entry.key, entry.digest)
 
     def _finish(self, job: _Job, *, written: bool) -> None:
         entry = job.entry

@@ -446,3 +446,28 @@ def test_a_new_shard_directory_is_on_disk_before_a_file_is_renamed_into_it_and_e
         synced.clear()
         assert l3.remove(entry.key)
         assert l3.layout.manifest_path(entry.key).parent in synced, "an explicit eviction is durable too"
+
+
+def test_an_entry_counts_as_durably_held_only_once_its_manifests_directory_is_fsynced(
+    l2: L2Tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write renames its manifest and indexes it under the lock, then fsyncs the directory outside it:
+    in between, a restore may find it, but a durable capture of the same bytes is not told ``written``
+    (what answers that, ``holds_durably``, says not yet)."""
+    import skippyd.l3.store
+
+    entry = admit(l2, "abc", [64 * KB])
+    seen: list[tuple[bool, bool]] = []
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        real = skippyd.l3.store.fsync_dir
+
+        def looking(path: Path) -> None:
+            if path == l3.layout.manifest_path(entry.key).parent:
+                seen.append((l3.get(entry.key) is not None, l3.holds_durably(entry.key, entry.digest)))
+            real(path)
+
+        monkeypatch.setattr(skippyd.l3.store, "fsync_dir", looking)
+        assert store(l2, l3, entry)
+        assert seen == [(True, False)]
+        assert l3.holds_durably(entry.key, entry.digest)
+        assert not l3.holds_durably(entry.key, "0" * 64)

@@ -119,6 +119,7 @@ class L3Store:
         self._index: PrefixIndex[_Record] = PrefixIndex()
         self._objects: dict[str, int] = {}  # object -> its size on disk
         self._object_keys: dict[str, set[str]] = {}  # object -> keys of the manifests that name it
+        self._unsynced: dict[str, int] = {}  # keys renamed into place whose directory fsync is to come
         self._object_bytes = 0
         self._manifest_bytes = 0
         self._quarantine_bytes = 0
@@ -290,6 +291,13 @@ class L3Store:
             record = self._index.get(key)
             return record.ref() if record is not None else None
 
+    def holds_durably(self, key: str, digest: str) -> bool:
+        """Whether ``key`` names these bytes and its manifest's rename is fsynced (a write renames and
+        indexes under the lock, then fsyncs the directory outside it: until then, not yet)."""
+        with self._lock:
+            record = self._index.get(key)
+            return record is not None and record.entry.digest == digest and key not in self._unsynced
+
     def entries(self) -> list[tuple[L3Ref, int]]:
         """Every entry with its last use (ns since the epoch), least recently used first."""
         with self._lock:
@@ -451,6 +459,7 @@ class L3Store:
                         added_object = False
                     return False
                 os.rename(staged, final)
+                self._unsynced[entry.key] = self._unsynced.get(entry.key, 0) + 1
                 old = self._index.get(entry.key)
                 self._index_record(_Record(manifest.entry.ref(), name, len(raw), time.time_ns()))
                 if old is not None and old.object != name:
@@ -458,7 +467,13 @@ class L3Store:
                 self._stats.writes += 1
                 self._stats.bytes_written += len(raw)
                 added_object = False
-            fsync_dir(final.parent)
+            try:
+                fsync_dir(final.parent)
+            finally:
+                with self._lock:
+                    left = self._unsynced.pop(entry.key) - 1
+                    if left:
+                        self._unsynced[entry.key] = left
             return True
         except BaseException as exc:
             if added_object:  # the object went in but its manifest did not: no orphan is left behind
