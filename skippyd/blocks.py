@@ -109,7 +109,7 @@ class PutJob:
         durable: bool | str,
         seq: int,
         *,
-        present: int,
+        present: list[bytes],
         skipped: int,
         hashed: bool,
         epoch: int,
@@ -117,8 +117,9 @@ class PutJob:
         to_disk: bool,
     ) -> None:
         self.rules, self.space, self.bound, self.pending = rules, space, bound, pending
+        self.present_keys = present  # the blocks it found held (L2 or L3) when it reserved
         self.sizes, self.offsets, self.source, self.durable, self.seq = sizes, offsets, source, durable, seq
-        self.present, self.skipped, self.hashed, self.epoch = present, skipped, hashed, epoch
+        self.present, self.skipped, self.hashed, self.epoch = len(present), skipped, hashed, epoch
         self.identity, self.to_disk = identity, to_disk
         self._ended = False
         self._lock = threading.Lock()
@@ -667,7 +668,8 @@ class BlockRules:
         identity = bytes.fromhex(space.identity.digest)
         to_disk = bool(durable) and self.writer is not None
         pending: list[tuple[int, Pending]] = []
-        present = skipped = mine = 0
+        present: list[bytes] = []
+        skipped = mine = 0
         failure: SkippydError | None = None
         blocks = self.l2.blocks
         reserved = self._reserved
@@ -676,7 +678,7 @@ class BlockRules:
             taken: set[bytes] = set()
             for index, key in enumerate(bound):
                 if blocks.holds(key) or key in taken or self._on_disk(key):
-                    present += 1
+                    present.append(key)
                     continue
                 if offsets[index] < 0 or failure is not None:
                     skipped += 1
@@ -706,7 +708,7 @@ class BlockRules:
                         blocks.abort(slot)
                     raise
                 taken.add(key)
-            if failure is not None and not pending and present == 0:
+            if failure is not None and not pending and not present:
                 raise failure
             new_bytes = sum(sizes[index] for index, _ in pending)
             defer = self.digester is not None and self.digester.may_defer(new_bytes)
@@ -717,7 +719,7 @@ class BlockRules:
         kept, full = self._allocate([slot for _, slot in pending])
         skipped += len(pending) - kept
         del pending[kept:]
-        if full is not None and not pending and present == 0:
+        if full is not None and not pending and not present:
             raise full
         with self.l2.lock:
             for _, slot in pending:
@@ -785,8 +787,10 @@ class BlockRules:
                     blocks.room_changed()  # committed blocks are evictable: puts waiting look again
                     self._wake_parked()  # and reads parked on these copies go on
                 blocks.touch(job.bound)
+                gone = 0
                 if to_disk and not held_back and self.writer is not None:
-                    committed += self._present_for_disk(job.bound, committed)
+                    extra, gone = self._present_for_disk(job.present_keys, committed)
+                    committed += extra
             durability = "none"
             if held_back:
                 admitted, nbytes_to_disk = self._admit(job.space, job.bound)
@@ -799,8 +803,10 @@ class BlockRules:
                 durability = self.writer.submit(
                     committed, identity, seq, nbytes, sync=durable == "sync", timeout=self._sync_timeout
                 )
-            elif to_disk and self.writer is not None and (stored or present):
+            elif to_disk and self.writer is not None and (stored or present) and not gone:
                 durability = "written"  # every block it names was on disk already
+            if gone and durability == "written":
+                durability = "none"  # a block it counted as held left both tiers before it ended
             # (else it stored nothing and found nothing held: "none")
             self._count(
                 block_puts=1, block_put_offered=len(job.bound), block_put_stored=stored,
@@ -866,20 +872,27 @@ class BlockRules:
             self._evict_epoch += 1
             self._evict_marks[identity] = self._evict_epoch
 
-    def _present_for_disk(self, bound: Sequence[bytes], committed: Sequence[bytes]) -> list[bytes]:
-        """The blocks of a put to disk that it found held in L2 but L3 does not hold yet (an earlier put
-        without ``durable``, or one whose write is still queued): they go to L3 with this put's own, so a
-        ``"sync"`` reply says ``"written"`` only once every block it names is on disk. Their records ask
-        for the copy from now on (a restart re-queues it). Under the tier's lock."""
+    def _present_for_disk(
+        self, present: Sequence[bytes], committed: Sequence[bytes]
+    ) -> tuple[list[bytes], int]:
+        """The blocks a put to disk found held (``present``) that L2 holds but L3 does not yet (an earlier
+        put without ``durable``, or one whose write is still queued): they go to L3 with this put's own,
+        so a ``"sync"`` reply says ``"written"`` only once every block it names is on disk; their records
+        ask for the copy from now on (a restart re-queues it). And how many of them neither tier holds
+        any more (evicted while this put copied). Under the tier's lock."""
         blocks = self.l2.blocks
         mine = set(committed)
-        extra = []
-        for key in bound:
-            if key in mine or not blocks.holds(key) or self._on_disk(key):
+        extra: list[bytes] = []
+        gone = 0
+        for key in dict.fromkeys(present):
+            if key in mine or self._on_disk(key):
+                continue
+            if not blocks.holds(key):
+                gone += 1
                 continue
             blocks.want_written(key)  # (False when it asks already: still waited for, below)
             extra.append(key)
-        return extra
+        return extra, gone
 
     def _admit(self, space: BlockSpaceId, bound: Sequence[bytes]) -> tuple[list[bytes], int]:
         """Counts every block of a put that only L2 holds toward L3 admission (one call for the put, in

@@ -85,9 +85,10 @@ def encode_body(body: dict[str, Any]) -> bytes:
 MAX_REQUEST_ITEMS = 1 << 18  # elements of all arrays and maps of one request body, together
 
 
-#: What a decoded container and one of its slots take in Python, about (a list or dict object, a pointer):
-#: a queued request is counted at its wire size plus this, so buffers bound memory, not only wire bytes.
-_CONTAINER_COST, _SLOT_COST = 64, 8
+#: What a decoded container and one of its elements take in Python, about (a list or dict object; a
+#: pointer and the element's own object: a short str or bytes is ~40 bytes, a small int is shared): a
+#: queued request is counted at its wire size plus these, so buffers bound memory, not only wire bytes.
+_CONTAINER_COST, _SLOT_COST = 64, 48
 
 
 class _ItemBudget:

@@ -469,6 +469,47 @@ def test_a_sync_block_write_whose_blocks_left_l2_before_it_ran_says_none_not_wri
         writer.close()
 
 
+def test_a_sync_put_whose_held_block_left_both_tiers_while_it_copied_says_none(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A block a put found held (present) and that L2 then evicted before the put ended is on no tier:
+    the put's reply cannot say ``"written"`` about it."""
+    from skippyd.blocks import BlockRules
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        writer = BlockWriter(l2, l3, Health())
+        writer.start()
+        rules = BlockRules(l2, l3=l3, writer=writer)
+        space = block_space(MODEL, STATE, "", BLOCK)
+        raw = bytes(range(256)) * 32
+        assert rules.put(space, [b"k0"], [4096], [0], memoryview(raw), durable=False).stored == 1
+        job = rules.begin_put(space, [b"k0"], [4096], [-1], memoryview(raw), durable="sync")
+        assert (len(job.pending), job.present) == (0, 1)  # held: nothing to store, only to make durable
+        with l2.lock:
+            assert l2.blocks.evict_oldest()  # k0 leaves L2 before the put ends
+        outcome = job.finish()
+        assert (outcome.stored, outcome.present, outcome.durability) == (0, 1, "none")
+        writer.close()
+
+
+def test_a_put_split_in_parts_is_written_only_when_every_part_naming_blocks_is() -> None:
+    from skippyd.client.blockspace import _sum_puts
+
+    def part(durability: str, stored: int = 1, present: int = 0) -> dict[str, Any]:
+        return {"stored": stored, "present": present, "nbytes": 4096 * stored, "durability": durability}
+
+    assert _sum_puts([part("written"), part("written")]).durability == "written"
+    assert _sum_puts([part("written"), part("none")]).durability == "none"
+    assert _sum_puts([part("written"), part("none", stored=0)]).durability == "written"  # named nothing
+    assert _sum_puts([part("queued"), part("none")]).durability == "queued"  # (second-put admission)
+    assert _sum_puts([part("written"), part("deferred")]).durability == "deferred"
+    assert _sum_puts([part("none", stored=0)]).durability == "none"
+
+
 def test_with_second_put_admission_blocks_reach_l3_only_when_offered_again(make_daemon: Any) -> None:
     proc = make_daemon("--l3-block-admission", "second-put").start()
     with proc.client() as client:

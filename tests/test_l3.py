@@ -454,12 +454,13 @@ def test_an_entry_counts_as_durably_held_only_once_its_manifests_directory_is_fs
     """A write renames its manifest and indexes it under the lock, then fsyncs the directory outside it:
     in between, a restore may find it, but a durable capture of the same bytes is not told ``written``
     (what answers that, ``holds_durably``, says not yet)."""
+    import skippyd.files
     import skippyd.l3.store
 
     entry = admit(l2, "abc", [64 * KB])
     seen: list[tuple[bool, bool]] = []
     with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
-        real = skippyd.l3.store.fsync_dir
+        real = skippyd.files.fsync_dir
 
         def looking(path: Path) -> None:
             if path == l3.layout.manifest_path(entry.key).parent:

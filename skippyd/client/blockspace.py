@@ -913,8 +913,11 @@ def _check_durable(durable: Any) -> bool | str:
 
 
 def _sum_puts(parts: list[dict[str, Any]]) -> BlocksPut:
-    durabilities = [str(p.get("durability", "none")) for p in parts]
-    order = ("deferred", "pending", "queued", "written", "none")
+    # A part that stored nothing and found nothing held says nothing about durability. Otherwise the
+    # weakest answer stands: "written" only when every part's blocks are on disk ("none" beats it).
+    named = [p for p in parts if int(p.get("stored", 0)) or int(p.get("present", 0))] or parts
+    durabilities = [str(p.get("durability", "none")) for p in named]
+    order = ("deferred", "pending", "queued", "none", "written")
     durability = next((d for d in order if d in durabilities), "none")
     return BlocksPut(
         stored=sum(int(p["stored"]) for p in parts),

@@ -22,6 +22,7 @@ Every method runs under the store's lock except the I/O of :meth:`L3Blocks.write
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import struct
@@ -524,11 +525,25 @@ class L3Blocks:
         return True
 
     def _append_dead(self, pack: _Pack, indexes: Sequence[int], *, sync: bool) -> None:
+        """Appends these dead marks whole, or none of them: a write cut short (a nearly full disk writes
+        part and refuses the rest) is taken back and raised as ENOSPC."""
+        data = b"".join(struct.pack("<I", i) for i in indexes)
         fd = os.open(self._dead_path(pack), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
         try:
-            os.write(fd, b"".join(struct.pack("<I", i) for i in indexes))
-            if sync:
-                os.fsync(fd)
+            start = os.fstat(fd).st_size
+            try:
+                done = 0
+                while done < len(data):
+                    wrote = os.write(fd, data[done:])
+                    if wrote <= 0:
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    done += wrote
+                if sync:
+                    os.fsync(fd)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)  # (never a part of the marks: the index keeps them all)
+                raise
         finally:
             os.close(fd)
 

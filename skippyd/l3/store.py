@@ -291,6 +291,12 @@ class L3Store:
             record = self._index.get(key)
             return record.ref() if record is not None else None
 
+    def _synced(self, key: str) -> None:
+        """One write of ``key`` has its rename fsynced (lock held)."""
+        left = self._unsynced.pop(key, 1) - 1
+        if left:
+            self._unsynced[key] = left
+
     def holds_durably(self, key: str, digest: str) -> bool:
         """Whether ``key`` names these bytes and its manifest's rename is fsynced (a write renames and
         indexes under the lock, then fsyncs the directory outside it: until then, not yet)."""
@@ -460,20 +466,20 @@ class L3Store:
                     return False
                 os.rename(staged, final)
                 self._unsynced[entry.key] = self._unsynced.get(entry.key, 0) + 1
-                old = self._index.get(entry.key)
-                self._index_record(_Record(manifest.entry.ref(), name, len(raw), time.time_ns()))
-                if old is not None and old.object != name:
-                    self._drop_object_if_unused(old.object)  # (the key's link stays: same path)
+                try:
+                    old = self._index.get(entry.key)
+                    self._index_record(_Record(manifest.entry.ref(), name, len(raw), time.time_ns()))
+                    if old is not None and old.object != name:
+                        self._drop_object_if_unused(old.object)  # (the key's link stays: same path)
+                except BaseException:
+                    self._synced(entry.key)
+                    raise
                 self._stats.writes += 1
                 self._stats.bytes_written += len(raw)
                 added_object = False
-            try:
-                fsync_dir(final.parent)
-            finally:
-                with self._lock:
-                    left = self._unsynced.pop(entry.key) - 1
-                    if left:
-                        self._unsynced[entry.key] = left
+            fsync_dir(final.parent)  # (if it fails, the key never counts as durably held until a restart)
+            with self._lock:
+                self._synced(entry.key)
             return True
         except BaseException as exc:
             if added_object:  # the object went in but its manifest did not: no orphan is left behind
