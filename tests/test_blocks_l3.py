@@ -336,6 +336,32 @@ def test_blocks_evicted_while_their_pack_is_compacted_stay_evicted_after_a_resta
         assert store.stats().block_count == 1
 
 
+def test_a_new_packs_dead_marks_are_on_disk_before_the_pack_is_renamed_into_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A block evicted while its pack was written is dead in the new pack: its mark is fsynced before
+    the pack appears, so no crash between the two brings the block back."""
+    items = [_item(b"a" * 32, n) for n in range(3)]
+    evicted = items[1].record.key
+    with L3Store.open(tmp_path / "l3", 1 << 30) as store:
+        real = os.rename
+        seen: list[bytes] = []
+
+        def renaming(src: Any, dst: Any) -> None:
+            if str(dst).endswith(".pack"):
+                dead = Path(str(dst)[: -len(".pack")] + ".dead")
+                seen.append(dead.read_bytes() if dead.exists() else b"")
+            real(src, dst)
+
+        monkeypatch.setattr(os, "rename", renaming)
+        assert store.blocks.write(items, wanted=lambda key: key != evicted) == 2
+        monkeypatch.setattr(os, "rename", real)
+        assert seen == [(1).to_bytes(4, "little")]
+        assert [store.blocks.holds(i.record.key) for i in items] == [True, False, True]
+    with L3Store.open(tmp_path / "l3", 1 << 30) as store:
+        assert [store.blocks.holds(i.record.key) for i in items] == [True, False, True]
+
+
 def test_evicting_blocks_on_a_full_disk_is_no_space_and_keeps_what_it_could_not_record(
     mount_tmpfs: Any,
 ) -> None:

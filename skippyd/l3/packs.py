@@ -357,36 +357,42 @@ class L3Blocks:
             raise
         os.close(fd)
         with self._lock:
-            os.rename(temp, final)
+            # Decided under the lock (an eviction waits for it), the dead marks made durable, and only
+            # then the rename: a block evicted while this pack was written never comes back, not even
+            # after a power cut right after the rename.
             pack = _Pack(name, final, size, records, last_use=time.time_ns())
-            self._packs[name] = pack
-            self.bytes += size
-            written = 0
+            keep: list[int] = []
             for index, record in enumerate(records):
                 held = self._index.get(record.key)
                 if superseding is not None:
                     if held is None or held[0] is not superseding:  # evicted while this pack was written
                         pack.dead.add(index)
                         continue
-                    superseding.dead.add(held[1])
-                    self._unlink_child(record)
-                    self._live_bytes -= record.nbytes
-                    del self._index[record.key]
                 elif (wanted is not None and not wanted(record.key)) or held is not None:
                     pack.dead.add(index)
                     continue
-                if record.key in self._index:
-                    pack.dead.add(index)
-                    continue
+                keep.append(index)
+            if pack.dead:
+                try:
+                    self._append_dead(pack, sorted(pack.dead), sync=True)
+                except OSError:
+                    remove(temp)
+                    remove(self._dead_path(pack))
+                    raise
+            os.rename(temp, final)
+            self._packs[name] = pack
+            self.bytes += size
+            for index in keep:
+                record = records[index]
+                if superseding is not None:
+                    _old, at = self._index.pop(record.key)
+                    superseding.dead.add(at)
+                    self._unlink_child(record)
+                    self._live_bytes -= record.nbytes
                 self._index[record.key] = (pack, index)
                 self._link_child(record)
                 self._live_bytes += record.nbytes
-                written += 1
-            if pack.dead:  # (fsynced: an eviction during the write must not come back after a power cut)
-                try:
-                    self._append_dead(pack, sorted(pack.dead), sync=True)
-                except OSError as exc:  # (the pack is in place; only its dead marks wait for a restart)
-                    log.warning("L3 could not record %d dead block(s) of a new pack: %s", len(pack.dead), exc)
+            written = len(keep)
             self._stats.block_writes += 1
             self._stats.block_blocks_written += written
             self._stats.block_bytes_written += size
