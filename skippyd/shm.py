@@ -183,15 +183,23 @@ def allocate_file(path: Path, size: int) -> int:
     """
     fd = create_shared(path)
     try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as exc:
+        fallocate(fd, 0, size, f"in {path.parent}")
+    except OSError:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise NoSpace(f"no space for {size} bytes in {path.parent}: {exc.strerror}") from exc
         raise
     return fd
+
+
+def fallocate(fd: int, offset: int, length: int, where: str) -> None:
+    """``posix_fallocate``: a full tmpfs (or disk) is :class:`NoSpace`, saying ``where``."""
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise NoSpace(f"no space for {length} bytes {where}: {exc.strerror}") from exc
+        raise
 
 
 def fill_holes(fd: int, size: int, *, start: int = 0) -> None:
@@ -202,12 +210,7 @@ def fill_holes(fd: int, size: int, *, start: int = 0) -> None:
     st = os.fstat(fd)
     if start == 0 and size >= st.st_size and st.st_blocks * 512 >= st.st_size:
         return  # (every page of the file there already: the common case, one fstat)
-    try:
-        os.posix_fallocate(fd, start, size)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise NoSpace(f"no space to fill the holes of an adopted file: {exc.strerror}") from exc
-        raise
+    fallocate(fd, start, size, "to fill the holes of an adopted file")
 
 
 def map_rw(fd: int, size: int) -> mmap.mmap:

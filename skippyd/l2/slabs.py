@@ -36,8 +36,16 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from skippyd.errors import NoSpace
-from skippyd.shm import PAGE, create_shared, fill_holes, new_name, next_generation, populate_write, share
+from skippyd.shm import (
+    PAGE,
+    create_shared,
+    fallocate,
+    fill_holes,
+    new_name,
+    next_generation,
+    populate_write,
+    share,
+)
 
 __all__ = [
     "MAX_SLOTS",
@@ -362,9 +370,4 @@ def describe(path: Path) -> SlabFacts:
 
 
 def _allocate(fd: int, offset: int, length: int, path: Path) -> None:
-    try:
-        os.posix_fallocate(fd, offset, length)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise NoSpace(f"no space for {length} bytes in {path.parent}: {exc.strerror}") from exc
-        raise
+    fallocate(fd, offset, length, f"in {path.parent}")
