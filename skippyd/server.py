@@ -23,6 +23,7 @@ import functools
 import grp
 import logging
 import os
+import resource
 import secrets
 import signal
 import socket
@@ -285,7 +286,12 @@ class Connection:
 
     def _replies_backed_up(self) -> bool:
         """The client is not reading its replies: this connection's next requests wait until it does."""
-        return self.out_bytes > _MAX_OUT_BYTES or self.out_fds > _MAX_OUT_FDS
+        held = self.out_fds
+        return (
+            self.out_bytes > _MAX_OUT_BYTES
+            or held > _MAX_OUT_FDS
+            or (held > 0 and self.server.out_fds > self.server.max_out_fds)  # (many such clients at once)
+        )
 
     def _protocol_error(self, exc: SkippydError) -> None:
         log.info("closing connection %d: %s", self.session.id, exc)
@@ -538,6 +544,7 @@ class Connection:
         self.out.append((memoryview(data), fds))
         self.out_bytes += len(data)
         self.out_fds += len(fds)
+        self.server.out_fds += len(fds)
         self._flush()
 
     def _flush(self) -> None:
@@ -555,6 +562,7 @@ class Connection:
             if fds:
                 _close_fds(fds)  # the kernel holds them now, attached to the first byte sent
                 self.out_fds -= len(fds)
+                self.server.out_fds -= len(fds)
             self.out_bytes -= sent
             if sent == len(view):
                 self.out.popleft()
@@ -597,6 +605,7 @@ class Connection:
         for _view, fds in self.out:
             _close_fds(fds)
         self.out.clear()
+        self.server.out_fds -= self.out_fds
         self.out_fds = 0
         self.queue.clear()
         self.queued_bytes = 0
@@ -666,6 +675,11 @@ class Server:
         self.connections: dict[int, Connection] = {}
         self._per_uid: collections.Counter[int] = collections.Counter()
         self.partial_bytes = 0
+        # descriptors held by replies no client has read yet, all connections together, and how many may
+        # be before a connection holding some waits: a quarter of the open-files limit (at least 64)
+        self.out_fds = 0
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_out_fds = max(64, (1 << 20 if soft == resource.RLIM_INFINITY else soft) // 4)
         self.stopping = False
         self._next_session = 0
         self._stopped: asyncio.Event | None = None

@@ -680,3 +680,72 @@ def test_past_max_buffered_the_connections_holding_the_most_are_shed_not_the_nex
             hog.close()
     with proc.client() as client:
         assert client.ping()
+
+
+def test_clients_that_never_read_cannot_take_every_descriptor_and_running_out_is_busy(
+    tmp_short: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon allowed only 160 descriptors, six connections pipelining gets they never read: together
+    they hold at most a quarter of the limit (about; each waits once it holds some past that), so an
+    innocent client's get is served; and where descriptors run out anyway, the answer is ``busy``."""
+    import shutil
+    import socket
+    import sys
+
+    import skippyd
+    from skippyd.protocol import FrameType, encode_frame
+
+    prlimit = shutil.which("prlimit")
+    if prlimit is None:
+        pytest.skip("needs prlimit (util-linux)")
+    wrapper = tmp_short / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {prlimit} --nofile=160:160 -- {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("SKIPPYD_DAEMON_PYTHON", str(wrapper))
+    proc = DaemonProcess(tmp_short, "--redis-url", "none")
+    hostile: list[socket.socket] = []
+    try:
+        proc.start()
+        assert proc.proc is not None
+        with proc.client() as client:
+            blocks = client.blocks(model="m", state="s", block_tokens=16)
+            keys = blocks.keys(list(range(16 * 8)))
+            data = [torch.full((4096 << i,), i, dtype=torch.uint8) for i in range(8)]  # 8 slabs a get
+            blocks.put(keys, data, durable=False)
+            assert blocks.contains(keys) == 8
+            space = {"model": "m", "state": "s", "namespace": "", "block_tokens": 16}
+            gets = encode_frame(FrameType.REQUEST, 2, {"op": "blocks_get", **space, "keys": keys}) * 3000
+            for _ in range(6):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.connect(str(proc.socket))
+                sock.settimeout(2)
+                sock.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]}))
+                with contextlib.suppress(TimeoutError):
+                    sock.sendall(gets)  # (stops once the daemon stops reading it)
+                hostile.append(sock)
+            assert _open_fds(proc.proc.pid) < 150
+            got = blocks.get(keys)
+            assert [int(t[0]) for t in got] == list(range(8))
+            del got
+            for sock in hostile:
+                sock.close()
+            hostile.clear()
+            # descriptors run out anyway (idle connections, one each): a get that needs more is busy
+            pid = proc.proc.pid
+            while _open_fds(pid) < 157:
+                idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                idle.connect(str(proc.socket))
+                hostile.append(idle)
+                time.sleep(0.01)
+            with pytest.raises(skippyd.Busy):
+                blocks.get(keys)
+            for sock in hostile:
+                sock.close()
+            hostile.clear()
+            assert eventually(lambda: _open_fds(pid) < 100)
+            assert len(blocks.get(keys)) == 8
+            assert "internal" not in proc.log_text()
+    finally:
+        for sock in hostile:
+            sock.close()
+        proc.cleanup()
