@@ -121,7 +121,9 @@ class FillTable:
         self._budget = budget
         self._copy_threads = copy_threads
         self._lock = threading.Lock()
-        self._fills: dict[str, Fill] = {}  # by L3 object
+        # by the whole L3 reference: two keys may share one object (the same bytes) but not a tensor
+        # table, meta or token count, and a fill loads one key's entry
+        self._fills: dict[L3Ref, Fill] = {}
         self._bytes = 0
         self._stats = FillStats(fill_budget=budget)
         self._queue: queue.Queue[Fill | None] = queue.Queue(maxsize=max(1, queue_size))
@@ -135,10 +137,10 @@ class FillTable:
         :class:`NotFound` (gone or rewritten since it was looked up), :class:`Busy` (over the budget).
         """
         with self._lock:
-            fill = self._fills.get(ref.object)
+            fill = self._fills.get(ref)
             leader = fill is None
             if fill is None:
-                fill = self._fills[ref.object] = Fill(ref, self.clock.begin(since=seq))
+                fill = self._fills[ref] = Fill(ref, self.clock.begin(since=seq))
             else:
                 self._stats.fill_waits += 1
             fill.users += 1
@@ -234,8 +236,8 @@ class FillTable:
     def _retire_locked(self, fill: Fill) -> None:
         """No restore joins this fill any more (it keeps its memory until :meth:`_release`)."""
         fill.released = True
-        if self._fills.get(fill.ref.object) is fill:
-            del self._fills[fill.ref.object]
+        if self._fills.get(fill.ref) is fill:
+            del self._fills[fill.ref]
 
     def _leave(self, fill: Fill) -> None:
         with self._lock:

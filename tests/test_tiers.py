@@ -409,3 +409,96 @@ def test_an_eviction_during_a_capture_cancels_its_write_even_when_other_work_end
     capture(t, [5, 5], fill=5, durable=True)
     settle(t)
     assert t.l3 is not None and t.l3.get(cache_key(IDENT, encode_tokens([5, 5]))) is None
+
+
+def _staged_as(fill: int, dtype: str, shape: tuple[int, ...]) -> tuple[list[TensorDecl], memoryview]:
+    decls = [TensorDecl("x", dtype, shape)]
+    specs, length = plan_layout(decls)
+    buf = bytearray(length)
+    buf[specs[0].offset : specs[0].offset + specs[0].nbytes] = bytes([fill]) * specs[0].nbytes
+    return decls, memoryview(buf)
+
+
+def test_a_restore_never_joins_another_keys_fill_of_the_same_bytes(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two keys whose entries have the same bytes (one L3 object) but another dtype, shape and meta: a
+    restore of one while the other's L3 load runs gets its own table, never the other key's."""
+    from skippyd.keys import cache_key
+
+    l3 = L3Store.open(tmp_path / "l3", 1 << 30)
+    t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=l3)
+    try:
+        a, b = Identity("model-a", "s"), Identity("model-b", "s")
+        ta, tb = encode_tokens([1, 2, 3]), encode_tokens([7, 8, 9, 10])
+        da, sa = _staged_as(5, "uint8", (10000,))
+        db, sb = _staged_as(5, "int16", (50, 100))  # the same 10,000 bytes
+        t.capture(identity=a, tokens=ta, tensors=da, source=sa, meta={"who": "A"}, durable="sync")
+        t.capture(identity=b, tokens=tb, tensors=db, source=sb, meta={"who": "B"}, durable="sync")
+        ka, kb = cache_key(a, ta), cache_key(b, tb)
+        ref_a, ref_b = l3.get(ka), l3.get(kb)
+        assert ref_a is not None and ref_b is not None and ref_a.object == ref_b.object
+        t.l2.remove(ka)
+        t.l2.remove(kb)  # only L3 holds them
+        loading, joined = threading.Event(), threading.Event()
+        real = L3Store.load_into
+
+        def slow(self: L3Store, key: str, dest: Any, **options: Any) -> Any:
+            if key == ka:
+                loading.set()
+                joined.wait(2)  # the load of A runs while B's restore comes
+            return real(self, key, dest, **options)
+
+        monkeypatch.setattr(L3Store, "load_into", slow)
+        got: dict[str, Any] = {}
+        leader = threading.Thread(target=lambda: got.setdefault("a", t.open_restore(a, ta)))
+        leader.start()
+        assert loading.wait(10)
+        got["b"] = t.open_restore(b, tb)
+        joined.set()
+        leader.join(30)
+        for name, key, identity, meta in (("a", ka, a, "A"), ("b", kb, b, "B")):
+            entry = got[name].entry
+            assert (entry.key, entry.identity, entry.meta) == (key, identity.digest, {"who": meta})
+            os.close(got[name].fd)
+        assert [(s.dtype, s.shape) for s in got["b"].entry.tensors] == [("int16", (50, 100))]
+    finally:
+        t.close()
+
+
+def test_a_write_reusing_an_object_quarantined_meanwhile_is_not_acknowledged_written(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A capture with the same bytes as another key's L3 entry reuses its object; if that object is
+    quarantined while the write runs, the write must not index a manifest naming a missing object."""
+    from skippyd.keys import cache_key
+
+    l3 = L3Store.open(tmp_path / "l3", 1 << 30)
+    t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=l3)
+    try:
+        a, b = Identity("m", "s"), Identity("m", "other")
+        ta, tb = encode_tokens([1, 2]), encode_tokens([3, 4])
+        ka, kb = cache_key(a, ta), cache_key(b, tb)
+        decls, source = staged(7)
+        assert t.capture(identity=a, tokens=ta, tensors=decls, source=source, durable="sync").durability == (
+            "written"
+        )
+        real = L3Store.manifest
+
+        def manifest(self: L3Store, key: str, *, expected: Any = None) -> Any:
+            found = real(self, key, expected=expected)
+            if key == ka and expected is None:  # the write reads the shared object's segment digests
+                held = self.get(ka)
+                assert held is not None
+                self.quarantine(held, "a restore found it corrupt meanwhile")
+            return found
+
+        monkeypatch.setattr(L3Store, "manifest", manifest)
+        decls, source = staged(7)
+        out = t.capture(identity=b, tokens=tb, tensors=decls, source=source, durable="sync")
+        monkeypatch.setattr(L3Store, "manifest", real)
+        ref = l3.get(kb)
+        assert out.durability != "written" or (ref is not None and l3.layout.object_path(ref.object).exists())
+        assert ref is None or l3.layout.object_path(ref.object).exists()
+    finally:
+        t.close()

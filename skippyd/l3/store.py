@@ -454,6 +454,9 @@ class L3Store:
                 # the decision and the rename under one lock: an eviction or a newer capture that
                 # happened while the bytes went to disk wins, and the disk never names what the index
                 # does not
+                if have_object and name not in self._objects:  # quarantined or evicted since it was read
+                    remove(staged)
+                    raise NoSpace("the shared object went away while this write ran; it is written again")
                 if wanted is not None and not wanted():
                     remove(staged)
                     if entry.key not in self._index:  # a key's link path is the same for any object
