@@ -93,6 +93,10 @@ class PendingMarks:
                 ) from exc
             raise
 
+    def named(self, key: str) -> str | None:
+        """The digest the marker of ``key`` names, or None."""
+        return self._read(self.directory / key)
+
     def clear(self, key: str, digest: str | None = None) -> None:
         """Removes the marker of ``key`` (only if it still names ``digest``, when given)."""
         path = self.directory / key
@@ -248,14 +252,14 @@ class DurableWriter:
         the key; a non-durable capture withdraws the intent of an older durable one.
         """
         with self._cond:
+            if durable:  # first: a full tmpfs refuses the capture here, before anything older is superseded
+                self.marks.mark(key, digest)
+            else:
+                self.marks.clear(key)
             if self._pending[key]:
                 self._newest[key] = digest
             if key in self._backlog:
                 self._drop_backlog_locked(key)
-            if durable:
-                self.marks.mark(key, digest)
-            else:
-                self.marks.clear(key)
 
     def submit(self, entry: Entry, seq: int, *, sync: bool = False, timeout: float = 20.0) -> str:
         """Queues the durable write of a committed entry; returns its durability (see module doc).
@@ -281,10 +285,17 @@ class DurableWriter:
                 self._defer_locked(entry.key, entry.digest)
                 self._cond.notify()
                 return "deferred"
+            # Registered before the lease is taken: a newer capture of the key that announces itself
+            # (intend) from here on supersedes this write, however soon after it publishes.
+            if not self._pending[entry.key]:
+                self._newest[entry.key] = entry.digest
+            self._pending[entry.key] += 1
         held = self.l2.hold(entry.key, hit=False)  # the lease keeps the bytes even if L2 evicts the entry
         if held is None or held.entry.digest != entry.digest:
             if held is not None:
                 os.close(held.fd)
+            with self._cond:
+                self._release_key_locked(entry.key)
             self._clear_mark(entry.key, entry.digest)  # (a newer capture's marker names its own digest)
             return "none"  # replaced or evicted already: a newer capture (or an eviction) decided
         current = held.entry
@@ -294,9 +305,15 @@ class DurableWriter:
             job.waiters.append(waiter)
         with self._cond:
             self._jobs.append(job)
-            self._pending[current.key] += 1
-            self._newest[current.key] = current.digest
             self._stats.queued += 1
+            if (
+                self._newest.get(current.key) == current.digest
+                and self.marks.named(current.key) != current.digest
+            ):
+                # two captures of the key announced themselves before either published: the marker names
+                # the other one, this is the one L2 holds and the write queued; a crash must keep it
+                with contextlib.suppress(OSError):
+                    self.marks.mark(current.key, current.digest)
             self._cond.notify()
         if waiter is None:
             return "queued"
@@ -434,8 +451,10 @@ class DurableWriter:
         return True
 
     def _open_deferred(self, key: str, digest: str) -> _Job | None:
+        seq = self.clock.begin()  # before the lease: an eviction between the two cancels the write
         held = self.l2.hold(key, hit=False)
         if held is None or held.entry.digest != digest:
+            self.clock.end(seq)
             if held is not None:
                 os.close(held.fd)
             self._clear_mark(key, digest)
@@ -443,7 +462,7 @@ class DurableWriter:
                 self._stats.lost += 1
             log.warning("a deferred durable write was lost: its entry left L2 before L3 could take it")
             return None
-        return _Job(held.entry, held.fd, held.data_offset, self.clock.begin())
+        return _Job(held.entry, held.fd, held.data_offset, seq)
 
     def _wanted(self, job: _Job) -> bool:
         entry = job.entry

@@ -502,3 +502,154 @@ def test_a_write_reusing_an_object_quarantined_meanwhile_is_not_acknowledged_wri
         assert ref is None or l3.layout.object_path(ref.object).exists()
     finally:
         t.close()
+
+
+def test_a_capture_refused_for_a_full_tmpfs_leaves_an_earlier_queued_write_alone(
+    tiers: tuple[Tiers, threading.Event], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The intent marker of a second capture of the key cannot be written (full tmpfs): that capture is
+    refused, and must not supersede the first one's queued durable write on its way out."""
+    from skippyd.durable import PendingMarks
+    from skippyd.errors import NoSpace
+    from skippyd.keys import cache_key
+
+    t, gate = tiers
+    first = capture(t, [1, 2, 3], fill=1, durable=True)  # queued: the writer is held at the gate
+    key = cache_key(IDENT, encode_tokens([1, 2, 3]))
+    real = PendingMarks.mark
+
+    def full(self: PendingMarks, k: str, digest: str) -> None:
+        if k == key and digest != first:
+            raise NoSpace("no room on the L2 tmpfs")
+        real(self, k, digest)
+
+    monkeypatch.setattr(PendingMarks, "mark", full)
+    with pytest.raises(NoSpace):
+        capture(t, [1, 2, 3], fill=2, durable=True)
+    monkeypatch.setattr(PendingMarks, "mark", real)
+    gate.set()
+    settle(t)
+    assert t.l3 is not None
+    held = t.l3.get(key)
+    assert held is not None and held.entry.digest == first
+
+
+def test_a_newer_capture_during_a_durable_writes_lease_supersedes_the_write(
+    tiers: tuple[Tiers, threading.Event], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newer, non-durable capture of the key lands while the older capture's write takes its lease:
+    the older bytes must not reach L3 (L3, the authority, would then remove the newer L2 entry)."""
+    from skippyd.keys import cache_key
+
+    t, gate = tiers
+    gate.set()
+    key = cache_key(IDENT, encode_tokens([1, 2, 3]))
+    real = t.l2.hold
+    newer: list[str] = []
+
+    def hold(k: str, *, hit: bool = True) -> Any:
+        found = real(k, hit=hit)
+        if not hit and k == key and not newer:
+            newer.append(capture(t, [1, 2, 3], fill=2, durable=False))
+        return found
+
+    monkeypatch.setattr(t.l2, "hold", hold)
+    capture(t, [1, 2, 3], fill=1, durable=True)
+    monkeypatch.setattr(t.l2, "hold", real)
+    settle(t)
+    assert served_digest(t, [1, 2, 3]) == newer[0]
+    assert t.l3 is not None and t.l3.get(key) is None
+
+
+def test_an_eviction_while_a_deferred_write_takes_its_lease_is_not_undone(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write kept in the backlog is opened by the writer: an eviction of its key that runs while it
+    takes the lease cancels it; the evicted entry never comes back from L3."""
+    from skippyd.keys import cache_key
+
+    gate = threading.Event()
+    real_write = L3Store.write
+
+    def gated(self: L3Store, entry: Any, data: memoryview, **options: Any) -> bool:
+        gate.wait(timeout=30)
+        return real_write(self, entry, data, **options)
+
+    monkeypatch.setattr(L3Store, "write", gated)
+    t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30), l3_queue=1)
+    try:
+        for n, tokens in enumerate(([9], [8])):  # the writer busy, its queue full: the next is deferred
+            capture(t, tokens, fill=10 + n, durable=True)
+            time.sleep(0.1)
+        assert capture(t, [1, 2, 3], fill=1, durable=True)
+        key = cache_key(IDENT, encode_tokens([1, 2, 3]))
+        real_hold = t.l2.hold
+        evicted: list[int] = []
+
+        def hold(k: str, *, hit: bool = True) -> Any:
+            found = real_hold(k, hit=hit)
+            if (
+                k == key
+                and not hit
+                and not evicted
+                and threading.current_thread().name.startswith("skippyd-l3")
+            ):
+                evicted.append(t.evict_key(key))
+            return found
+
+        monkeypatch.setattr(t.l2, "hold", hold)
+        gate.set()
+        settle(t)
+        assert evicted == [1]
+        assert t.l3 is not None and t.l3.get(key) is None
+        assert served_digest(t, [1, 2, 3]) is None
+    finally:
+        gate.set()
+        t.close()
+
+
+def test_of_two_durable_captures_announced_before_either_published_the_marker_names_the_one_kept(
+    tiers: tuple[Tiers, threading.Event], monkeypatch: pytest.MonkeyPatch, shm_dir: Path
+) -> None:
+    """A announces itself (its marker), then B does and publishes, then A publishes: L2 holds A, whose
+    write is queued ("queued" survives a kill -9 through its marker), so the marker must name A, not B."""
+    from skippyd.keys import cache_key
+    from skippyd.l2.tier import L2Tier as Tier
+
+    t, _gate = tiers  # the writer is held: nothing reaches L3 while the markers are looked at
+    key = cache_key(IDENT, encode_tokens([1, 2, 3]))
+    b_published, a_published = threading.Event(), threading.Event()
+    real = Tier._commit
+
+    def commit(self: Tier, file: Any, entry: Any, offset: int, expected: Any, before: Any, **kw: Any) -> Any:  # noqa: PLR0917
+        who = threading.current_thread().name
+
+        def announced(digest: str) -> None:
+            before(digest)
+            if who == "A":
+                b_published.wait(10)  # B announces itself and publishes meanwhile
+
+        found = real(self, file, entry, offset, expected, announced if before else None, **kw)
+        if who == "B":
+            b_published.set()
+            a_published.wait(10)  # B's submit comes after A has published
+        else:
+            a_published.set()
+        return found
+
+    monkeypatch.setattr(Tier, "_commit", commit)
+    digests: dict[str, str] = {}
+
+    def run(name: str, fill: int) -> None:
+        digests[name] = capture(t, [1, 2, 3], fill=fill, durable=True)
+
+    first = threading.Thread(target=run, args=("A", 1), name="A")
+    first.start()
+    time.sleep(0.2)
+    second = threading.Thread(target=run, args=("B", 2), name="B")
+    second.start()
+    first.join(30)
+    second.join(30)
+    held = t.l2.peek(key)
+    assert held is not None and held.digest == digests["A"]
+    assert (shm_dir / "pending" / key).read_text() == digests["A"]
