@@ -276,7 +276,13 @@ class Tiers:
         key = cache_key(identity, tokens)
         seq = self.clock.begin()  # an eviction from here on cancels this capture's durable write
         try:
-            entry = self._admit(identity, key, count, tensors, specs, source, kind, meta, bool(durable))
+            admitted = self._admit(
+                identity, key, count, tensors, specs, source, kind, meta, bool(durable), seq
+            )
+            if isinstance(admitted, str):  # an eviction of it came while it was copied: nothing is kept
+                self._count(captures=1)
+                return CaptureOutcome(admitted, count, data_len, False, False, "none")
+            entry = admitted
             durability = "none"
             if durable and self.writer is not None:
                 durability = self.writer.submit(
@@ -301,15 +307,19 @@ class Tiers:
         kind: str,
         meta: Mapping[str, Any] | None,
         durable: bool,
-    ) -> Entry:
-        """Where a capture is admitted: copied into a reservation, hashed, and published."""
+        seq: int,
+    ) -> Entry | str:
+        """Where a capture is admitted: copied into a reservation, hashed, and published; or, where an
+        eviction of its key or digest came after it began (``seq``), not published: its digest."""
         writer, l3 = self.writer, self.l3
         intended: list[str] = []
+        hashed: list[str] = []
 
         def before_publish(digest: str) -> None:
             """The newest capture wins over older durable copies, before it becomes visible: a restore never
             sees the new L2 entry beside an older L3 authority (which would remove it). A durable capture's
             intent is recorded here too, so a crash right after the commit keeps it."""
+            hashed.append(digest)
             if writer is None or l3 is None:
                 return
             writer.intend(key, digest, durable=durable)
@@ -322,13 +332,25 @@ class Tiers:
             with self.l2.reserve(
                 key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
             ) as reservation:
+                computed: str | None = None
                 if reservation.entry.data_len >= _PIPELINED_BYTES:  # copy and hash overlapped, chunk by chunk
-                    digest = copy_and_hash(reservation.data, specs, source, threads=self._copy_threads)
-                    return reservation.commit(before_publish=before_publish, digest=digest)
-                for spec in specs:
-                    view = source[spec.offset : spec.offset + spec.nbytes]
-                    copy_into(reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads)
-                return reservation.commit(before_publish=before_publish)
+                    computed = copy_and_hash(reservation.data, specs, source, threads=self._copy_threads)
+                else:
+                    for spec in specs:
+                        view = source[spec.offset : spec.offset + spec.nbytes]
+                        copy_into(
+                            reservation.data, spec.offset, spec.nbytes, view, threads=self._copy_threads
+                        )
+                entry = reservation.commit_unless(
+                    lambda digest: self.clock.cancelled(digest, seq, key),
+                    before_publish=before_publish,
+                    digest=computed,
+                )
+                if entry is not None:
+                    return entry
+                if writer is not None and intended and durable:
+                    writer.withdraw(key, intended[0])  # nothing was published under that intent
+                return hashed[0]
         except BaseException:
             if writer is not None and intended and durable:
                 writer.withdraw(key, intended[0])  # nothing was published under that intent

@@ -653,3 +653,46 @@ def test_of_two_durable_captures_announced_before_either_published_the_marker_na
     held = t.l2.peek(key)
     assert held is not None and held.digest == digests["A"]
     assert (shm_dir / "pending" / key).read_text() == digests["A"]
+
+
+@pytest.mark.parametrize("durable", [True, "sync"])
+def test_an_eviction_while_a_capture_is_copied_keeps_it_out_of_both_tiers_and_says_so(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool | str
+) -> None:
+    """``evict`` of a key whose capture is being copied (hashed, not yet visible) cancels that capture:
+    it is not published, its durable write never runs, and its reply says so (l2 and l3 false, none),
+    rather than an L2 entry outliving the eviction beside a reply promising an L3 copy that never comes."""
+    from skippyd.keys import cache_key
+    from skippyd.l2.tier import L2Tier as Tier
+
+    t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30))
+    try:
+        key = cache_key(IDENT, encode_tokens([1, 2, 3]))
+        real = Tier._commit
+        evicted: list[int] = []
+
+        def commit(  # noqa: PLR0917 - _commit's own signature
+            self: Tier, file: Any, entry: Any, offset: int, expected: Any, before: Any, **kw: Any
+        ) -> Any:
+            def announced(digest: str) -> None:
+                before(digest)
+                if not evicted:
+                    evicted.append(t.evict_key(key))
+
+            return real(self, file, entry, offset, expected, announced if before else None, **kw)
+
+        monkeypatch.setattr(Tier, "_commit", commit)
+        decls, source = staged(3)
+        out = t.capture(
+            identity=IDENT, tokens=encode_tokens([1, 2, 3]), tensors=decls, source=source, durable=durable
+        )
+        monkeypatch.setattr(Tier, "_commit", real)
+        settle(t)
+        assert (out.l2, out.l3, out.durability) == (False, False, "none")
+        assert t.l2.peek(key) is None
+        assert t.l3 is not None and t.l3.get(key) is None
+        assert not (shm_dir / "pending" / key).exists()
+        again = t.capture(identity=IDENT, tokens=encode_tokens([1, 2, 3]), tensors=decls, source=staged(3)[1])
+        assert again.l2 and served_digest(t, [1, 2, 3]) == again.digest  # later captures are not cancelled
+    finally:
+        t.close()

@@ -181,6 +181,17 @@ class Reservation:
         assert entry is not None
         return entry
 
+    def commit_unless(
+        self,
+        evicted: Callable[[str], bool],
+        *,
+        before_publish: Callable[[str], None] | None = None,
+        digest: str | None = None,
+    ) -> Entry | None:
+        """:meth:`commit`, unless ``evicted(digest)`` says, under the tier's lock right before the entry
+        would become visible, that an eviction overtook it (then None: nothing is published)."""
+        return self._finish(None, before_publish, only_if_absent=False, digest=digest, evicted=evicted)
+
     def commit_if_absent(self, expected_digest: str | None = None) -> Entry | None:
         """:meth:`commit`, unless an entry appeared under the key meanwhile (then None: it is newer)."""
         return self._finish(expected_digest, None, only_if_absent=True)
@@ -192,6 +203,7 @@ class Reservation:
         *,
         only_if_absent: bool,
         digest: str | None = None,
+        evicted: Callable[[str], bool] | None = None,
     ) -> Entry | None:
         if self._done:
             raise InvalidArgument("reservation already committed or aborted")
@@ -200,7 +212,7 @@ class Reservation:
         try:
             entry = self._tier._commit(
                 self._file, self.entry, self.data_offset, expected_digest, before_publish,
-                only_if_absent=only_if_absent, computed=digest,
+                only_if_absent=only_if_absent, computed=digest, evicted=evicted,
             )  # fmt: skip
         except BaseException:
             self._tier._abort(self._file)
@@ -530,6 +542,7 @@ class L2Tier:
         *,
         only_if_absent: bool,
         computed: str | None = None,
+        evicted: Callable[[str], bool] | None = None,
     ) -> Entry | None:
         mapping = file.ensure_mapped()
         view = memoryview(mapping)
@@ -555,6 +568,8 @@ class L2Tier:
         with self._lock:
             self._check_open()
             if only_if_absent and final.key in self._index:
+                return None
+            if evicted is not None and evicted(digest):
                 return None
             tick = self._next_tick()
             os.utime(file.path, ns=(tick, tick))
