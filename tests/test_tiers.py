@@ -30,10 +30,8 @@ def staged(fill: int, n: int = 10000) -> tuple[list[TensorDecl], memoryview]:
     return decls, memoryview(buf)
 
 
-@pytest.fixture
-def tiers(
-    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[tuple[Tiers, threading.Event]]:
+def gate_l3_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Every L3 entry write waits until the returned event is set (at most 30 s)."""
     gate = threading.Event()
     real = L3Store.write
 
@@ -42,6 +40,14 @@ def tiers(
         return real(self, entry, data, **options)
 
     monkeypatch.setattr(L3Store, "write", gated)
+    return gate
+
+
+@pytest.fixture
+def tiers(
+    shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Tiers, threading.Event]]:
+    gate = gate_l3_writes(monkeypatch)
     t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30))
     try:
         yield t, gate
@@ -568,14 +574,7 @@ def test_an_eviction_while_a_deferred_write_takes_its_lease_is_not_undone(
     takes the lease cancels it; the evicted entry never comes back from L3."""
     from skippyd.keys import cache_key
 
-    gate = threading.Event()
-    real_write = L3Store.write
-
-    def gated(self: L3Store, entry: Any, data: memoryview, **options: Any) -> bool:
-        gate.wait(timeout=30)
-        return real_write(self, entry, data, **options)
-
-    monkeypatch.setattr(L3Store, "write", gated)
+    gate = gate_l3_writes(monkeypatch)
     t = Tiers(L2Tier.open(shm_dir, 64 << 20), l3=L3Store.open(tmp_path / "l3", 1 << 30), l3_queue=1)
     try:
         for n, tokens in enumerate(([9], [8])):  # the writer busy, its queue full: the next is deferred
