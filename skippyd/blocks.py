@@ -799,15 +799,15 @@ class BlockRules:
                     durability = self.writer.submit(
                         admitted, identity, seq, nbytes_to_disk, sync=False, timeout=self._sync_timeout
                     )
-            elif to_disk and self.writer is not None and committed:
-                durability = self.writer.submit(
-                    committed, identity, seq, nbytes, sync=durable == "sync", timeout=self._sync_timeout
-                )
-            elif to_disk and self.writer is not None and (stored or present) and not gone:
-                durability = "written"  # every block it names was on disk already
-            if gone and durability == "written":
-                durability = "none"  # a block it counted as held left both tiers before it ended
-            # (else it stored nothing and found nothing held: "none")
+            elif to_disk and self.writer is not None:
+                if committed:
+                    durability = self.writer.submit(
+                        committed, identity, seq, nbytes, sync=durable == "sync", timeout=self._sync_timeout
+                    )
+                elif stored or present:
+                    durability = "written"  # every block it names was on disk already
+                if gone and durability == "written":
+                    durability = "none"  # a block it counted as held left both tiers before it ended
             self._count(
                 block_puts=1, block_put_offered=len(job.bound), block_put_stored=stored,
                 block_put_present=present, block_bytes_offered=sum(sizes), block_bytes_written=nbytes,

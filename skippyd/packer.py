@@ -253,12 +253,12 @@ class BlockWriter:
                     self._defer(live, None)
                     raise
             with self.l2.lock:
-                for key in owners:
-                    if self.l3.blocks.holds(key):
-                        self.l2.blocks.mark_written(key)
+                on_disk = {key for job in live for key in job.keys if self.l3.blocks.holds(key)}
+                for key in on_disk.intersection(owners):
+                    self.l2.blocks.mark_written(key)
                 lost = 0
                 for job in live:  # written only where L3 now holds every block the job named
-                    missing = sum(1 for key in job.keys if not self.l3.blocks.holds(key))
+                    missing = sum(1 for key in job.keys if key not in on_disk)
                     job.outcome = "none" if missing else "written"
                     lost += missing
             if lost:

@@ -323,14 +323,17 @@ class Connection:
                 if server.stopping:
                     raise ShuttingDown("the daemon is shutting down")
                 op, handler, pooled = server.handlers.route(self.session, body)
-            except SkippydError as exc:
-                if not self._answer_after_copy(staged, functools.partial(self._reply_error, request_id, exc)):
+            except Exception as exc:  # (a bug in routing too: answered, never an exception on the loop)
+                if staged and self.copy is not None:
+                    # the answer frees the other half, which the copy before may still read: it goes the
+                    # way a staged reply goes (_finished holds it until that copy has ended)
+                    self.running = True
+                    state.inflight += 1
+                    failed: Future[Reply] = Future()
+                    failed.set_exception(exc)
+                    self._finished(request_id, failed, staged=True)
                     return
-                continue
-            except Exception as exc:  # a bug in routing: answered, never an exception on the loop
-                failure = functools.partial(self._reply_failure, request_id, exc, "routing a request failed")
-                if not self._answer_after_copy(staged, failure):
-                    return
+                self._reply_failure(request_id, exc, "routing a request failed")
                 continue
             state.ops[op] += 1
             started = time.perf_counter()
@@ -354,27 +357,6 @@ class Connection:
             state.latency.observe(op, time.perf_counter() - started)
         if not self.running and not self.reading:
             self._resume_reading_if_room()
-
-    def _answer_after_copy(self, staged: bool, answer: Callable[[], None]) -> bool:
-        """Sends ``answer`` (an error found before the request ran) now: True. But the answer to a request
-        naming a half, an error too, frees the other half for the client, and the copy of the request
-        before may still read it: then it is sent once that copy has ended, and the connection's later
-        requests wait behind it (False: the caller stops)."""
-        if not (staged and self.copy is not None):
-            answer()
-            return True
-        self.running = True
-
-        def after_the_copy() -> None:  # (from _copied, on the event loop)
-            self.running = False
-            answer()
-            if self.closed and self.copy is None:
-                self.server.handlers.close_session(self.session)
-            self.server.maybe_stopped()
-            self._run_next()
-
-        self.held = after_the_copy
-        return False
 
     def _submit(
         self, request_id: int, op: str, started: float, work: Callable[[], Reply], *, staged: bool = False

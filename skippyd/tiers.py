@@ -328,6 +328,7 @@ class Tiers:
             if stale is not None and stale.entry.digest != digest:
                 l3.remove(key)
 
+        published = False
         try:
             with self.l2.reserve(
                 key=key, identity=identity, token_count=count, tensors=tensors, kind=kind, meta=meta
@@ -346,15 +347,11 @@ class Tiers:
                     before_publish=before_publish,
                     digest=computed,
                 )
-                if entry is not None:
-                    return entry
-                if writer is not None and intended and durable:
-                    writer.withdraw(key, intended[0])  # nothing was published under that intent
-                return hashed[0]
-        except BaseException:
-            if writer is not None and intended and durable:
+            published = entry is not None
+            return entry if entry is not None else hashed[0]
+        finally:
+            if not published and writer is not None and intended and durable:
                 writer.withdraw(key, intended[0])  # nothing was published under that intent
-            raise
 
     # ----------------------------------------------------------------- locating
     def _candidates(self, identity: Identity, tokens: bytes) -> list[_Candidate]:
