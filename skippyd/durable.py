@@ -523,9 +523,7 @@ class DurableWriter:
                 if written or (not self._stop and not redo):  # written, superseded or cancelled
                     self.marks.clear(entry.key, entry.digest)
             if newer:  # captured again while this write ran: the newer one wins
-                stale = self.l3.get(entry.key)
-                if stale is not None and stale.entry.digest == entry.digest:
-                    self.l3.remove(entry.key)
+                self.l3.remove(entry.key, digest=entry.digest)
                 outcome = "none"
             elif written or self._holds(entry):  # written now, or L3 had these bytes already
                 outcome = "written"

@@ -281,9 +281,7 @@ class FillTable:
                 # an eviction that marked this digest after the check above may have swept L2 before
                 # the commit: take the promoted entry back out
                 if self._cancelled(fill):
-                    current = self.l2.peek(committed.key)
-                    if current is not None and current.digest == committed.digest:
-                        self.l2.remove(committed.key)
+                    self.l2.remove(committed.key, digest=committed.digest)
         except Exception as exc:  # never escapes into the restore (or the promoter) that released the fill
             if isinstance(exc, SkippydError):
                 reservation = None  # a failed commit gave its memory back

@@ -326,7 +326,7 @@ class Tiers:
             intended.append(digest)
             stale = l3.get(key)
             if stale is not None and stale.entry.digest != digest:
-                l3.remove(key)
+                l3.remove(key, digest=stale.entry.digest)
 
         published = False
         try:
@@ -375,8 +375,8 @@ class Tiers:
             and l2 is not None
             and (l2.digest != l3.entry.digest or l2.token_count != l3.entry.token_count)
         ):
-            self.l2.remove(key)
-            self._count(l2_mismatches_removed=1)
+            if self.l2.remove(key, digest=l2.digest):
+                self._count(l2_mismatches_removed=1)
             return None, l3
         return l2, l3
 

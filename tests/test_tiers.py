@@ -120,6 +120,44 @@ def test_l3_is_the_authority_over_a_disagreeing_l2_entry(tiers: tuple[Tiers, thr
     assert t.counters.l2_mismatches_removed == 1
 
 
+def test_the_authority_check_never_removes_an_l2_entry_committed_after_it_looked(
+    tiers: tuple[Tiers, threading.Event], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t, gate = tiers
+    gate.set()
+    capture(t, [5, 6], fill=7, durable=True)
+    settle(t)
+    key = cache_key(IDENT, encode_tokens([5, 6]))
+    decls, source = staged(8)
+    with t.l2.reserve(key=key, identity=IDENT, token_count=2, tensors=decls) as r:  # disagrees with L3
+        r.data[: len(source)] = source
+        looked = r.commit()
+    decls, source = staged(9)
+    with t.l2.reserve(key=key, identity=IDENT, token_count=2, tensors=decls) as r:  # committed since the look
+        r.data[: len(source)] = source
+        newer = r.commit()
+    monkeypatch.setattr(t.l2, "peek", lambda _key: looked)  # the look happened before the newer commit
+    t.lookup(IDENT, encode_tokens([5, 6]))
+    held = t.l2.hold(key, hit=False)
+    assert held is not None
+    os.close(held.fd)
+    assert held.entry.digest == newer.digest, "the entry committed after the look was removed"
+    assert t.counters.l2_mismatches_removed == 0
+
+
+def test_conditional_removes_keep_an_entry_of_another_digest(tiers: tuple[Tiers, threading.Event]) -> None:
+    t, gate = tiers
+    gate.set()
+    digest = capture(t, [3, 3], fill=4, durable=True)
+    settle(t)
+    key = cache_key(IDENT, encode_tokens([3, 3]))
+    assert t.l3 is not None
+    assert not t.l2.remove(key, digest="0" * 64) and t.l2.peek(key) is not None
+    assert not t.l3.remove(key, digest="0" * 64) and t.l3.get(key) is not None
+    assert t.l2.remove(key, digest=digest) and t.l2.peek(key) is None
+    assert t.l3.remove(key, digest=digest) and t.l3.get(key) is None
+
+
 def test_an_eviction_during_a_durable_write_wins_over_the_write(
     tiers: tuple[Tiers, threading.Event],
 ) -> None:
@@ -173,10 +211,10 @@ def test_a_capture_retires_the_stale_durable_copy_before_its_entry_is_visible(
     seen_in_l2: list[str | None] = []
     real_remove = L3Store.remove
 
-    def remove(self: L3Store, k: str) -> bool:
+    def remove(self: L3Store, k: str, **options: Any) -> bool:
         entry = t.l2.peek(k)
         seen_in_l2.append(entry.digest if entry is not None else None)
-        return real_remove(self, k)
+        return real_remove(self, k, **options)
 
     monkeypatch.setattr(L3Store, "remove", remove)
     new = capture(t, [7, 7], fill=2, durable=False)

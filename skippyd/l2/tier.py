@@ -643,10 +643,12 @@ class L2Tier:
             return self._index.digests()
 
     # ----------------------------------------------------------------- removal
-    def remove(self, key: str) -> bool:
+    def remove(self, key: str, *, digest: str | None = None) -> bool:
+        """Removes the entry under ``key`` (only if its payload digest is ``digest``, where given: a caller
+        that looked at the entry first never removes one committed since)."""
         with self._lock:
             slot = self._index.get(key)
-            if slot is None:
+            if slot is None or (digest is not None and slot.entry.digest != digest):
                 return False
             self._detach(slot)
             self._pool.recycle(slot.file, room=self._room())

@@ -558,12 +558,13 @@ class L3Store:
             with contextlib.suppress(FileNotFoundError):
                 fsync_dir(directory)
 
-    def remove(self, key: str) -> bool:
-        """Removes the entry under ``key``, durably (its manifest's removal is fsynced)."""
+    def remove(self, key: str, *, digest: str | None = None) -> bool:
+        """Removes the entry under ``key``, durably (its manifest's removal is fsynced); only if its payload
+        digest is ``digest``, where given (a caller that looked first never removes one written since)."""
         touched: set[Path] = set()
         with self._lock:
             record = self._index.get(key)
-            if record is None:
+            if record is None or (digest is not None and record.entry.digest != digest):
                 return False
             self._remove_record(record, touched)
         self._sync_dirs(touched)
