@@ -95,6 +95,9 @@ TABLES: dict[str, tuple[type[Any], str, tuple[Row, ...]]] = {
          "L2: blocks a put committed before hashing them (hashed in the background)", True),
         ("block_unhashed_bytes", "unhashed_bytes", "L2: bytes of held blocks still waiting for their digest",
          False),
+        ("block_free_slots_read", "free_slots_read",
+         "L2: free block slots a client's lease still reads (not reused nor given back until it lets go)",
+         False),
     )),
     "l3": (L3Stats, "skippyd_l3_", _rows(
         ("entries", "entries", "L3: entries held", False),

@@ -406,3 +406,47 @@ def test_reads_wait_for_a_puts_copy_only_while_places_to_wait_are_left(shm_dir: 
         assert job.finish().stored == 4
         waiting.join(5)
         assert seen == [4]  # the read that waited saw the put whole
+
+
+def test_free_slots_still_read_under_a_lease_are_set_aside_not_scanned_again_by_every_block_of_a_put(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client holding views of many blocks that are then evicted leaves as many free slots read under
+    its lease. A put looks at each once and sets it aside (looked at again a batch at a time, every few
+    ms), instead of scanning every read slot for every block it reserves, under the lock: 4,096 such
+    slots made one put take 13 s and stalled every other request as long. Once the reader lets go, the
+    slots are free again."""
+    from skippyd.l2.slabs import Slab
+
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
+        rules = BlockRules(tier)
+        count = 400  # a bit under half the budget: the second put has room beside the read slots
+        space, keys, sizes, offsets, data = _blocks(b"a", count)
+        assert rules.put(space, keys, sizes, offsets, data, durable=False).stored == count
+        served = rules.get(space, keys, max_fds=64)
+        assert len(served.lease.placements) == count  # the reader's views: a lease on every slot
+        try:
+            assert rules.evict_identity(space.identity.digest) == count
+            with tier.lock:
+                assert tier.blocks.free_slots_read()
+            looks = 0
+            real = Slab.has_readers
+
+            def counted(self: Slab, index: int) -> bool:
+                nonlocal looks
+                looks += 1
+                return real(self, index)
+
+            monkeypatch.setattr(Slab, "has_readers", counted)
+            started = time.monotonic()
+            assert rules.put(*_blocks(b"b", count), durable=False).stored == count
+            elapsed = time.monotonic() - started
+            batches = int(elapsed / 0.005) + 2
+            assert looks <= count + batches * 256, f"{looks} looks at read slots for a put of {count} blocks"
+            assert tier.stats().block_free_slots_read == count
+        finally:
+            served.lease.close()
+        monkeypatch.undo()
+        assert rules.clear() == count
+        stats = tier.stats()
+        assert (stats.block_free_slots_read, stats.block_free_slots) == (0, 0), "let go of: given back"

@@ -56,6 +56,8 @@ _HOLE, _FREE, _WRITING, _USED, _FAULTING = 0, 1, 2, 3, 4  # _FAULTING: the reser
 _SLAB_TARGET = 32 << 20
 _QUIET_S = 0.002  # background work (the reserve, the digester) waits this long after the last put ended
 _NO_DIGEST = bytes(32)
+_LOOK_AGAIN_S = 0.005  # how often free slots found read under a lease are looked at again (while in demand)
+_LOOK_BATCH = 256  # at most this many read slots of a group per look (≈ 0.2 ms of fcntl, under the lock)
 
 
 @dataclass(slots=True)
@@ -67,6 +69,7 @@ class L2BlockStats:
     block_slab_bytes: int = 0  # every charged byte of the slabs: slots in use, free slots, headers
     block_free_slots: int = 0
     block_free_bytes: int = 0  # the free slots' bytes (pre-faulted, no block in them): part of the reserve
+    block_free_slots_read: int = 0  # free slots still read under a lease when last looked at (not reused yet)
     block_hits: int = 0
     block_misses: int = 0
     block_inserts: int = 0
@@ -111,6 +114,9 @@ class _Group:
     slot_size: int
     homes: list[_SlabState] = field(default_factory=list)
     free: deque[tuple[_SlabState, int]] = field(default_factory=deque)
+    # free slots a lease still read when last looked at: looked at again a batch at a time, every few ms
+    # (:meth:`L2Blocks._look_again`), never on every put (a scan of thousands, under the lock)
+    read: deque[tuple[_SlabState, int]] = field(default_factory=deque)
     holes: list[tuple[_SlabState, int]] = field(default_factory=list)
     demand: Demand = field(default_factory=Demand)  # slot bytes puts and L3 reads took lately (the reserve)
     expected_at: float = -1e9  # when a restart expected reads into it (:meth:`L2Blocks.expect`)
@@ -242,6 +248,8 @@ class L2Blocks:
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
         self._children: dict[bytes, set[bytes]] = {}
         self._groups: dict[tuple[bytes, int], _Group] = {}
+        self._read_slots = 0  # free slots set aside as read (every group's ``read``)
+        self._look_at = 0.0  # when the read slots are looked at again
         self._payload = 0
         self._spaces: dict[bytes, SpaceSummary] = {}
         self._dirty: set[bytes] = set()
@@ -402,7 +410,7 @@ class L2Blocks:
         return [
             GroupDemand(
                 key, group.slot_size, group.demand.recent(now, window), now - group.expected_at < active_s,
-                len(group.free) * group.slot_size,
+                (len(group.free) + len(group.read)) * group.slot_size,
             )
             for key, group in self._groups.items()
         ]  # fmt: skip
@@ -430,14 +438,11 @@ class L2Blocks:
         group = self._groups.get(key)
         if group is None:
             return 0
-        for _ in range(len(group.free)):
-            home, index = group.free.popleft()
-            if home.slab.has_readers(index):
-                group.free.append((home, index))
-                continue
-            self._punch(group, home, index)
-            return group.slot_size
-        return 0
+        taken = self._unread(group)
+        if taken is None:
+            return 0
+        self._punch(group, *taken)
+        return group.slot_size
 
     def prefault_done(self, taken: Prefault, *, faulted: bool) -> int:
         """A slot from :meth:`prefault_take` joins the free slots (``faulted``), or goes back to being a
@@ -477,13 +482,43 @@ class L2Blocks:
 
     def _take_free(self, group: _Group) -> tuple[_SlabState, int] | None:
         """A free, pre-faulted slot of ``group`` that nobody still reads."""
-        for _ in range(len(group.free)):
+        return self._unread(group)
+
+    def _unread(self, group: _Group) -> tuple[_SlabState, int] | None:
+        """Takes a free slot of ``group`` that nobody reads out of its free slots, or None. A slot found read
+        under a lease is set aside (``group.read``) and not looked at again by the next put: a reader ends
+        its lease without telling the daemon (it closes a descriptor), so the slots set aside are looked
+        at again a bounded batch at a time, every few ms (:meth:`_look_again`). Before, every put scanned
+        every read slot under the lock (an fcntl each): thousands of slots leased by one client's long-held
+        views stalled every request for seconds."""
+        self._look_again()
+        while group.free:
             home, index = group.free.popleft()
             if home.slab.has_readers(index):
-                group.free.append((home, index))
+                group.read.append((home, index))
+                self._read_slots += 1
                 continue
             return home, index
         return None
+
+    def _look_again(self, *, every: bool = False) -> None:
+        """Returns the read slots whose leases ended to the free slots: at most :data:`_LOOK_BATCH` of each
+        group, at most every :data:`_LOOK_AGAIN_S`; with ``every``, all of them now (called under the
+        lock)."""
+        if not self._read_slots:
+            return
+        now = time.monotonic()
+        if now < self._look_at and not every:
+            return
+        self._look_at = now + _LOOK_AGAIN_S
+        for group in self._groups.values():
+            for _ in range(len(group.read) if every else min(len(group.read), _LOOK_BATCH)):
+                home, index = group.read.popleft()
+                if home.slab.has_readers(index):
+                    group.read.append((home, index))
+                else:
+                    group.free.append((home, index))
+                    self._read_slots -= 1
 
     def _hole(self, group: _Group, space: bytes, size: int, mine: int = 0) -> tuple[_SlabState, int]:
         if group.holes:
@@ -641,20 +676,17 @@ class L2Blocks:
         for group in list(self._groups.values()):
             if group is keep:
                 continue
-            for _ in range(len(group.free)):
-                home, index = group.free.popleft()
-                if home.slab.has_readers(index):
-                    group.free.append((home, index))
-                    continue
-                self._punch(group, home, index)
+            taken = self._unread(group)
+            if taken is not None:
+                self._punch(group, *taken)
                 return True
         return False
 
     def free_slots_read(self) -> bool:
-        """Whether some free slot is still read under a lease (so neither reused nor given back yet)."""
-        return any(
-            home.slab.has_readers(index) for group in self._groups.values() for home, index in group.free
-        )
+        """Whether some free slot was still read under a lease when last looked at (so neither reused nor
+        given back yet: soon free memory, once its reader lets go)."""
+        self._look_again()
+        return self._read_slots > 0 or any(group.free for group in self._groups.values())
 
     def _punch(self, group: _Group, home: _SlabState, index: int) -> None:
         home.slab.punch(index)
@@ -803,6 +835,7 @@ class L2Blocks:
     def release_all_free(self) -> int:
         """Gives back every free slot's memory nobody still reads; returns how many slots."""
         released = 0
+        self._look_again(every=True)
         for key in list(self._groups):
             while self.punch_free_slot(key):
                 released += 1
@@ -816,8 +849,11 @@ class L2Blocks:
         stats.block_payload_bytes = self._payload
         stats.block_slabs = sum(len(group.homes) for group in self._groups.values())
         stats.block_slab_bytes = self.charged
-        stats.block_free_slots = sum(len(group.free) for group in self._groups.values())
-        stats.block_free_bytes = sum(len(group.free) * group.slot_size for group in self._groups.values())
+        stats.block_free_slots = sum(len(group.free) + len(group.read) for group in self._groups.values())
+        stats.block_free_bytes = sum(
+            (len(group.free) + len(group.read)) * group.slot_size for group in self._groups.values()
+        )
+        stats.block_free_slots_read = self._read_slots
         stats.block_unhashed = len(self._unhashed)
         stats.block_unhashed_bytes = self.unhashed_bytes
         return stats
