@@ -335,6 +335,19 @@ def test_memory_that_cannot_be_registered_is_copied_unpinned_and_never_retried()
     assert [c[0] for c in rec.calls] == ["register"] and book.stats.failures == 1
 
 
+def test_a_registration_that_fails_for_another_reason_is_copied_unpinned_once_and_asked_again() -> None:
+    """cudaHostRegister may answer an error an earlier asynchronous launch left: not a refusal of the
+    memory, so that file is not marked unregistrable for good (which would copy it at pageable speed for
+    the rest of the process): the next transfer asks again."""
+    rec = Recorder(fail=True)
+    book = rec.book()
+    assert book.ensure("slab", 1, 0x50000, [(0, 4096)], readonly=True) is None
+    assert book.stats.failures == 1
+    rec.fail = False
+    assert book.ensure("slab", 1, 0x50000, [(0, 4096)], readonly=True) == [0, 4096]
+    assert rec.count("register") == 2 and book.stats.registrations == 1
+
+
 # ---------------------------------------------------------------- generations from the daemon
 
 

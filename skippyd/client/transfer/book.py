@@ -35,9 +35,10 @@ PAGE = 4096
 READ_ONLY = 8  # cudaHostRegisterReadOnly
 DEFAULT = 0  # cudaHostRegisterDefault
 
-#: ``register(address, nbytes, flags) -> bool`` (False: this memory cannot be registered; copies still
-#: work, unpinned) and ``unregister(address)``.
-Register = Callable[[int, int, int], bool]
+#: ``register(address, nbytes, flags) -> bool | None`` (True: registered; False: this memory cannot be
+#: registered, never asked again; None: it failed for another reason, say an error an earlier launch
+#: left, asked again next time; copies work either way, unpinned) and ``unregister(address)``.
+Register = Callable[[int, int, int], bool | None]
 Unregister = Callable[[int], None]
 
 #: A slab's slots as a ``blocks_get`` reply shows them (``slot_maps``, docs/protocol.md "Generations"):
@@ -151,9 +152,10 @@ class RegistrationBook:
             self._make_room(need, keep=key, also=keep)
             flags = READ_ONLY if readonly else DEFAULT
             for a, b in missing:
-                if not self._register(base + a, b - a, flags):
+                registered = self._register(base + a, b - a, flags)
+                if not registered:
                     self.stats.failures += 1
-                    source.unregistrable = True
+                    source.unregistrable = registered is False
                     self.drop(key, forget=False)
                     return None
                 bisect.insort(source.ranges, (a, b))

@@ -64,22 +64,41 @@ _PORTABLE = 1
 _portable = [True]
 
 
-def _cuda_register(address: int, nbytes: int, flags: int) -> bool:
+#: cudaHostRegister's answers that refuse the memory itself (invalid value, out of memory, already
+#: registered, not supported): that range is copied unpinned from then on. Any other code may be an
+#: error an earlier asynchronous launch left ("may also return error codes from previous, asynchronous
+#: launches"): it is left for the caller to see, and the range is asked again next time.
+_REFUSALS = frozenset({1, 2, 712, 801})
+
+
+def _cuda_register(address: int, nbytes: int, flags: int) -> bool | None:
     cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
     if _portable[0]:
         err = cudart.cudaHostRegister(address, nbytes, flags | _PORTABLE)
-        if int(getattr(err, "value", err)) == 0:
+        code = int(getattr(err, "value", err))
+        if code == 0:
             return True
+        if code not in _REFUSALS:
+            log.warning(
+                "cudaHostRegister of %d bytes: %s (not a refusal): copying unpinned this time", nbytes, err
+            )
+            return None
         _clear_last_error()
     err = cudart.cudaHostRegister(address, nbytes, flags)
-    ok = int(getattr(err, "value", err)) == 0
-    if not ok:
-        log.warning("cudaHostRegister of %d bytes failed (%s): copying that memory unpinned", nbytes, err)
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        if code not in _REFUSALS:
+            log.warning(
+                "cudaHostRegister of %d bytes: %s (not a refusal): copying unpinned this time", nbytes, err
+            )
+            return None
+        log.warning("cudaHostRegister of %d bytes refused (%s): copying that memory unpinned", nbytes, err)
         _clear_last_error()
-    elif _portable[0]:
+        return False
+    if _portable[0]:
         _portable[0] = False
         log.info("cudaHostRegisterPortable refused where the registration alone is not: not asked again")
-    return ok
+    return True
 
 
 def _current_context_of(stream: Any) -> contextlib.AbstractContextManager[Any]:

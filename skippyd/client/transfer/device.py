@@ -38,7 +38,7 @@ import torch
 
 from skippyd.errors import BadFrame, InvalidArgument, Mismatch
 
-from .book import RegistrationBook, SlotMap
+from .book import Register, RegistrationBook, SlotMap
 from .cuda import (
     _SRC_ACCESS_ORDER_STREAM,
     _batch_function,
@@ -133,6 +133,9 @@ class Layered:
 
 #: Seconds without a call after which :func:`_sweep_while_idle` looks (then as often, while idle).
 _IDLE_SWEEP = 1.0
+#: cuMemcpyBatchAsync's answers that mean this driver cannot do it (invalid value, not supported): copies
+#: go one per run from then on. Any other error makes only that transfer go run by run.
+_BATCH_REFUSALS = frozenset({1, 801})
 
 
 def _sweep_while_idle(ref: weakref.ref[DeviceTransfer], closed: threading.Event) -> None:
@@ -178,7 +181,7 @@ class DeviceTransfer:
     def __init__(
         self,
         *,
-        register: Callable[[int, int, int], bool] | None = None,
+        register: Register | None = None,
         unregister: Callable[[int], None] | None = None,
         limit_bytes: int | None = None,
         maps: int | None = None,
@@ -285,9 +288,16 @@ class DeviceTransfer:
         self.calls += 1
         if err == 0:
             return True
-        log.warning("cuMemcpyBatchAsync failed (CUresult %d at copy %d): one copy per run from now on",
-                    err, failed.value)  # fmt: skip
-        self._use_batch = False
+        where = f" at copy {failed.value}" if failed.value < count else ""
+        if err in _BATCH_REFUSALS:  # the driver cannot do it at all: never asked again
+            log.warning(
+                "cuMemcpyBatchAsync refused (CUresult %d%s): one copy per run from now on", err, where
+            )
+            self._use_batch = False
+        else:  # (an error an earlier launch left, or a passing one: this transfer alone goes run by run)
+            log.warning(
+                "cuMemcpyBatchAsync failed (CUresult %d%s): this transfer one copy per run", err, where
+            )
         return False
 
     # ------------------------------------------------------------ host → device

@@ -56,12 +56,15 @@ class FakeStream:
 class Recorder:
     """``cudaHostRegister``/``cudaHostUnregister`` stand-ins that record every call (and can refuse)."""
 
-    def __init__(self, refuse: bool = False) -> None:
+    def __init__(self, refuse: bool = False, *, fail: bool = False) -> None:
         self.calls: list[tuple[Any, ...]] = []
-        self.refuse = refuse
+        self.refuse = refuse  # answers False: this memory cannot be registered
+        self.fail = fail  # answers None: failed for another reason (asked again next time)
 
-    def register(self, address: int, nbytes: int, flags: int) -> bool:
+    def register(self, address: int, nbytes: int, flags: int) -> bool | None:
         self.calls.append(("register", address, nbytes, flags))
+        if self.fail:
+            return None
         return not self.refuse
 
     def unregister(self, address: int) -> None:
