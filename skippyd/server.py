@@ -29,6 +29,7 @@ import signal
 import socket
 import stat
 import struct
+import termios
 import time
 from collections import deque
 from collections.abc import Callable
@@ -56,6 +57,13 @@ _MAX_OUT_BYTES = 8 << 20
 #: queued requests wait (a client pipelining gets and never reading would otherwise hold the daemon's
 #: descriptors until it has none left for anyone).
 _MAX_OUT_FDS = 64
+#: Descriptors sent in replies a client has not read yet: they sit in its socket, and the kernel counts
+#: them against the daemon's user (past its open-files limit every ``sendmsg`` of a descriptor fails
+#: ``ETOOMANYREFS``, for every client; root with CAP_SYS_RESOURCE is exempt). Past this, or past the
+#: server's share (``max_out_fds``, all connections together), a connection's queued requests wait until
+#: its client has read what it was sent (``SIOCOUTQ`` says 0), looked at again every few ms.
+_MAX_UNREAD_FDS = 256
+_UNREAD_LOOK_S = (0.001, 0.02)  # the first and the longest wait between two looks
 _MAX_QUEUED_FRAMES = 64
 _MAX_QUEUED_BYTES = 32 << 20  # decoded requests waiting on one connection
 _MAX_CONNECTIONS = 2048
@@ -178,6 +186,15 @@ class PeerPolicy:
         return uid in self.uids or bool(self.gids & peer_groups)
 
 
+def unread_by_peer(fd: int) -> int:
+    """How much of what this socket sent its peer has not read yet (``SIOCOUTQ``: 0 once it has read
+    everything, or closed); -1 where the socket cannot say (then it is taken as not read)."""
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0])
+    except OSError:
+        return -1
+
+
 class Connection:
     def __init__(self, server: Server, sock: socket.socket, session: Session) -> None:
         self.server = server
@@ -194,6 +211,10 @@ class Connection:
         self.out: deque[tuple[memoryview, list[int]]] = deque()
         self.out_bytes = 0
         self.out_fds = 0  # descriptors held by replies in ``out``
+        self.unread_fds = 0  # descriptors sent since the client was last seen to have read everything
+        self._look_timer: asyncio.TimerHandle | None = None
+        self._look_wait = _UNREAD_LOOK_S[0]
+        self.refused_refs = False  # the kernel refused the last descriptors (ETOOMANYREFS): sent again later
         self.reading = False
         self.writing = False
         self.closed = False
@@ -240,6 +261,8 @@ class Connection:
         if not data:
             self.close()
             return
+        if self.unread_fds:  # (a client asking again has mostly read what it was sent: the count stays true)
+            self._peer_read_all()
         decoder = self.decoder
         now = time.monotonic()
         self.last_activity = now
@@ -291,7 +314,53 @@ class Connection:
             self.out_bytes > _MAX_OUT_BYTES
             or held > _MAX_OUT_FDS
             or (held > 0 and self.server.out_fds > self.server.max_out_fds)  # (many such clients at once)
+            or self.refused_refs
+            or self._unread_fds_over()
         )
+
+    def _unread_fds_over(self) -> bool:
+        """This client holds too many descriptors it was sent and has not read (alone, or with everyone
+        else's past the server's share): it waits until it reads them (a look is scheduled)."""
+        if not self.unread_fds:
+            return False
+        server = self.server
+        if (
+            self.unread_fds <= _MAX_UNREAD_FDS
+            and server.state.fds_unread + server.out_fds <= server.max_out_fds
+        ):
+            return False
+        if self._peer_read_all():
+            return False
+        self._look_later()
+        return True
+
+    def _peer_read_all(self) -> bool:
+        """Whether the client has read every byte sent to it (then the descriptors it held are forgotten)."""
+        if unread_by_peer(self.fd) != 0:
+            return False
+        self.server.state.fds_unread -= self.unread_fds
+        self.unread_fds = 0
+        self._look_wait = _UNREAD_LOOK_S[0]
+        return True
+
+    def _look_later(self) -> None:
+        if self._look_timer is None and not self.closed:
+            self._look_timer = self.server.loop.call_later(self._look_wait, self._look_again)
+            self._look_wait = min(2 * self._look_wait, _UNREAD_LOOK_S[1])
+
+    def _look_again(self) -> None:
+        """Whether the client has read its descriptors (or the kernel takes more) yet: what waited goes on."""
+        self._look_timer = None
+        if self.closed:
+            return
+        self._peer_read_all()
+        if self.refused_refs:
+            self.refused_refs = False
+            self._flush()
+        if not self.closed and not self.running and self.queue and not self._replies_backed_up():
+            self._run_next()
+        if not self.closed:
+            self._resume_reading_if_room()
 
     def _protocol_error(self, exc: SkippydError) -> None:
         log.info("closing connection %d: %s", self.session.id, exc)
@@ -511,12 +580,15 @@ class Connection:
                 sent = send_frame(self.sock, data, fds)
             except (BlockingIOError, InterruptedError):
                 sent = 0
-            except OSError:
-                _close_fds(fds)
-                self.close()
-                return
+            except OSError as exc:
+                if exc.errno != errno.ETOOMANYREFS:
+                    _close_fds(fds)
+                    self.close()
+                    return
+                sent = 0  # (queued: _flush below meets the refusal and looks again later)
             if sent:
                 _close_fds(fds)  # the kernel holds them now, attached to the first byte sent
+                self._sent_fds(len(fds))
                 fds = []
                 if sent == len(data):
                     if self.close_after_flush:
@@ -530,36 +602,60 @@ class Connection:
         self._flush()
 
     def _flush(self) -> None:
-        while self.out and not self.closed:
+        while self.out and not self.closed and not self.refused_refs:
             view, fds = self.out[0]
             try:
                 sent = send_frame(self.sock, view, fds)  # type: ignore[arg-type]
             except (BlockingIOError, InterruptedError):
                 sent = 0
-            except OSError:
-                self.close()
-                return
+            except OSError as exc:
+                if exc.errno != errno.ETOOMANYREFS:
+                    self.close()
+                    return
+                self._refused_refs()
+                break
             if sent == 0:
                 break
             if fds:
                 _close_fds(fds)  # the kernel holds them now, attached to the first byte sent
                 self.out_fds -= len(fds)
                 self.server.out_fds -= len(fds)
+                self._sent_fds(len(fds))
             self.out_bytes -= sent
             if sent == len(view):
                 self.out.popleft()
             else:
                 self.out[0] = (view[sent:], [])
                 break
-        if self.out and not self.writing and not self.closed:
+        if self.out and not self.writing and not self.closed and not self.refused_refs:
             self.server.loop.add_writer(self.fd, self._on_writable)
             self.writing = True
-        elif not self.out and self.writing:
+        elif (not self.out or self.refused_refs) and self.writing:  # (a refusal: a timer looks again)
             self.server.loop.remove_writer(self.fd)
             self.writing = False
         self._maybe_close()
         if not self.out:
             self._resume_reading_if_room()
+
+    def _sent_fds(self, count: int) -> None:
+        self.unread_fds += count
+        self.server.state.fds_unread += count
+
+    def _refused_refs(self) -> None:
+        """The kernel would not pass more descriptors (the daemon's user has its open-files limit of them
+        in sockets no client has read): this reply waits, looked at again a few ms later, and the
+        connection stays open."""
+        self.refused_refs = True
+        self.server.state.fd_refusals += 1
+        now = time.monotonic()
+        if now - self.server.refs_logged_at > 10.0:
+            self.server.refs_logged_at = now
+            log.warning(
+                "the kernel refused to pass descriptors (ETOOMANYREFS: %d sent in replies clients have "
+                "not read); replies wait until they read them",
+                self.server.state.fds_unread,
+            )
+        self._look_later()
 
     def _on_writable(self) -> None:
         """The client reads again: send what waits, then run what its backed-up replies held back."""
@@ -589,13 +685,24 @@ class Connection:
         self.out.clear()
         self.server.out_fds -= self.out_fds
         self.out_fds = 0
+        if self._look_timer is not None:
+            self._look_timer.cancel()
+            self._look_timer = None
         self.queue.clear()
         self.queued_bytes = 0
         self._account_partial(0)
         self.decoder.close()
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        self.server.forget(self)
+        # Descriptors the client was sent and has not read stay in its socket (counted against the
+        # daemon's user) whatever the daemon does with its own end: the socket lingers, still counted
+        # among its uid's connections, until the client reads them or closes (housekeeping looks).
+        if self.unread_fds and not self._peer_read_all() and not self.server.stopping:
+            self.server.linger(self)
+        else:
+            self.server.state.fds_unread -= self.unread_fds
+            self.unread_fds = 0
+            with contextlib.suppress(OSError):
+                self.sock.close()
+        self.server.forget(self, keep_uid=self.unread_fds > 0)
         if not self.running and self.copy is None:  # else once the copy reading its staging has ended
             self.server.handlers.close_session(self.session)
 
@@ -660,6 +767,8 @@ class Server:
         # descriptors held by replies no client has read yet, all connections together, and how many may
         # be before a connection holding some waits: a quarter of the open-files limit (at least 64)
         self.out_fds = 0
+        self.lingering: list[Connection] = []  # closed, their sockets kept until their clients read or close
+        self.refs_logged_at = -1e9
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.max_out_fds = max(64, (1 << 20 if soft == resource.RLIM_INFINITY else soft) // 4)
         self.stopping = False
@@ -710,6 +819,7 @@ class Server:
                     self.loop.remove_signal_handler(signum)
             for conn in list(self.connections.values()):
                 conn.close()
+            self.bury_lingering(every=True)
             await self._copies_ended()
             self.copier.shutdown(wait=True)
             self.pool.shutdown(wait=True, cancel_futures=True)
@@ -844,15 +954,36 @@ class Server:
             log.debug("connection %d from pid %d uid %d", session.id, session.pid, session.uid)
             conn.start()
 
-    def forget(self, conn: Connection) -> None:
+    def forget(self, conn: Connection, *, keep_uid: bool = False) -> None:
         if self.connections.get(conn.fd) is conn:
             del self.connections[conn.fd]
             self.state.connections = len(self.connections)
-        if conn.counted:
+        if conn.counted and not keep_uid:
             conn.counted = False
             self._per_uid[conn.session.uid] -= 1
             if self._per_uid[conn.session.uid] <= 0:
                 del self._per_uid[conn.session.uid]
+
+    def linger(self, conn: Connection) -> None:
+        """Keeps a closed connection's socket (and its uid's count) while its client holds descriptors
+        it has not read."""
+        self.lingering.append(conn)
+        self.state.lingering = len(self.lingering)
+
+    def bury_lingering(self, *, every: bool = False) -> None:
+        """Closes the lingering sockets whose clients have read everything or closed (``every``: all)."""
+        kept: list[Connection] = []
+        for conn in self.lingering:
+            if not every and unread_by_peer(conn.fd) > 0:
+                kept.append(conn)
+                continue
+            self.state.fds_unread -= conn.unread_fds
+            conn.unread_fds = 0
+            self.forget(conn)  # (before the close: its fd number is not anyone else's yet)
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+        self.lingering = kept
+        self.state.lingering = len(kept)
 
     # ------------------------------------------------------------- periodic work
     async def _housekeeping(self) -> None:
@@ -860,6 +991,8 @@ class Server:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
+            if self.lingering:
+                self.bury_lingering()
             for conn in list(self.connections.values()):
                 if (
                     conn.decoder.mid_frame

@@ -67,6 +67,9 @@ class ServerStats:
     connections: int = 0
     inflight: int = 0
     copies_behind: int = 0  # puts answered whose copy out of staging has not committed yet
+    lingering: int = 0  # closed connections kept open until their clients read the descriptors sent
+    fds_unread: int = 0  # descriptors sent in replies clients had not read when last looked at
+    fd_refusals: int = 0  # replies the kernel would not pass descriptors for yet (ETOOMANYREFS)
     accepted: int = 0
     refused: int = 0
     errors: int = 0
@@ -94,6 +97,9 @@ class ServerState:
     connections: int = 0
     inflight: int = 0
     copies_behind: int = 0
+    lingering: int = 0
+    fds_unread: int = 0
+    fd_refusals: int = 0
     accepted: int = 0
     refused: int = 0
     errors: int = 0
@@ -104,7 +110,8 @@ class ServerState:
     def stats(self) -> ServerStats:
         return ServerStats(
             connections=self.connections, inflight=self.inflight, copies_behind=self.copies_behind,
-            accepted=self.accepted,
+            lingering=self.lingering, fds_unread=self.fds_unread,
+            fd_refusals=self.fd_refusals, accepted=self.accepted,
             refused=self.refused, errors=self.errors, protocol_errors=self.protocol_errors,
             ops=dict(self.ops),
             latency={op: LatencySummary(**s) for op, s in self.latency.summaries().items()},  # type: ignore[arg-type]

@@ -536,6 +536,10 @@ def test_a_client_that_pipelines_gets_and_never_reads_holds_a_bounded_number_of_
             most = max(most, _open_fds(pid))
         try:
             assert most - before <= 96, f"the daemon went from {before} to {most} descriptors"
+            # and at most a bounded number sent into its socket (the kernel counts those against the
+            # daemon's user: past its open-files limit it would pass no descriptor to anyone)
+            unread = client.stats()["server"]["fds_unread"]
+            assert unread <= 256 + 8, f"{unread} descriptors sit unread in the client's socket"
             other = client.blocks(model="m", state="s", block_tokens=16)
             got = other.get(keys)
             assert [int(t[0]) for t in got] == list(range(8))
@@ -543,6 +547,50 @@ def test_a_client_that_pipelines_gets_and_never_reads_holds_a_bounded_number_of_
         finally:
             hostile.close()
     assert eventually(lambda: _open_fds(pid) <= before + 8)
+
+
+def test_a_connection_closed_while_its_client_holds_unread_descriptors_lingers_until_it_reads_or_closes(
+    daemon: DaemonProcess,
+) -> None:
+    """Descriptors sent in replies stay in the client's socket, counted against the daemon's user, whatever
+    the daemon does with its own end. A connection the daemon closes (here: a bad frame after a get it
+    never read) keeps its socket, and its place among its uid's connections, until the client has read
+    them or closed; so reconnecting cannot pile up descriptors the daemon no longer counts."""
+    import socket
+
+    from skippyd.protocol import FrameType, encode_frame, recv_fds_into
+
+    with daemon.client() as client:
+        blocks = client.blocks(model="m", state="s", block_tokens=16)
+        keys = blocks.keys(list(range(16 * 8)))
+        data = [torch.full((4096 << i,), i, dtype=torch.uint8) for i in range(8)]  # 8 slabs a get
+        assert blocks.put(keys, data, durable=False).stored == 8
+        space = {"model": "m", "state": "s", "namespace": "", "block_tokens": 16}
+        for read_them in (True, False):
+            hostile = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            hostile.settimeout(10)
+            hostile.connect(str(daemon.socket))
+            hostile.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]}))
+            hostile.sendall(encode_frame(FrameType.REQUEST, 2, {"op": "blocks_get", **space, "keys": keys}))
+            assert eventually(lambda: client.stats()["server"]["fds_unread"] >= 8)
+            hostile.sendall(b"NOT A FRAME" * 8)  # a protocol error: the daemon closes its end
+            assert eventually(lambda: client.stats()["server"]["lingering"] == 1)
+            assert client.stats()["server"]["fds_unread"] >= 8
+            if read_them:
+                received: list[int] = []
+                with contextlib.suppress(OSError):
+                    while True:
+                        data_, fds = recv_fds_into(hostile)
+                        received += fds
+                        if not data_:
+                            break
+                for fd in received:
+                    os.close(fd)
+                assert len(received) == 8
+            hostile.close()
+            assert eventually(lambda: client.stats()["server"]["lingering"] == 0, timeout=5)
+            assert client.stats()["server"]["fds_unread"] == 0
+        assert client.ping()
 
 
 def test_the_daemon_raises_its_open_files_limit_to_the_hard_limit() -> None:
@@ -682,12 +730,18 @@ def test_past_max_buffered_the_connections_holding_the_most_are_shed_not_the_nex
         assert client.ping()
 
 
+@pytest.mark.parametrize("exempt", [True, False], ids=["root", "without-cap-sys-resource"])
 def test_clients_that_never_read_cannot_take_every_descriptor_and_running_out_is_busy(
-    tmp_short: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_short: Path, monkeypatch: pytest.MonkeyPatch, exempt: bool
 ) -> None:
     """A daemon allowed only 160 descriptors, six connections pipelining gets they never read: together
     they hold at most a quarter of the limit (about; each waits once it holds some past that), so an
-    innocent client's get is served; and where descriptors run out anyway, the answer is ``busy``."""
+    innocent client's get is served; and where descriptors run out anyway, the answer is ``busy``.
+
+    Without CAP_SYS_RESOURCE (a daemon run as its own user, as systemd does), the kernel also counts the
+    descriptors sitting in the sockets of clients that have not read them against the daemon's limit,
+    and refuses to pass more past it (ETOOMANYREFS) to anyone: those count toward the same share, so the
+    innocent client is served, not disconnected."""
     import shutil
     import socket
     import sys
@@ -699,7 +753,15 @@ def test_clients_that_never_read_cannot_take_every_descriptor_and_running_out_is
     if prlimit is None:
         pytest.skip("needs prlimit (util-linux)")
     wrapper = tmp_short / "python"
-    wrapper.write_text(f'#!/bin/sh\nexec {prlimit} --nofile=160:160 -- {sys.executable} "$@"\n')
+    setpriv = shutil.which("setpriv")
+    if not exempt and (setpriv is None or os.geteuid() != 0):
+        pytest.skip("needs root and setpriv (util-linux) to drop the capabilities")
+    drop = (
+        ""
+        if exempt
+        else f"{setpriv} --bounding-set=-sys_admin,-sys_resource --inh-caps=-sys_admin,-sys_resource "
+    )
+    wrapper.write_text(f'#!/bin/sh\nexec {drop}{prlimit} --nofile=160:160 -- {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("SKIPPYD_DAEMON_PYTHON", str(wrapper))
     proc = DaemonProcess(tmp_short, "--redis-url", "none")
@@ -722,6 +784,8 @@ def test_clients_that_never_read_cannot_take_every_descriptor_and_running_out_is
                 sock.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [1]}))
                 with contextlib.suppress(TimeoutError):
                     sock.sendall(gets)  # (stops once the daemon stops reading it)
+                # (the server's share: a quarter of 160, at least 64; each connection may pass it by a reply)
+                assert client.stats()["server"]["fds_unread"] <= 64 + 8 * (len(hostile) + 1)
                 hostile.append(sock)
             assert _open_fds(proc.proc.pid) < 150
             got = blocks.get(keys)
