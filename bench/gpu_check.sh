@@ -5,9 +5,10 @@
 # carry [".gpu"]:   bash .gpu/on_device.sh bash bench/gpu_check.sh
 # Each step has its own time limit (SK_TEST_S, SK_BENCH_S seconds) and prints where every thread is if it
 # hangs (faulthandler), so one stuck step still leaves the other's output. Extra arguments go to bench.gpu.
-# The defaults (150 s + 270 s, each with a 20 s kill grace: 460 s at most, plus the wheels' install and
-# the daemon's start) fit one device call of timeout_s 540, under the tool's 600 s per call, and leave
-# time in a 15-minute device budget to run it again (expected: tests 60-90 s, bench 150-200 s).
+# The defaults (tests 150 s, the doctor's probe 40 s, bench 260 s, with 20 s kill graces: 490 s at most,
+# plus the wheels' install and the daemon's start) fit one device call of timeout_s 560, under the tool's
+# 600 s per call, and leave time in a 15-minute device budget to run it again (expected: tests 60-90 s,
+# probe 10 s, bench 150-200 s).
 set -u
 # the tests' own daemons: on the big tmpfs where there is one (a container's /dev/shm may be 64 MiB)
 if [ -z "${SKIPPYD_TEST_SHM:-}" ] && [ -d /mnt/skippyd-shm ]; then export SKIPPYD_TEST_SHM=/mnt/skippyd-shm; fi
@@ -23,4 +24,8 @@ if python3 -c 'import pytest' 2>/dev/null; then
 else
   echo "no pytest here: the cuda tests did not run"
 fi
-timeout -s INT -k 20 "${SK_BENCH_S:-270}" python3 -X faulthandler -m bench.gpu "$@"
+# skippyd doctor --gpu's probe, as a user would run it (one JSON list of findings)
+timeout -s KILL "${SK_PROBE_S:-40}" python3 -m skippyd.client.transfer.probe --mib 256 \
+  | python3 -c 'import json, sys; [print("  %-4s  %s" % (f["level"].upper(), f["what"])) for f in json.load(sys.stdin)]' \
+  || echo "the probe did not finish"
+timeout -s INT -k 20 "${SK_BENCH_S:-260}" python3 -X faulthandler -m bench.gpu "$@"

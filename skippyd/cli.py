@@ -797,13 +797,26 @@ def config_show(config_file: str | None, as_json: bool, local: bool, **flags: An
 @main.command()
 @click.option("--config", "config_file", default=None, help="TOML config file [env SKIPPYD_CONFIG]")
 @click.option("--json", "as_json", is_flag=True, help="print one JSON document")
+@click.option(
+    "--gpu", is_flag=True,
+    help="also check the GPU data path: torch and its device, cudaHostRegister of tmpfs, restores "
+    "through the daemon to the device (bit-exact, rate beside a pinned copy)",
+)  # fmt: skip
+@click.option(
+    "--python", "python", default=sys.executable, show_default="this Python",
+    help="with --gpu: the engine's Python (with torch and skippyd), where the probe runs",
+)  # fmt: skip
+@click.option("--gpu-mib", default=256, show_default=True, type=click.IntRange(1, 1 << 16),
+              help="with --gpu: MiB each timed copy moves")  # fmt: skip
 @_config_options(_SERVE_FLAGS)
-def doctor(config_file: str | None, as_json: bool, **flags: Any) -> None:
+def doctor(
+    config_file: str | None, as_json: bool, gpu: bool, python: str, gpu_mib: int, **flags: Any
+) -> None:
     """Check this host's setup; one line per finding, with the fix. Exit 1 if anything is wrong.
 
     With a daemon answering on the socket, its own settings are checked (flags given here still win).
     """
-    from .doctor import FAIL, diagnose
+    from .doctor import FAIL, check_gpu, diagnose
 
     settings = _settings(flags, config_file)
     config = replace(settings.config, socket=settings.socket)
@@ -820,6 +833,8 @@ def doctor(config_file: str | None, as_json: bool, **flags: Any) -> None:
         except SkippydError as exc:
             click.echo(f"skippyd: the daemon answered with an error: {exc}", err=True)
     findings = diagnose(config, daemon)
+    if gpu:
+        findings += check_gpu(python, str(config.socket), mib=gpu_mib)
     if as_json:
         click.echo(json.dumps([f.__dict__ for f in findings], indent=2))
     else:

@@ -3,16 +3,19 @@
 Checks what an operator gets wrong on a GPU host: the embedded Redis binary, Redis reachability and
 version, the tmpfs under the L2 tier (space, type, huge pages, the POSIX ACL for allowed ids), L3
 permissions and free space, the socket's mode and owner, budget sanity, and — when the daemon answers —
-what it reports about itself.
+what it reports about itself. With ``--gpu``, the GPU data path as an engine on this host would use it
+(:mod:`skippyd.client.transfer.probe`, run in the engine's Python: the daemon's never imports torch).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import shutil
 import stat
+import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +27,7 @@ from .l2.slabs import SLAB_SUFFIX, BadSlab, describe
 from .shm import ACL_XATTR, new_name, read_acl
 from .stats import Snapshot, redis_summary, server_restarts
 
-__all__ = ["Finding", "diagnose"]
+__all__ = ["Finding", "check_gpu", "diagnose"]
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "fail"
 
@@ -469,3 +472,34 @@ def diagnose(config: Config, daemon: Snapshot | None) -> list[Finding]:
     ):
         findings.extend(check)
     return findings
+
+
+def check_gpu(python: str, socket: str, *, mib: int = 256, timeout: float = 300.0) -> Iterator[Finding]:
+    """The GPU data path's findings, from the probe run in ``python`` (the engine's interpreter, with
+    torch and skippyd installed) against the daemon on ``socket``."""
+    command = [python, "-m", "skippyd.client.transfer.probe", "--socket", socket, "--mib", str(mib)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
+    except FileNotFoundError:
+        yield Finding(FAIL, f"gpu: no Python at {python}", "--python PATH: the engine's interpreter")
+        return
+    except subprocess.TimeoutExpired:
+        yield Finding(
+            FAIL, f"gpu: the probe did not finish in {timeout:.0f} s", "--gpu-mib 64 (a smaller probe)"
+        )
+        return
+    lines = done.stdout.strip().splitlines()
+    try:
+        found = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+    except ValueError:
+        found = None
+    if not isinstance(found, list):
+        why = (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1]
+        if "No module named skippyd" in done.stderr or "No module named 'skippyd" in done.stderr:
+            yield Finding(FAIL, f"gpu: skippyd is not installed for {python}", "pip install skippyd there")
+        else:
+            yield Finding(FAIL, f"gpu: the probe failed: {why}", f"run it alone: {' '.join(command)}")
+        return
+    for item in found:
+        if isinstance(item, dict) and item.get("level") in (OK, INFO, WARN, FAIL):
+            yield Finding(str(item["level"]), f"gpu: {item.get('what', '')}", str(item.get("fix", "")))

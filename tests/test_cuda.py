@@ -438,3 +438,16 @@ def test_concurrent_restores_through_pinned_buffers_each_get_their_own_bytes(
             ]
 
     assert asyncio.run(main()) == [True] * 4
+
+
+def test_the_gpu_probe_finds_the_data_path_working_on_this_device(proc: Any) -> None:
+    """``skippyd doctor --gpu``'s probe on a real device: registration of tmpfs accepted, an entry and
+    blocks restored bit-exact through the daemon; nothing failed (a rate below 0.7x pinned is a warning,
+    which this does not judge: bench.gpu does)."""
+    from skippyd.client.transfer.probe import probe
+
+    findings = probe(str(proc.socket), nbytes=64 << 20)
+    assert not [f for f in findings if f["level"] == "fail"], findings
+    whats = " | ".join(f["what"] for f in findings)
+    assert "a registered tmpfs mapping copies to the device" in whats, findings
+    assert "restore of a" in whats and "get_into of" in whats and whats.count("bit-exact") == 2, findings

@@ -151,6 +151,54 @@ def test_doctor_passes_a_healthy_host(daemon: DaemonProcess) -> None:
     assert any("daemon" in line and "answers" in line for line in lines)
 
 
+def test_doctor_gpu_says_a_host_without_cuda_has_no_gpu_path_and_is_not_a_failure(
+    daemon: DaemonProcess,
+) -> None:
+    code, lines = doctor(*daemon.args, "--gpu")
+    gpu = [line for line in lines if "gpu:" in line]
+    if torch.cuda.is_available():  # pragma: no cover - a GPU host: tests/test_cuda.py checks the probe
+        pytest.skip("a CUDA device is visible: this checks the CPU-only answer")
+    assert code == 0, lines
+    assert len(gpu) == 1 and gpu[0].startswith("WARN") and "sees no CUDA device" in gpu[0], gpu
+    assert "CPU build" in gpu[0] and "→" in gpu[0]
+
+
+def test_doctor_gpu_reports_a_python_that_is_missing_or_whose_probe_fails_as_one_clear_line(
+    daemon: DaemonProcess, tmp_path: Path
+) -> None:
+    code, lines = doctor(*daemon.args, "--gpu", "--python", str(tmp_path / "no-such-python"))
+    assert code == 1 and [line for line in lines if "gpu:" in line] == [
+        f"FAIL  gpu: no Python at {tmp_path / 'no-such-python'}  →  --python PATH: the engine's interpreter"
+    ]
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'not json'\necho 'Traceback: it broke' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    code, lines = doctor(*daemon.args, "--gpu", "--python", str(broken))
+    (gpu,) = [line for line in lines if "gpu:" in line]
+    assert (
+        code == 1
+        and gpu.startswith("FAIL  gpu: the probe failed: Traceback: it broke")
+        and "run it alone" in gpu
+    )
+
+
+def test_the_gpu_probe_restores_an_entry_and_blocks_bit_exact_through_the_simulated_transfer(
+    daemon: DaemonProcess,
+) -> None:
+    """``--simulate``: the probe's own steps on the CPU through the transfer layer's stand-ins for CUDA
+    (the same code a GPU run takes, but CUDA itself): bit-exact, and nothing of it is left in the daemon."""
+    from skippyd.client.transfer.probe import probe
+
+    findings = probe(str(daemon.socket), nbytes=8 << 20, simulate=True)
+    whats = [f["what"] for f in findings]
+    assert [f["level"] for f in findings] == ["info", "info", "info"], findings
+    assert "restore of a 8 MiB entry to cpu: bit-exact" in whats[1]
+    assert "get_into of 8 blocks of 1 MiB into cpu: bit-exact" in whats[2]
+    with daemon.client() as client:
+        stats = client.stats()
+        assert stats["l2"]["entries"] == 0 and stats["l2"]["block_count"] == 0, "the probe evicted its own"
+
+
 def test_doctor_knows_the_block_slabs_and_finds_a_damaged_one(daemon: DaemonProcess) -> None:
     with daemon.client() as client:
         blocks = client.blocks(model="m", state="s", block_tokens=16)
