@@ -450,3 +450,59 @@ def test_free_slots_still_read_under_a_lease_are_set_aside_not_scanned_again_by_
         assert rules.clear() == count
         stats = tier.stats()
         assert (stats.block_free_slots_read, stats.block_free_slots) == (0, 0), "let go of: given back"
+
+
+def test_a_look_at_read_slots_is_bounded_across_all_block_spaces_not_per_space(
+    shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Free slots read under leases in many block spaces: one look at them (every 5 ms while puts take
+    slots, under the tier lock) checks at most 256 of all of them together, round robin. A bound per
+    space made a look of 16 spaces cost 4,096 fcntls; looks then ran back to back, and the daemon hung."""
+    from skippyd.l2.slabs import Slab
+
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
+        rules = BlockRules(tier)
+        spaces, each, size = 16, 400, 4096
+        leases = []
+        try:
+            for n in range(spaces):
+                space = block_space(MODEL, STATE, f"ns{n}", 16)
+                keys = [b"r%d-%d" % (n, i) for i in range(each)]
+                data = memoryview(bytes(each * size))
+                put = rules.put(
+                    space, keys, [size] * each, [i * size for i in range(each)], data, durable=False
+                )
+                assert put.stored == each
+                leases.append(rules.get(space, keys, max_fds=64).lease)
+                assert rules.evict_identity(space.identity.digest) == each
+            with tier.lock:
+                assert not tier.blocks.release_free()  # every free slot is read: each looked at, set aside
+            assert tier.stats().block_free_slots_read == spaces * each
+            looks = 0
+            real = Slab.has_readers
+
+            def counted(self: Slab, index: int) -> bool:
+                nonlocal looks
+                looks += 1
+                return real(self, index)
+
+            monkeypatch.setattr(Slab, "has_readers", counted)
+            seen = set()
+            for _ in range(spaces):
+                looks = 0
+                with tier.lock:
+                    tier.blocks._look_at = 0.0  # (due now)
+                    tier.blocks.free_slots_read()
+                    seen.add(next(iter(tier.blocks._with_read)))
+                assert looks == 256, f"one look made {looks} fcntls"
+            assert len(seen) >= spaces // 2, "the looks go round the spaces, not always the same one"
+            with tier.lock:
+                before = time.monotonic()
+                tier.blocks.free_slots_read()  # not due: the next look is 5 ms after the last one ended
+            assert looks == 256 and tier.blocks._look_at > before
+        finally:
+            for lease in leases:
+                lease.close()
+        monkeypatch.undo()
+        rules.clear()
+        assert tier.stats().block_free_slots == 0, "let go of: given back"

@@ -121,6 +121,10 @@ class _Group:
     demand: Demand = field(default_factory=Demand)  # slot bytes puts and L3 reads took lately (the reserve)
     expected_at: float = -1e9  # when a restart expected reads into it (:meth:`L2Blocks.expect`)
 
+    @property
+    def key(self) -> tuple[bytes, int]:
+        return self.space, self.slot_size
+
 
 @dataclass(slots=True)
 class GroupDemand:
@@ -250,6 +254,10 @@ class L2Blocks:
         self._groups: dict[tuple[bytes, int], _Group] = {}
         self._read_slots = 0  # free slots set aside as read (every group's ``read``)
         self._look_at = 0.0  # when the read slots are looked at again
+        # the groups with free slots, and those with read ones: a put that evicts block after block, or a
+        # look, never walks thousands of block spaces' groups that have none (least recently added first)
+        self._with_free: dict[tuple[bytes, int], _Group] = {}
+        self._with_read: dict[tuple[bytes, int], _Group] = {}
         self._payload = 0
         self._spaces: dict[bytes, SpaceSummary] = {}
         self._dirty: set[bytes] = set()
@@ -492,33 +500,46 @@ class L2Blocks:
         every read slot under the lock (an fcntl each): thousands of slots leased by one client's long-held
         views stalled every request for seconds."""
         self._look_again()
+        taken: tuple[_SlabState, int] | None = None
         while group.free:
             home, index = group.free.popleft()
             if home.slab.has_readers(index):
                 group.read.append((home, index))
+                self._with_read[group.key] = group
                 self._read_slots += 1
                 continue
-            return home, index
-        return None
+            taken = home, index
+            break
+        if not group.free:
+            self._with_free.pop(group.key, None)
+        return taken
+
+    def _add_free(self, group: _Group, home: _SlabState, index: int) -> None:
+        group.free.append((home, index))
+        self._with_free[group.key] = group
 
     def _look_again(self, *, every: bool = False) -> None:
-        """Returns the read slots whose leases ended to the free slots: at most :data:`_LOOK_BATCH` of each
-        group, at most every :data:`_LOOK_AGAIN_S`; with ``every``, all of them now (called under the
-        lock)."""
-        if not self._read_slots:
+        """Returns the read slots whose leases ended to the free slots: at most :data:`_LOOK_BATCH` of them
+        (of every group together, round robin), then not again for :data:`_LOOK_AGAIN_S` after the look
+        ended; with ``every``, all of them now (called under the lock)."""
+        if not self._read_slots or (not every and time.monotonic() < self._look_at):
             return
-        now = time.monotonic()
-        if now < self._look_at and not every:
-            return
-        self._look_at = now + _LOOK_AGAIN_S
-        for group in self._groups.values():
-            for _ in range(len(group.read) if every else min(len(group.read), _LOOK_BATCH)):
+        budget = self._read_slots if every else _LOOK_BATCH
+        for key, group in list(self._with_read.items()):
+            if budget <= 0:
+                break
+            del self._with_read[key]  # (back at the end if some stay read: the next look starts elsewhere)
+            for _ in range(min(len(group.read), budget)):
+                budget -= 1
                 home, index = group.read.popleft()
                 if home.slab.has_readers(index):
                     group.read.append((home, index))
                 else:
-                    group.free.append((home, index))
+                    self._add_free(group, home, index)
                     self._read_slots -= 1
+            if group.read:
+                self._with_read[key] = group
+        self._look_at = time.monotonic() + _LOOK_AGAIN_S
 
     def _hole(self, group: _Group, space: bytes, size: int, mine: int = 0) -> tuple[_SlabState, int]:
         if group.holes:
@@ -634,7 +655,7 @@ class L2Blocks:
 
     def _free(self, home: _SlabState, index: int) -> None:
         home.state[index] = _FREE
-        self._groups[(home.space, home.slab.slot_size)].free.append((home, index))
+        self._add_free(self._groups[(home.space, home.slab.slot_size)], home, index)
 
     def want_written(self, key: bytes) -> bool:
         """A held block now asks for an L3 copy (its record says so, so a restart re-queues it); False if
@@ -673,7 +694,7 @@ class L2Blocks:
     def release_free(self, *, keep: _Group | None = None) -> bool:
         """Gives back one free slot's memory (and its slab's, once none is in use), of any group but
         ``keep``; False when none can go."""
-        for group in list(self._groups.values()):
+        for group in list(self._with_free.values()):
             if group is keep:
                 continue
             taken = self._unread(group)
@@ -686,7 +707,7 @@ class L2Blocks:
         """Whether some free slot was still read under a lease when last looked at (so neither reused nor
         given back yet: soon free memory, once its reader lets go)."""
         self._look_again()
-        return self._read_slots > 0 or any(group.free for group in self._groups.values())
+        return self._read_slots > 0 or bool(self._with_free)
 
     def _punch(self, group: _Group, home: _SlabState, index: int) -> None:
         home.slab.punch(index)
@@ -755,7 +776,9 @@ class L2Blocks:
             self.charged -= home.slab.header_bytes
             home.slab.unlink()
             if not group.homes:
-                self._groups.pop((home.space, home.slab.slot_size), None)
+                self._groups.pop(group.key, None)
+                self._with_free.pop(group.key, None)
+                self._with_read.pop(group.key, None)
 
     # ------------------------------------------------------------------ start and stop
     def adopt(self, *, verify: bool = True) -> None:
@@ -801,7 +824,7 @@ class L2Blocks:
             group.homes.append(home)
             for index, state in enumerate(home.state):
                 if state == _FREE:
-                    group.free.append((home, index))
+                    self._add_free(group, home, index)
                 elif state == _HOLE:
                     group.holes.append((home, index))
             self.charged += home.charged()
