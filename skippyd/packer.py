@@ -3,7 +3,10 @@
 * **Intent survives a crash.** A durable block's slot record carries a flag from its commit until its
   pack is fsynced; a new daemon re-queues every flagged block L3 lacks (:meth:`BlockWriter.recover`).
 * **Group commit.** The thread takes every job queued (up to ``batch_bytes``) and writes them as one
-  pack: one fsync per batch. While it reads a slot it holds a lease on it, like any reader.
+  pack: one fsync per batch. While it reads a slot it holds a lease on it, like any reader. A batch
+  larger than that (a big put, the backlog, what a restart recovered) goes as several packs of at most
+  ``batch_bytes`` (and :data:`_PART_BLOCKS` blocks), the L2 lock taken once per pack, never one pack
+  L3's budget could refuse for good.
 * **Evictions win.** Each job runs under an :class:`~skippyd.evictions.EvictionClock` number taken when
   its put began; a pack's block whose identity (or everything) was evicted since is dead on arrival, so
   nothing evicted comes back from L3.
@@ -38,6 +41,7 @@ log = logging.getLogger("skippyd.packer")
 
 THREAD = "skippyd-l3-blocks"
 _RETRY_S = 5.0
+_PART_BLOCKS = 4096  # blocks of one pack at most (each a lease and a view taken under the L2 lock)
 
 
 @dataclass(slots=True)
@@ -72,7 +76,8 @@ class BlockWriter:
         self, l2: L2Tier, l3: L3Store, health: Health, *, batch_bytes: int = 64 << 20, queue_size: int = 4096
     ) -> None:
         self.l2, self.l3, self.health = l2, l3, health
-        self._batch_bytes = batch_bytes
+        # (an eighth of L3's budget at most: a pack L3 can always make room for)
+        self._batch_bytes = max(1 << 20, min(batch_bytes, l3.budget_bytes // 8))
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=queue_size)
         self._backlog: list[_Job] = []
         self._lock = threading.Lock()
@@ -128,22 +133,24 @@ class BlockWriter:
         """Queues every block whose record still asks for an L3 copy (a crash came before its pack)."""
         with self.l2.lock:
             wanted = self.l2.blocks.durable_wanted()
-        by_identity: dict[bytes, list[bytes]] = {}
+        by_identity: dict[bytes, list[SlotRecord]] = {}
         written = []
         for record in wanted:
             if self.l3.blocks.holds(record.key):
                 written.append(record.key)
             else:
-                by_identity.setdefault(record.identity, []).append(record.key)
+                by_identity.setdefault(record.identity, []).append(record)
         with self.l2.lock:
             for key in written:
                 self.l2.blocks.mark_written(key)
         count = 0
-        for identity, keys in by_identity.items():
-            job = _Job(keys, identity, self._clock.begin(), 0)
-            with self._lock:
-                self._backlog.append(job)
-            count += len(job.keys)
+        for identity, records in by_identity.items():
+            for start in range(0, len(records), _PART_BLOCKS):  # (jobs of a pack's size each)
+                part = records[start : start + _PART_BLOCKS]
+                job = _Job([r.key for r in part], identity, self._clock.begin(), sum(r.nbytes for r in part))
+                with self._lock:
+                    self._backlog.append(job)
+                count += len(job.keys)
         with self._lock:
             self._stats.block_recovered += count
         return count
@@ -187,9 +194,16 @@ class BlockWriter:
                 jobs.append(more)
                 total += more.nbytes
             now = time.monotonic()
-            with self._lock:
-                ready = [job for job in self._backlog if job.ready_at <= now or stop]
-                self._backlog = [job for job in self._backlog if job not in ready]
+            with self._lock:  # ready backlog jobs, a batch's worth at a time (all of them at a stop)
+                ready: list[_Job] = []
+                kept: list[_Job] = []
+                for job in self._backlog:
+                    if (job.ready_at <= now or stop) and (stop or not ready or total < self._batch_bytes):
+                        ready.append(job)
+                        total += job.nbytes
+                    else:
+                        kept.append(job)
+                self._backlog = kept
             jobs += ready
             if jobs:
                 with self.health.guard(THREAD, "writing blocks to L3 failed"):
@@ -203,70 +217,91 @@ class BlockWriter:
                 return
 
     def _write(self, jobs: list[_Job]) -> None:
-        items: list[BlockItem] = []
-        unhashed: list[tuple[int, Slab, int]] = []  # items whose digest is still to compute: item, slot
-        owners: dict[bytes, _Job] = {}
-        leases: list[int] = []
-        views = []
         live = [job for job in jobs if self._wanted(job)]
         for job in jobs:
             if job not in live:  # evicted while it waited: done, nothing to write
                 self._finish(job)
+        if not live:
+            return
+        if self.l3.readonly:  # (before anything is read out of L2: the whole backlog waits, untouched)
+            self._defer(live, NoSpace("L3 is read-only: its disk is below the free-space floor"))
+            return
+        pending = [(key, job) for job in live for key in job.keys]
+        owners: dict[bytes, _Job] = {}
+        at = 0
+        try:
+            while at < len(pending):
+                at = self._write_part(pending, at, owners)
+        except (NoSpace, TooLarge, OSError) as exc:
+            self._defer(live, exc)
+            return
+        except BaseException:
+            self._defer(live, None)
+            raise
+        with self.l2.lock:
+            on_disk = {key for job in live for key in job.keys if self.l3.blocks.holds(key)}
+            for key in on_disk.intersection(owners):
+                self.l2.blocks.mark_written(key)
+            lost = 0
+            for job in live:  # written only where L3 now holds every block the job named
+                missing = sum(1 for key in job.keys if key not in on_disk)
+                job.outcome = "none" if missing else "written"
+                lost += missing
+        if lost:
+            with self._lock:
+                self._stats.block_writes_lost += lost
+            log.info("%d block(s) left L2 or were evicted before their L3 write; not written", lost)
+        for job in live:
+            self._finish(job)
+
+    def _write_part(self, pending: list[tuple[bytes, _Job]], at: int, owners: dict[bytes, _Job]) -> int:
+        """Writes the blocks of ``pending`` from ``at`` on as one pack of at most ``batch_bytes`` (and
+        :data:`_PART_BLOCKS` blocks), reading them under one hold of the L2 lock; returns where the next
+        pack starts. Blocks L2 no longer holds are skipped (the caller finds them missing)."""
+        items: list[BlockItem] = []
+        unhashed: list[tuple[int, Slab, int]] = []  # items whose digest is still to compute: item, slot
+        leases: list[int] = []
+        views = []
+        nbytes = 0
         try:
             with self.l2.lock:
                 by_slab: dict[int, tuple[Slab, list[int]]] = {}
-                for job in live:
-                    for key in job.keys:
-                        found = self.l2.blocks.data_of(key)
-                        if found is None or key in owners:
-                            continue
-                        slab, index, record = found
-                        by_slab.setdefault(id(slab), (slab, []))[1].append(index)
-                        view = slab.data(index, record.nbytes)
-                        views.append(view)
+                while at < len(pending) and nbytes < self._batch_bytes and len(items) < _PART_BLOCKS:
+                    key, job = pending[at]
+                    at += 1
+                    found = self.l2.blocks.data_of(key)
+                    if found is None or key in owners:
+                        continue
+                    if self.l3.blocks.holds(key):  # (a pack of an earlier try, or another put's)
                         owners[key] = job
-                        if not record.hashed:
-                            unhashed.append((len(items), slab, index))
-                        items.append(BlockItem(_pack_record(record), view))
+                        continue
+                    slab, index, record = found
+                    by_slab.setdefault(id(slab), (slab, []))[1].append(index)
+                    view = slab.data(index, record.nbytes)
+                    views.append(view)
+                    owners[key] = job
+                    nbytes += record.nbytes
+                    if not record.hashed:
+                        unhashed.append((len(items), slab, index))
+                    items.append(BlockItem(_pack_record(record), view))
                 for slab, indexes in by_slab.values():
                     leases.append(slab.lease([(i, i) for i in sorted(indexes)]))
-                claimed = [items[at].record.key for at, _, _ in unhashed]
+                claimed = [items[i].record.key for i, _, _ in unhashed]
                 self.l2.blocks.hashing_begun(claimed)  # hashed below: the digester leaves them alone
             digests = []
             try:
-                for at, slab, index in unhashed:  # (the leases keep these slots as they are)
-                    item = items[at]
+                for i, slab, index in unhashed:  # (the leases keep these slots as they are)
+                    item = items[i]
                     digest = block_digest(item.data)
-                    items[at] = BlockItem(replace(item.record, digest=digest), item.data)
+                    items[i] = BlockItem(replace(item.record, digest=digest), item.data)
                     digests.append((item.record.key, slab, index, digest))
             finally:
                 with self.l2.lock:
                     self.l2.blocks.record_digests(digests)
                     self.l2.blocks.hashing_ended(claimed)
             if items:
-                try:
-                    self.l3.blocks.write(items, wanted=lambda key: self._wanted(owners[key]))
-                except (NoSpace, TooLarge, OSError) as exc:
-                    self._defer(live, exc)
-                    return
-                except BaseException:
-                    self._defer(live, None)
-                    raise
-            with self.l2.lock:
-                on_disk = {key for job in live for key in job.keys if self.l3.blocks.holds(key)}
-                for key in on_disk.intersection(owners):
-                    self.l2.blocks.mark_written(key)
-                lost = 0
-                for job in live:  # written only where L3 now holds every block the job named
-                    missing = sum(1 for key in job.keys if key not in on_disk)
-                    job.outcome = "none" if missing else "written"
-                    lost += missing
-            if lost:
-                with self._lock:
-                    self._stats.block_writes_lost += lost
-                log.info("%d block(s) left L2 or were evicted before their L3 write; not written", lost)
-            for job in live:
-                self._finish(job)
+                self.l3.blocks.write(items, wanted=lambda key: self._wanted(owners[key]))
+            return at
         finally:
             for view in views:
                 view.release()

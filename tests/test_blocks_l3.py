@@ -635,3 +635,81 @@ def test_l3_block_reads_into_memfds_share_the_fill_budget_and_past_it_serve_a_sh
         assert tiers.fills.stats().fill_bytes == 0  # the read gave its share back
     finally:
         tiers.close()
+
+
+def test_recovered_block_writes_larger_than_l3s_budget_go_as_packs_it_can_take_not_deferred_forever(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """After a restart, every block still asking for its L3 copy is queued again. Those of one identity
+    went as one pack: 8 MiB of them against an 8 MiB L3 budget was TooLarge at every retry, for good (and
+    each retry read them all out of L2 under its lock). Now they go as packs of at most an eighth of the
+    budget, L3 keeps what fits, and nothing is left waiting."""
+    from skippyd.blocks import BlockRules
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    count, size = 512, 16 << 10
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 8 << 20) as l3:
+        first = BlockWriter(l2, l3, Health())  # never started: the daemon died before it wrote anything
+        rules = BlockRules(l2, l3=l3, writer=first)
+        space = block_space(MODEL, STATE, "", BLOCK)
+        keys = [b"b%d" % i for i in range(count)]
+        data = memoryview(bytes(count * size))
+        put = rules.put(space, keys, [size] * count, [i * size for i in range(count)], data, durable=True)
+        assert put.stored == count
+        again = BlockWriter(l2, l3, Health())  # the next daemon's
+        assert again.recover() == count
+        again.start()
+        try:
+            assert eventually(lambda: again.stats().block_backlog == 0, timeout=30), again.stats()
+            stats = again.stats()
+            assert stats.block_write_failures == 0 and stats.block_writes_deferred == 0, stats
+            held = l3.stats().block_count
+            assert 0 < held < count, held  # (what fits the budget; the oldest packs made room)
+        finally:
+            again.close()
+
+
+def test_block_writes_l3_cannot_take_wait_without_being_read_out_of_l2_at_every_retry(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L3 read-only (its disk below the free-space floor): the backlog's blocks are deferred before any of
+    them is read out of L2 (each such read is a lease and a view under the L2 lock: 100k blocks stalled
+    every request by up to 290 ms at each retry)."""
+    from skippyd.blocks import BlockRules
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+    from skippyd.l2.blocks import L2Blocks
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    with (
+        L2Tier.open(shm_dir, 64 << 20) as l2,
+        L3Store.open(tmp_path / "l3", 1 << 30, min_free_bytes=1 << 60) as l3,
+    ):
+        assert l3.readonly
+        writer = BlockWriter(l2, l3, Health())
+        rules = BlockRules(l2, l3=l3, writer=writer)
+        reads = 0
+        real = L2Blocks.data_of
+
+        def counted(self: L2Blocks, key: bytes) -> Any:
+            nonlocal reads
+            reads += 1
+            return real(self, key)
+
+        monkeypatch.setattr(L2Blocks, "data_of", counted)
+        writer.start()
+        try:
+            space = block_space(MODEL, STATE, "", BLOCK)
+            keys = [b"r%d" % i for i in range(64)]
+            put = rules.put(
+                space, keys, [4096] * 64, [i * 4096 for i in range(64)], memoryview(bytes(64 * 4096))
+            )
+            assert put.stored == 64
+            assert eventually(lambda: writer.stats().block_writes_deferred >= 1, timeout=20)
+            assert reads == 0 and l3.stats().block_count == 0
+        finally:
+            writer.close()
