@@ -27,6 +27,7 @@ import logging
 import os
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -194,7 +195,9 @@ class L3Blocks:
         self._lock = lock
         self._make_room = make_room
         self._quarantine = quarantine
-        self._packs: dict[str, _Pack] = {}
+        # least recently used first (a touch moves a pack to the end): the oldest is found in O(1), not by a
+        # scan of every pack per evicted pack (quadratic when a write evicts thousands under the lock)
+        self._packs: OrderedDict[str, _Pack] = OrderedDict()
         self._index: dict[bytes, tuple[_Pack, int]] = {}
         self._children: dict[bytes, set[bytes]] = {}
         self._dirty: set[str] = set()
@@ -255,6 +258,8 @@ class L3Blocks:
         for pack in list(self._packs.values()):
             if pack.live == 0:
                 self._drop_pack(pack)
+        for pack in sorted(self._packs.values(), key=lambda p: p.last_use):  # (recency: their mtimes)
+            self._packs.move_to_end(pack.name)
         self._stats.block_reconciled = len(self._index)
         return problems
 
@@ -283,11 +288,14 @@ class L3Blocks:
         for key in keys:
             found = self._index.get(key)
             if found is not None:
-                found[0].last_use = now
-                self._dirty.add(found[0].name)
+                pack = found[0]
+                pack.last_use = now
+                self._dirty.add(pack.name)
+                if self._packs.get(pack.name) is pack:
+                    self._packs.move_to_end(pack.name)
 
     def oldest_tick(self) -> int | None:
-        return min((p.last_use for p in self._packs.values()), default=None)
+        return next(iter(self._packs.values())).last_use if self._packs else None
 
     def count(self, *, hits: int = 0, misses: int = 0) -> None:
         self._stats.block_hits += hits
@@ -521,7 +529,7 @@ class L3Blocks:
         """Removes the pack used least recently (and the blocks continuing its blocks elsewhere)."""
         if not self._packs:
             return False
-        pack = min(self._packs.values(), key=lambda p: p.last_use)
+        pack = next(iter(self._packs.values()))
         keys = [r.key for i, r in enumerate(pack.records) if i not in pack.dead]
         self._stats.block_evictions += len(keys)
         with contextlib.suppress(NoSpace):  # (the pack goes whole; only blocks continuing it elsewhere
