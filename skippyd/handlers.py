@@ -42,6 +42,9 @@ from .stats import RedisStatus, ServerState, Snapshot
 from .tiers import Opened, Tiers
 from .workers import Health
 
+LS_PAGE = 20_000  # entries an ls reply lists at most (each well under 400 bytes encoded: under 8 MiB)
+LS_PAGE_ENV = "SKIPPYD_TEST_LS_PAGE"  # a test hook: a smaller page, to page through a few entries
+
 __all__ = [
     "COPY_GATE_ENV",
     "INLINE",
@@ -207,6 +210,7 @@ class Handlers:
         self._staging_bytes = 0
         self._handlers: dict[str, Handler] = {name: getattr(self, f"op_{name}") for name in OPERATIONS}
         self._copy_gate = os.environ.get(COPY_GATE_ENV) or None  # a test hook (see COPY_GATE_ENV)
+        self._ls_page = max(1, int(os.environ.get(LS_PAGE_ENV) or LS_PAGE))
 
     # ----------------------------------------------------------------- dispatch
     def route(self, session: Session, body: dict[str, Any]) -> tuple[str, Handler, bool]:
@@ -479,17 +483,20 @@ class Handlers:
     def op_ls(self, session: Session, body: dict[str, Any]) -> Reply:
         if _bool(body, "blocks", False):  # the blocks held per identity instead of the entries
             return Reply({"blocks": self.tiers.blocks.summary()})
-        limit = body.get("limit", 0)
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise InvalidArgument("limit must be a non-negative integer")
+        limit, offset = body.get("limit", 0), body.get("offset", 0)
+        for name, value in (("limit", limit), ("offset", offset)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"{name} must be a non-negative integer")
         entries = self.tiers.entries()
         total = len(entries)
-        if limit:
-            entries = entries[:limit]
+        # a page at a time: the whole list of a big cache would not fit one frame (100k entries: 24 MB)
+        stop = min(total, offset + (min(limit, self._ls_page) if limit else self._ls_page))
+        page = entries[offset:stop]
         return Reply(
             {
-                "entries": [item.to_wire() for item in entries],
+                "entries": [item.to_wire() for item in page],
                 "total": total,
+                "next": stop if stop < total and (not limit or limit > len(page)) else None,
                 "blocks": self.tiers.blocks.summary(),
             }
         )

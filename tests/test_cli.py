@@ -76,6 +76,37 @@ def test_ls_stats_and_evict_show_and_remove_entries(daemon: DaemonProcess) -> No
     assert code == 2 and "exactly one" in err
 
 
+def test_ls_of_more_entries_than_one_reply_lists_is_asked_page_by_page(make_daemon: Any) -> None:
+    """A reply lists at most a page (20,000 entries: the whole list of a big cache would pass the frame
+    limit, and ls failed with frame_too_large at 100k entries); the client asks page after page. Here
+    the page is 3 entries (a test hook)."""
+    import asyncio
+
+    import skippyd
+
+    proc = make_daemon(env={"SKIPPYD_TEST_LS_PAGE": "3"}).start()
+    with proc.client() as client:
+        digests = {
+            client.capture(model="m", state="s", tokens=[i], tensors={"x": torch.full((10,), i)}).digest
+            for i in range(8)
+        }
+        listed = client.ls()
+        assert len(listed) == 8 and {e["digest"] for e in listed} == digests
+        assert len(client.ls(5)) == 5 and len(client.ls(2)) == 2
+        raw = client._call({"op": "ls", "limit": 0, "offset": 6})[0]
+        assert (len(raw["entries"]), raw["total"], raw["next"]) == (2, 8, None)
+        raw = client._call({"op": "ls", "limit": 0, "offset": 0})[0]
+        assert (len(raw["entries"]), raw["next"]) == (3, 3)
+
+    async def listed_async() -> int:
+        async with skippyd.AsyncClient(str(proc.socket)) as aclient:
+            return len(await aclient.ls())
+
+    assert asyncio.run(listed_async()) == 8
+    code, out, _ = run("ls", "--json", "--socket", str(proc.socket))
+    assert code == 0 and len(json.loads(out)["entries"]) == 8
+
+
 def test_commands_fail_with_one_line_on_stderr_when_the_daemon_is_down(tmp_short: Path) -> None:
     code, out, err = run("stats", "--socket", str(tmp_short / "down.sock"))
     assert code == 1 and out == ""

@@ -103,6 +103,7 @@ class L2Machine(RuleBasedStateMachine):
         stats = self.tier.stats()
         assert keys_lru_first(self.tier) == list(self.order)
         assert stats.bytes == sum(s for s, _ in self.order.values())
+        assert stats.payload_bytes == sum(item.entry.nbytes for item in self.tier.entries())
         assert stats.bytes + stats.free_bytes + stats.reserved_bytes <= BUDGET
         assert stats.reserved_bytes == 0
         for name in COUNTERS:

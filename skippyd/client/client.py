@@ -204,8 +204,20 @@ def _config_request() -> _Request[dict[str, Any]]:
     return _Request({"op": "config"}, dict)
 
 
-def _ls_request(limit: int) -> _Request[list[dict[str, Any]]]:
-    return _Request({"op": "ls", "limit": limit}, lambda reply: list(reply["entries"]))
+def _ls_request(limit: int, offset: int = 0) -> _Request[tuple[list[dict[str, Any]], int | None]]:
+    """One page of ``ls``: its entries and where the next page starts (None: none follows)."""
+    return _Request(
+        {"op": "ls", "limit": limit, "offset": offset},
+        lambda reply: (list(reply["entries"]), reply.get("next")),
+    )
+
+
+def _ls_more(entries: list[dict[str, Any]], limit: int, page: list[dict[str, Any]], after: Any) -> int | None:
+    """Adds a page to ``entries``; where the next page starts, or None once ``limit`` (0: all) is met."""
+    entries += page
+    if not isinstance(after, int) or after <= 0 or not page or (limit and len(entries) >= limit):
+        return None
+    return after
 
 
 def _block_summary_request() -> _Request[list[dict[str, Any]]]:
@@ -832,8 +844,14 @@ class Client:
         return self._do(_config_request())
 
     def ls(self, limit: int = 0) -> list[dict[str, Any]]:
-        """The entries held, most recently used first (at most ``limit``; 0: all)."""
-        return self._do(_ls_request(limit))
+        """The entries held, most recently used first (at most ``limit``; 0: all), asked a page at a time
+        (entries used between two pages may move between them)."""
+        entries: list[dict[str, Any]] = []
+        offset: int | None = 0
+        while offset is not None:
+            page, after = self._do(_ls_request(limit - len(entries) if limit else 0, offset))
+            offset = _ls_more(entries, limit, page, after)
+        return entries[:limit] if limit else entries
 
     def block_summary(self) -> list[dict[str, Any]]:
         """Blocks held per identity: ``identity`` (digest), ``l2_blocks``, ``l2_bytes``, ``l3_blocks``,
@@ -1178,7 +1196,12 @@ class AsyncClient:
 
     async def ls(self, limit: int = 0) -> list[dict[str, Any]]:
         """As :meth:`Client.ls`."""
-        return await self._do(_ls_request(limit))
+        entries: list[dict[str, Any]] = []
+        offset: int | None = 0
+        while offset is not None:
+            page, after = await self._do(_ls_request(limit - len(entries) if limit else 0, offset))
+            offset = _ls_more(entries, limit, page, after)
+        return entries[:limit] if limit else entries
 
     async def block_summary(self) -> list[dict[str, Any]]:
         """As :meth:`Client.block_summary`."""

@@ -259,6 +259,7 @@ class L2Tier:
         self._fills_waiting = 0
         self._index: PrefixIndex[_Slot] = PrefixIndex()
         self._bytes = 0  # file bytes of committed entries
+        self._payload = 0  # their payload bytes (kept, not summed: stats runs on the event loop)
         self._reserved = 0
         self._stats = L2Stats(budget_bytes=self.budget_bytes)
         self._tick = 0
@@ -685,7 +686,7 @@ class L2Tier:
             stats.budget_bytes = self.budget_bytes
             stats.entries = len(self._index)
             stats.bytes = self._bytes
-            stats.payload_bytes = sum(slot.entry.nbytes for slot in self._index)
+            stats.payload_bytes = self._payload
             stats.free_bytes = pool.free_bytes
             stats.free_files = pool.free_files
             stats.reused_files = pool.reused_files
@@ -730,11 +731,13 @@ class L2Tier:
     def _insert(self, slot: _Slot) -> None:
         self._index.add(slot)
         self._bytes += slot.file.size
+        self._payload += slot.entry.nbytes
 
     def _detach(self, slot: _Slot) -> None:
         self._index.remove(slot.entry.key)
         self._dirty.discard(slot.entry.key)
         self._bytes -= slot.file.size
+        self._payload -= slot.entry.nbytes
 
     def _ready_plan(self, limit: int, window: float, active_s: float) -> list[Ready]:
         """What the reserve keeps ready (lock held): for each block group and entry size class, its free
