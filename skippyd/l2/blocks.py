@@ -726,8 +726,13 @@ class L2Blocks:
 
     def remove_identity(self, identity: bytes) -> int:
         """Removes every block of an identity (every block size); returns how many."""
-        keys = [b.record.key for b in self._blocks.values() if b.record.identity == identity]
-        return self.remove(keys)
+        return self.remove(self.keys_of(identity))
+
+    def keys_of(self, identity: bytes | None) -> list[bytes]:
+        """Every held block's key (of ``identity`` only, where given), least recently used first."""
+        if identity is None:
+            return list(self._blocks)
+        return [b.record.key for b in self._blocks.values() if b.record.identity == identity]
 
     def clear(self) -> int:
         """Removes every block and gives back every free slot nobody still reads."""
@@ -839,12 +844,20 @@ class L2Blocks:
             self._payload += block.record.nbytes
             self._stats.block_adopted += 1
 
-    def flush_recency(self) -> None:
-        dirty, self._dirty = self._dirty, set()
-        for key in dirty:
+    def flush_recency(self, keys: Iterable[bytes] | None = None) -> None:
+        """Writes the last use of these blocks (None: every block used since the last flush) into their slot
+        records (under the lock: a slot may be reused)."""
+        if keys is None:
+            keys = self.take_dirty()
+        for key in keys:
             block = self._blocks.get(key)
             if block is not None:
                 block.home.slab.set_last_use(block.index, block.last_use)
+
+    def take_dirty(self) -> list[bytes]:
+        """The blocks used since the last flush (forgotten here: the caller flushes them)."""
+        dirty, self._dirty = self._dirty, set()
+        return list(dirty)
 
     def close(self) -> None:
         """Writes pending recency, punches every free slot nobody reads (unlinking slabs left with no
@@ -855,12 +868,13 @@ class L2Blocks:
             for home in group.homes:
                 home.slab.close()
 
-    def release_all_free(self) -> int:
-        """Gives back every free slot's memory nobody still reads; returns how many slots."""
+    def release_all_free(self, limit: int | None = None) -> int:
+        """Gives back every free slot's memory nobody still reads (at most ``limit`` slots); returns how
+        many slots."""
         released = 0
         self._look_again(every=True)
         for key in list(self._groups):
-            while self.punch_free_slot(key):
+            while (limit is None or released < limit) and self.punch_free_slot(key):
                 released += 1
         return released
 

@@ -624,12 +624,15 @@ class L3Blocks:
 
     # ------------------------------------------------------------------ housekeeping
     def flush_recency(self) -> None:
+        for path, tick in self.recency_to_flush():
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path, ns=(tick, tick))
+
+    def recency_to_flush(self) -> list[tuple[Path, int]]:
+        """Each pack used since the last flush, with its last use (for its mtime: a restart's order);
+        taken under the lock, written by the caller after it (one utime each)."""
         dirty, self._dirty = self._dirty, set()
-        for name in dirty:
-            pack = self._packs.get(name)
-            if pack is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.utime(pack.path, ns=(pack.last_use, pack.last_use))
+        return [(pack.path, pack.last_use) for name in dirty if (pack := self._packs.get(name)) is not None]
 
     def close(self) -> None:
         self.flush_recency()

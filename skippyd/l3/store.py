@@ -360,14 +360,19 @@ class L3Store:
                 self._dirty.add(key)
 
     def flush_recency(self) -> None:
+        """Records the last use of each entry and pack used since the last flush as its file's mtime (a
+        restart's LRU order): what to write is taken under the lock, the utimes (a disk write each)
+        happen after it, so thousands of them never stall a restore or stats."""
         with self._lock:
-            self.blocks.flush_recency()
+            touched = self.blocks.recency_to_flush()
             dirty, self._dirty = self._dirty, set()
             for key in dirty:
                 record = self._index.get(key)
                 if record is not None:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.utime(self.layout.manifest_path(key), ns=(record.last_use, record.last_use))
+                    touched.append((self.layout.manifest_path(key), record.last_use))
+        for path, tick in touched:  # (a file removed or replaced since: gone, or an older mtime, harmless)
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(path, ns=(tick, tick))
 
     def count_hit(self, hit: bool) -> None:
         with self._lock:
