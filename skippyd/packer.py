@@ -285,7 +285,7 @@ class BlockWriter:
                         unhashed.append((len(items), slab, index))
                     items.append(BlockItem(_pack_record(record), view))
                 for slab, indexes in by_slab.values():
-                    leases.append(slab.lease([(i, i) for i in sorted(indexes)]))
+                    leases.append(slab.lease(_runs(indexes)))  # (a lock a run of slots, not one a slot)
                 claimed = [items[i].record.key for i, _, _ in unhashed]
                 self.l2.blocks.hashing_begun(claimed)  # hashed below: the digester leaves them alone
             digests = []
@@ -327,6 +327,17 @@ class BlockWriter:
                     job.done.set()  # its waiter hears "deferred"
         if exc is not None:
             log.warning("L3 cannot take %d block job(s) now (%s); they are retried later", len(jobs), exc)
+
+
+def _runs(indexes: list[int]) -> list[tuple[int, int]]:
+    """Slot indexes as runs of consecutive ones, ``(first, last)`` each."""
+    runs: list[tuple[int, int]] = []
+    for index in sorted(set(indexes)):
+        if runs and runs[-1][1] + 1 == index:
+            runs[-1] = (runs[-1][0], index)
+        else:
+            runs.append((index, index))
+    return runs
 
 
 def _pack_record(r: SlotRecord) -> PackRecord:

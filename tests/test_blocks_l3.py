@@ -747,3 +747,11 @@ def test_l3_evicts_the_least_recently_used_pack_first_and_keeps_that_order_acros
     with L3Store.open(directory, 4 << 20) as l3:  # (close wrote the recency to the packs' mtimes)
         l3.blocks.write([item(b"E")])
         assert holds(l3, b"A", b"C", b"D", b"E") == [False, True, True, True]
+
+
+def test_the_block_writer_leases_runs_of_consecutive_slots_with_one_lock_each() -> None:
+    from skippyd.packer import _runs
+
+    assert _runs([5, 1, 2, 3, 7, 8, 8]) == [(1, 3), (5, 5), (7, 8)]
+    assert _runs(list(range(4096))) == [(0, 4095)]
+    assert _runs([]) == []
