@@ -64,6 +64,7 @@ _MAX_TOKENS_BYTES = 8 << 20  # 2M tokens
 _INLINE_TOKEN_BYTES = 32 * 1024  # prompts above 8k tokens are hashed off the event loop
 
 INLINE, WORKER, BY_PROMPT = "inline", "worker", "by_prompt"
+_LOCK_FREE = frozenset({"hello", "ping", "config"})  # inline operations that take no tier's lock
 
 #: TEST HOOK, not a setting: while the file this environment variable names exists, every copy that runs
 #: behind a put's reply waits before it starts (at most a minute), so a test can hold a copy in flight.
@@ -225,6 +226,8 @@ class Handlers:
         if operation.runs == BY_PROMPT:
             tokens = body.get("tokens")
             pooled = isinstance(tokens, bytes) and len(tokens) > _INLINE_TOKEN_BYTES
+        if not pooled and operation.name not in _LOCK_FREE and self.tiers.busy():
+            pooled = True  # a tier's lock is held right now: wait for it on a worker, not on the event loop
         return operation.name, self._handlers[operation.name], pooled
 
     def close_session(self, session: Session) -> None:

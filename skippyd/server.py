@@ -30,6 +30,7 @@ import socket
 import stat
 import struct
 import termios
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -721,8 +722,17 @@ def _run_pooled(handler: Handler, session: Session, body: dict[str, Any]) -> Rep
 
 
 def _to_end(result: Reply | Deferred) -> Reply:
-    """Runs a handler's continuations (on a worker thread) until there is a reply."""
+    """Runs a handler's continuations (on a worker thread) until there is a reply. One that would park (an
+    inline request run on a worker because a tier's lock was held) waits here for its wake-up, at most
+    :data:`SETTLE_SECONDS`."""
     while isinstance(result, Deferred):
+        if result.park is not None:
+            woken = threading.Event()
+            forget = result.park(woken.set)
+            try:
+                woken.wait(SETTLE_SECONDS)
+            finally:
+                forget()
         result = result.work()
     return result
 

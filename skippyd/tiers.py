@@ -380,6 +380,17 @@ class Tiers:
             return None, l3
         return l2, l3
 
+    def busy(self) -> bool:
+        """Whether another thread holds a tier's lock right now: a request run on the event loop would
+        wait for it there, and every other client with it (the server runs it on a worker instead)."""
+        for lock in (self.l2.lock, self.l3.lock if self.l3 is not None else None):
+            if lock is None:
+                continue
+            if not lock.acquire(blocking=False):
+                return True
+            lock.release()
+        return False
+
     def lookup(self, identity: Identity, tokens: bytes) -> Located | None:
         """The longest captured prefix in either tier, without loading it or touching recency."""
         for candidate in self._candidates(identity, tokens):

@@ -733,3 +733,50 @@ def test_an_eviction_while_a_capture_is_copied_keeps_it_out_of_both_tiers_and_sa
         assert again.l2 and served_digest(t, [1, 2, 3]) == again.digest  # later captures are not cancelled
     finally:
         t.close()
+
+
+def test_a_request_that_would_wait_for_a_held_tier_lock_runs_on_a_worker_not_on_the_event_loop(
+    tiers: tuple[Tiers, threading.Event],
+) -> None:
+    """Inline requests (stats, blocks_contains, blocks_get, short lookups and restores) take the tiers'
+    locks on the event loop: while another thread holds one (a big eviction, a flush), the first such
+    request would stall the loop and every other client with it (even ping). It goes to a worker then;
+    lock-free ones (ping, hello, config) stay inline. A parked continuation run on a worker waits there."""
+    from skippyd.config import Config
+    from skippyd.handlers import Deferred, Handlers, Reply, Session
+    from skippyd.server import _to_end
+
+    t, _gate = tiers
+    handlers = Handlers(Config(), t)
+    session = Session(1, handshaken=True)
+    contains = {"op": "blocks_contains", "model": "m", "state": "s", "namespace": "", "block_tokens": 16,
+                "keys": [b"k"]}  # fmt: skip
+    assert handlers.route(session, contains)[2] is False  # nothing held: inline
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with t.l2.lock:
+            held.set()
+            release.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    try:
+        held.wait(10)
+        assert handlers.route(session, contains)[2] is True
+        assert handlers.route(session, {"op": "stats"})[2] is True
+        assert handlers.route(session, {"op": "ping"})[2] is False
+    finally:
+        release.set()
+        thread.join(10)
+    woken: list[str] = []
+
+    def park(wake: Any) -> Any:
+        def later() -> None:
+            woken.append("woken")
+            wake()
+
+        threading.Timer(0.05, later).start()
+        return lambda: None
+
+    assert _to_end(Deferred(lambda: Reply({"after": woken[:]}), park=park)).body == {"after": ["woken"]}
