@@ -55,3 +55,14 @@ def test_an_interrupted_gpu_bench_still_prints_the_rows_it_has() -> None:
     assert proc.returncode == 1, "".join(seen) + out
     assert any(line.startswith("| bench ") and "INTERRUPTED" in line for line in table), out
     assert any(line.startswith("| exact ") for line in table), out
+
+
+@pytest.mark.timeout(120)
+def test_the_stalls_bench_runs_every_scenario_and_prints_its_table() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.stalls", "--scale", "0.05"],
+        cwd=ROOT, capture_output=True, text=True, timeout=110, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "this tree" in line]
+    assert len(rows) == 3, done.stdout
