@@ -1044,10 +1044,12 @@ class BlockRules:
         if self.writer is not None:
             self.writer.forget(None)
         removed = self._remove_from_l2(None)
+        look = True  # (the read slots looked at once, not at every step)
         while True:  # the free slots given back, in steps too
             with self.l2.lock:
-                if self.l2.blocks.release_all_free(limit=_EVICT_STEP) < _EVICT_STEP:
+                if self.l2.blocks.release_all_free(limit=_EVICT_STEP, look=look) < _EVICT_STEP:
                     break
+            look = False
             time.sleep(_YIELD_S)
         if self.l3 is not None:
             with self.l3.lock:

@@ -228,10 +228,11 @@ class BlockWriter:
             return
         pending = [(key, job) for job in live for key in job.keys]
         owners: dict[bytes, _Job] = {}
+        written: set[bytes] = set()  # in an fsynced pack (L3 may have evicted some since, for a later part)
         at = 0
         try:
             while at < len(pending):
-                at = self._write_part(pending, at, owners)
+                at = self._write_part(pending, at, owners, written)
         except (NoSpace, TooLarge, OSError) as exc:
             self._defer(live, exc)
             return
@@ -239,11 +240,11 @@ class BlockWriter:
             self._defer(live, None)
             raise
         with self.l2.lock:
-            on_disk = {key for job in live for key in job.keys if self.l3.blocks.holds(key)}
+            on_disk = written | {key for job in live for key in job.keys if self.l3.blocks.holds(key)}
             for key in on_disk.intersection(owners):
                 self.l2.blocks.mark_written(key)
             lost = 0
-            for job in live:  # written only where L3 now holds every block the job named
+            for job in live:  # written only where every block the job named went into an fsynced pack
                 missing = sum(1 for key in job.keys if key not in on_disk)
                 job.outcome = "none" if missing else "written"
                 lost += missing
@@ -254,7 +255,9 @@ class BlockWriter:
         for job in live:
             self._finish(job)
 
-    def _write_part(self, pending: list[tuple[bytes, _Job]], at: int, owners: dict[bytes, _Job]) -> int:
+    def _write_part(
+        self, pending: list[tuple[bytes, _Job]], at: int, owners: dict[bytes, _Job], written: set[bytes]
+    ) -> int:
         """Writes the blocks of ``pending`` from ``at`` on as one pack of at most ``batch_bytes`` (and
         :data:`_PART_BLOCKS` blocks), reading them under one hold of the L2 lock; returns where the next
         pack starts. Blocks L2 no longer holds are skipped (the caller finds them missing)."""
@@ -274,6 +277,7 @@ class BlockWriter:
                         continue
                     if self.l3.blocks.holds(key):  # (a pack of an earlier try, or another put's)
                         owners[key] = job
+                        written.add(key)
                         continue
                     slab, index, record = found
                     by_slab.setdefault(id(slab), (slab, []))[1].append(index)
@@ -301,6 +305,12 @@ class BlockWriter:
                     self.l2.blocks.hashing_ended(claimed)
             if items:
                 self.l3.blocks.write(items, wanted=lambda key: self._wanted(owners[key]))
+                with self.l2.lock:  # (now: a later part may make L3 evict these for room)
+                    for item in items:
+                        key = item.record.key
+                        if self.l3.blocks.holds(key):
+                            written.add(key)
+                            self.l2.blocks.mark_written(key)
             return at
         finally:
             for view in views:

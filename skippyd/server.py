@@ -30,14 +30,13 @@ import socket
 import stat
 import struct
 import termios
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from .blocks import SETTLE_SECONDS
 from .config import Config
@@ -189,7 +188,7 @@ class PeerPolicy:
 
 def unread_by_peer(fd: int) -> int:
     """How much of what this socket sent its peer has not read yet (``SIOCOUTQ``: 0 once it has read
-    everything, or closed); -1 where the socket cannot say (then it is taken as not read)."""
+    everything, or closed); -1 where the socket cannot say."""
     try:
         return int(struct.unpack("i", fcntl.ioctl(fd, termios.TIOCOUTQ, b"\0\0\0\0"))[0])
     except OSError:
@@ -336,8 +335,9 @@ class Connection:
         return True
 
     def _peer_read_all(self) -> bool:
-        """Whether the client has read every byte sent to it (then the descriptors it held are forgotten)."""
-        if unread_by_peer(self.fd) != 0:
+        """Whether the client has read every byte sent to it (then the descriptors it held are forgotten;
+        so too where the socket cannot say, rather than holding the connection for good)."""
+        if unread_by_peer(self.fd) > 0:
             return False
         self.server.state.fds_unread -= self.unread_fds
         self.unread_fds = 0
@@ -429,7 +429,13 @@ class Connection:
             self._resume_reading_if_room()
 
     def _submit(
-        self, request_id: int, op: str, started: float, work: Callable[[], Reply], *, staged: bool = False
+        self,
+        request_id: int,
+        op: str,
+        started: float,
+        work: Callable[[], Reply | Deferred],
+        *,
+        staged: bool = False,
     ) -> None:
         self.running = True
         self.server.state.inflight += 1
@@ -456,9 +462,9 @@ class Connection:
             try:
                 future = server.pool.submit(functools.partial(_to_end, Deferred(deferred.work)))
             except RuntimeError:  # the workers are gone: the daemon stops
-                future = Future()
-                future.set_exception(ShuttingDown("the daemon is shutting down"))
-                self._finished(request_id, future)
+                stopped: Future[Reply] = Future()
+                stopped.set_exception(ShuttingDown("the daemon is shutting down"))
+                self._finished(request_id, stopped)
                 return
             future.add_done_callback(self._done_callback(request_id, op, started))
 
@@ -479,12 +485,28 @@ class Connection:
 
     def _done_callback(
         self, request_id: int, op: str, started: float, staged: bool = False
-    ) -> Callable[[Future[Reply]], None]:
-        def done(future: Future[Reply]) -> None:
+    ) -> Callable[[Future[Reply | Deferred]], None]:
+        def done(future: Future[Reply | Deferred]) -> None:
+            result = None if future.exception() is not None else future.result()
+            if isinstance(result, Deferred):  # it must park: on the event loop, holding no thread
+                self.server.loop.call_soon_threadsafe(self._repark, request_id, op, started, result)
+                return
             self.server.state.latency.observe(op, time.perf_counter() - started)
-            self.server.loop.call_soon_threadsafe(self._finished, request_id, future, staged)
+            replied = cast("Future[Reply]", future)
+            self.server.loop.call_soon_threadsafe(self._finished, request_id, replied, staged)
 
         return done
+
+    def _repark(self, request_id: int, op: str, started: float, deferred: Deferred) -> None:
+        """A request a worker ran that must now wait for a put's copy: parked as the event loop parks one."""
+        self.running = False
+        self.server.state.inflight -= 1
+        if self.closed:
+            if self.copy is None:
+                self.server.handlers.close_session(self.session)
+            self.server.maybe_stopped()
+            return
+        self._park(request_id, op, started, deferred)
 
     def _finished(self, request_id: int, future: Future[Reply], staged: bool = False) -> None:
         if staged and self.copy is not None:
@@ -716,23 +738,19 @@ def _names_half(body: Any) -> bool:
     return isinstance(op, str) and op in STAGED_OPS and body.get("half") is not None
 
 
-def _run_pooled(handler: Handler, session: Session, body: dict[str, Any]) -> Reply:
+def _run_pooled(handler: Handler, session: Session, body: dict[str, Any]) -> Reply | Deferred:
     """How a handler runs on a worker thread: it, and its continuations, until there is a reply."""
     return _to_end(handler(session, body))
 
 
-def _to_end(result: Reply | Deferred) -> Reply:
-    """Runs a handler's continuations (on a worker thread) until there is a reply. One that would park (an
-    inline request run on a worker because a tier's lock was held) waits here for its wake-up, at most
-    :data:`SETTLE_SECONDS`."""
+def _to_end(result: Reply | Deferred) -> Reply | Deferred:
+    """Runs a handler's continuations (on a worker thread) until there is a reply, or a continuation that
+    must park first (an inline request run on a worker because a tier's lock was held, that reached a
+    put's copy): that one is handed back to the event loop, which parks it holding no thread (a worker
+    waiting there would take a thread from every other request for up to SETTLE_SECONDS)."""
     while isinstance(result, Deferred):
         if result.park is not None:
-            woken = threading.Event()
-            forget = result.park(woken.set)
-            try:
-                woken.wait(SETTLE_SECONDS)
-            finally:
-                forget()
+            return result  # (the done callback parks it)
         result = result.work()
     return result
 
@@ -936,7 +954,7 @@ class Server:
                 sock.close()
                 continue
             conn = Connection(self, sock, session)
-            crowded = len(self.connections) >= _MAX_CONNECTIONS
+            crowded = len(self.connections) + len(self.lingering) >= _MAX_CONNECTIONS
             if crowded or self._per_uid[session.uid] >= _MAX_CONNECTIONS_PER_UID:
                 self.state.refused += 1
                 message = (

@@ -755,3 +755,38 @@ def test_the_block_writer_leases_runs_of_consecutive_slots_with_one_lock_each() 
     assert _runs([5, 1, 2, 3, 7, 8, 8]) == [(1, 3), (5, 5), (7, 8)]
     assert _runs(list(range(4096))) == [(0, 4095)]
     assert _runs([]) == []
+
+
+def test_a_sync_put_written_in_several_packs_is_written_even_where_a_later_pack_made_l3_evict_an_earlier(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A batch larger than a pack goes as several packs; with a small L3, writing a later one evicts an
+    earlier one (LRU, for room). Every block still went into an fsynced pack: the sync put is "written",
+    nothing counts as lost, and no block keeps asking for its L3 copy (a restart would write them all
+    again, evicting whatever L3 then holds)."""
+    from skippyd.blocks import BlockRules
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    count, size = 512, 16 << 10
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 8 << 20) as l3:
+        writer = BlockWriter(l2, l3, Health())
+        writer.start()
+        try:
+            rules = BlockRules(l2, l3=l3, writer=writer)
+            space = block_space(MODEL, STATE, "", BLOCK)
+            keys = [b"s%d" % i for i in range(count)]
+            data = memoryview(bytes(count * size))
+            put = rules.put(
+                space, keys, [size] * count, [i * size for i in range(count)], data, durable="sync"
+            )
+            assert put.durability == "written"
+            assert writer.stats().block_writes_lost == 0
+            assert 0 < l3.stats().block_count < count  # (what the budget keeps)
+            with l2.lock:
+                assert l2.blocks.durable_wanted() == []
+            assert BlockWriter(l2, l3, Health()).recover() == 0
+        finally:
+            writer.close()

@@ -506,3 +506,34 @@ def test_a_look_at_read_slots_is_bounded_across_all_block_spaces_not_per_space(
         monkeypatch.undo()
         rules.clear()
         assert tier.stats().block_free_slots == 0, "let go of: given back"
+
+
+def test_slots_a_reader_let_go_of_are_taken_again_before_a_put_evicts_live_blocks(shm_dir: Path) -> None:
+    """Free slots found read are set aside; once their reader lets go, a put takes them back, all of them
+    (a look goes on batch after batch while most of a batch comes back), before it would evict a live
+    block for want of room. (Taking back 256 every 5 ms, a put of 480 blocks evicted 80 live ones while
+    free slots nobody read sat aside.)"""
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
+        rules = BlockRules(tier)
+        a = block_space(MODEL, STATE, "a", 16)
+        b = block_space(MODEL, STATE, "b", 16)
+
+        def put_into(space: Any, keys: list[bytes]) -> int:
+            n = len(keys)
+            data = memoryview(bytes(n * SLOT))
+            put = rules.put(space, keys, [SLOT] * n, [i * SLOT for i in range(n)], data, durable=False)
+            return put.stored
+
+        first = [b"a%d" % i for i in range(480)]
+        assert put_into(a, first) == 480
+        served = rules.get(a, first, max_fds=64)  # a reader's views of them
+        assert rules.evict_identity(a.identity.digest) == 480  # their slots: free, still read
+        live = [b"b%d" % i for i in range(480)]
+        assert put_into(b, live) == 480
+        assert put_into(a, [b"x"]) == 1  # finds a's free slots read: they are set aside
+        assert tier.stats().block_free_slots_read >= 400
+        served.lease.close()  # the reader lets go
+        evictions = tier.stats().block_evictions
+        assert put_into(a, [b"c%d" % i for i in range(480)]) == 480
+        assert sum(rules.held(b, live)) == 480, "live blocks were evicted while free slots sat aside"
+        assert tier.stats().block_evictions == evictions

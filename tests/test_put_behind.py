@@ -141,6 +141,51 @@ def test_reads_waiting_for_a_copy_hold_no_worker_thread(make_daemon: Any, gate: 
                 reader.close()
 
 
+def test_reads_run_on_a_worker_because_a_tier_lock_was_held_park_without_a_thread_too(
+    make_daemon: Any, gate: Path, tmp_short: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read that finds a tier's lock held goes to a worker; if it then reaches a put's copy it is handed
+    back to the event loop to wait, holding no thread. (Waiting on the worker, four such reads took both
+    workers, and a worker's request of another client waited 3 s for the copy.) A test hook in the daemon
+    holds the L2 lock 300 ms at a time while the readers ask."""
+    import sys
+
+    hold = tmp_short / "hold"
+    wrapper = tmp_short / "python"
+    wrapper.write_text(
+        f'#!/bin/sh\nexec {sys.executable} {Path(__file__).with_name("lock_holder.py")} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("SKIPPYD_DAEMON_PYTHON", str(wrapper))
+    env = {COPY_GATE_ENV: str(gate), "SKIPPYD_WORKERS": "2", "SKIPPYD_TEST_HOLD_FILE": str(hold)}
+    proc: DaemonProcess = make_daemon(env=env).start()
+    with proc.client() as writer:
+        keys = space(writer).keys(list(range(4 * BLOCK)))
+        assert space(writer).put(keys, block_data(4, seed=15)).stored == 4  # its copy held at the gate
+        readers = [proc.client() for _ in range(4)]
+        try:
+            for reader in readers:
+                reader.ping()
+            hold.touch()  # the L2 lock held 300 ms at a time: the reads go to workers
+            time.sleep(0.05)
+            waiting = [Background(lambda r=reader: space(r).contains(keys)) for reader in readers]
+            time.sleep(0.8)
+            hold.unlink()
+            time.sleep(0.4)
+            assert all(w.thread.is_alive() for w in waiting)  # still waiting for the copy
+            with proc.client() as other:  # a worker's request from another connection
+                started = time.monotonic()
+                other.ls()
+                took = time.monotonic() - started
+            assert took < 1.0, f"ls waited {took:.2f} s: the worker threads were parked on a copy"
+            gate.unlink()
+            assert [w.value() for w in waiting] == [4] * 4
+        finally:
+            hold.unlink(missing_ok=True)
+            for reader in readers:
+                reader.close()
+
+
 def test_a_read_waits_for_a_copy_that_does_not_come_at_most_the_settle_time(
     gated: DaemonProcess, gate: Path
 ) -> None:

@@ -519,26 +519,35 @@ class L2Blocks:
         self._with_free[group.key] = group
 
     def _look_again(self, *, every: bool = False) -> None:
-        """Returns the read slots whose leases ended to the free slots: at most :data:`_LOOK_BATCH` of them
-        (of every group together, round robin), then not again for :data:`_LOOK_AGAIN_S` after the look
+        """Returns the read slots whose leases ended to the free slots: :data:`_LOOK_BATCH` of them at a time
+        (of every group together, round robin), batch after batch while at least half of a batch came
+        back (a reader that let go of thousands of slots gives them all back at once, before a put would
+        evict live blocks for want of them), then not again for :data:`_LOOK_AGAIN_S` after the look
         ended; with ``every``, all of them now (called under the lock)."""
         if not self._read_slots or (not every and time.monotonic() < self._look_at):
             return
-        budget = self._read_slots if every else _LOOK_BATCH
-        for key, group in list(self._with_read.items()):
-            if budget <= 0:
+        while self._read_slots:
+            budget = self._read_slots if every else min(_LOOK_BATCH, self._read_slots)
+            looked, back = budget, 0
+            for key, group in list(self._with_read.items()):
+                if budget <= 0:
+                    break
+                del self._with_read[
+                    key
+                ]  # (back at the end if some stay read: the next look starts elsewhere)
+                for _ in range(min(len(group.read), budget)):
+                    budget -= 1
+                    home, index = group.read.popleft()
+                    if home.slab.has_readers(index):
+                        group.read.append((home, index))
+                    else:
+                        self._add_free(group, home, index)
+                        self._read_slots -= 1
+                        back += 1
+                if group.read:
+                    self._with_read[key] = group
+            if every or 2 * back < looked - budget:
                 break
-            del self._with_read[key]  # (back at the end if some stay read: the next look starts elsewhere)
-            for _ in range(min(len(group.read), budget)):
-                budget -= 1
-                home, index = group.read.popleft()
-                if home.slab.has_readers(index):
-                    group.read.append((home, index))
-                else:
-                    self._add_free(group, home, index)
-                    self._read_slots -= 1
-            if group.read:
-                self._with_read[key] = group
         self._look_at = time.monotonic() + _LOOK_AGAIN_S
 
     def _hole(self, group: _Group, space: bytes, size: int, mine: int = 0) -> tuple[_SlabState, int]:
@@ -868,11 +877,12 @@ class L2Blocks:
             for home in group.homes:
                 home.slab.close()
 
-    def release_all_free(self, limit: int | None = None) -> int:
-        """Gives back every free slot's memory nobody still reads (at most ``limit`` slots); returns how
-        many slots."""
+    def release_all_free(self, limit: int | None = None, *, look: bool = True) -> int:
+        """Gives back every free slot's memory nobody still reads (at most ``limit`` slots; ``look``: the
+        slots set aside as read are all looked at again first); returns how many slots."""
         released = 0
-        self._look_again(every=True)
+        if look:
+            self._look_again(every=True)
         for key in list(self._groups):
             while (limit is None or released < limit) and self.punch_free_slot(key):
                 released += 1

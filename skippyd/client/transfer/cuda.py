@@ -67,7 +67,9 @@ _portable = [True]
 #: cudaHostRegister's answers that refuse the memory itself (invalid value, out of memory, already
 #: registered, not supported): that range is copied unpinned from then on. Any other code may be an
 #: error an earlier asynchronous launch left ("may also return error codes from previous, asynchronous
-#: launches"): it is left for the caller to see, and the range is asked again next time.
+#: launches"), or a passing one: that transfer copies unpinned and the range is asked again next time.
+#: Either way the error is cleared: left, torch would raise it at the engine's next, unrelated launch
+#: (an earlier launch's sticky error still shows at the engine's next call).
 _REFUSALS = frozenset({1, 2, 712, 801})
 
 
@@ -78,22 +80,18 @@ def _cuda_register(address: int, nbytes: int, flags: int) -> bool | None:
         code = int(getattr(err, "value", err))
         if code == 0:
             return True
-        if code not in _REFUSALS:
-            log.warning(
-                "cudaHostRegister of %d bytes: %s (not a refusal): copying unpinned this time", nbytes, err
-            )
-            return None
         _clear_last_error()
+        if code not in _REFUSALS:
+            log.warning("cudaHostRegister of %d bytes: %s (not a refusal): unpinned this time", nbytes, err)
+            return None
     err = cudart.cudaHostRegister(address, nbytes, flags)
     code = int(getattr(err, "value", err))
     if code != 0:
+        _clear_last_error()
         if code not in _REFUSALS:
-            log.warning(
-                "cudaHostRegister of %d bytes: %s (not a refusal): copying unpinned this time", nbytes, err
-            )
+            log.warning("cudaHostRegister of %d bytes: %s (not a refusal): unpinned this time", nbytes, err)
             return None
         log.warning("cudaHostRegister of %d bytes refused (%s): copying that memory unpinned", nbytes, err)
-        _clear_last_error()
         return False
     if _portable[0]:
         _portable[0] = False

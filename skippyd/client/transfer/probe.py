@@ -168,6 +168,14 @@ def _registration(torch: Any, device: Any, nbytes: int, pinned: Callable[[int], 
     if measured is None:
         yield _finding(
             "fail",
+            "cudaHostRegister of a tmpfs mapping failed with an error that is not about the memory (the "
+            "probe run alone logs which): restores copy unpinned while it lasts",
+            "the driver's log (`dmesg`), `nvidia-smi`; run the probe again",
+        )
+        return
+    if measured is False or measured is True:
+        yield _finding(
+            "fail",
             "cudaHostRegister refused a tmpfs MAP_SHARED mapping: every restore to this GPU copies unpinned, "
             "several times slower than it could",
             "the driver's log (`dmesg`); in a container, the host's /dev/shm and the GPU passed through by "
@@ -190,15 +198,17 @@ def _registration(torch: Any, device: Any, nbytes: int, pinned: Callable[[int], 
         yield _finding("ok", text)
 
 
-def _registered_copy(torch: Any, device: Any, source: Any) -> tuple[float, float, bool] | None:
+def _registered_copy(torch: Any, device: Any, source: Any) -> tuple[float, float, bool] | bool | None:
     """Registers ``source`` (host memory), times its copy to ``device``, unregisters it: (seconds the
-    registration took, seconds a copy takes, whether the bytes arrived); None where CUDA refused it."""
+    registration took, seconds a copy takes, whether the bytes arrived); False where CUDA refused the
+    memory, None where the call failed for another reason (the log says which)."""
     from .cuda import _cuda_register, _cuda_unregister
 
     address, nbytes = source.data_ptr(), source.numel()
     started = time.perf_counter()
-    if not _cuda_register(address, nbytes, 0):
-        return None
+    registered = _cuda_register(address, nbytes, 0)
+    if not registered:
+        return registered
     took = time.perf_counter() - started
     try:
         dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
