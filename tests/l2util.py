@@ -105,3 +105,17 @@ def keys_lru_first(tier: L2Tier) -> list[str]:
 def size_of(nbytes: int, name: str = "x") -> int:
     """Tmpfs bytes of an :func:`admit_bytes` entry of ``nbytes``."""
     return L2Tier.file_size_for(token_count=max(1, len(name)), tensors=[TensorDecl("x", "uint8", (nbytes,))])
+
+
+class Calls:
+    """Counts the calls of ``owner.name`` (patched through ``monkeypatch``; the real one still runs)."""
+
+    def __init__(self, monkeypatch: Any, owner: Any, name: str) -> None:
+        self.count = 0
+        real = getattr(owner, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)

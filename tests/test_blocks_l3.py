@@ -679,6 +679,8 @@ def test_block_writes_l3_cannot_take_wait_without_being_read_out_of_l2_at_every_
     """L3 read-only (its disk below the free-space floor): the backlog's blocks are deferred before any of
     them is read out of L2 (each such read is a lease and a view under the L2 lock: 100k blocks stalled
     every request by up to 290 ms at each retry)."""
+    from l2util import Calls
+
     from skippyd.blocks import BlockRules
     from skippyd.keys import block_space
     from skippyd.l2 import L2Tier
@@ -693,15 +695,7 @@ def test_block_writes_l3_cannot_take_wait_without_being_read_out_of_l2_at_every_
         assert l3.readonly
         writer = BlockWriter(l2, l3, Health())
         rules = BlockRules(l2, l3=l3, writer=writer)
-        reads = 0
-        real = L2Blocks.data_of
-
-        def counted(self: L2Blocks, key: bytes) -> Any:
-            nonlocal reads
-            reads += 1
-            return real(self, key)
-
-        monkeypatch.setattr(L2Blocks, "data_of", counted)
+        reads = Calls(monkeypatch, L2Blocks, "data_of")
         writer.start()
         try:
             space = block_space(MODEL, STATE, "", BLOCK)
@@ -711,7 +705,7 @@ def test_block_writes_l3_cannot_take_wait_without_being_read_out_of_l2_at_every_
             )
             assert put.stored == 64
             assert eventually(lambda: writer.stats().block_writes_deferred >= 1, timeout=20)
-            assert reads == 0 and l3.stats().block_count == 0
+            assert reads.count == 0 and l3.stats().block_count == 0
         finally:
             writer.close()
 

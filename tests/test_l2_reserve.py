@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from daemonutil import eventually
-from l2util import admit_bytes, size_of
+from l2util import Calls, admit_bytes, size_of
 
 from skippyd.blocks import BlockRules
 from skippyd.errors import NoSpace
@@ -429,20 +429,14 @@ def test_free_slots_still_read_under_a_lease_are_set_aside_not_scanned_again_by_
             assert rules.evict_identity(space.identity.digest) == count
             with tier.lock:
                 assert tier.blocks.free_slots_read()
-            looks = 0
-            real = Slab.has_readers
-
-            def counted(self: Slab, index: int) -> bool:
-                nonlocal looks
-                looks += 1
-                return real(self, index)
-
-            monkeypatch.setattr(Slab, "has_readers", counted)
+            looks = Calls(monkeypatch, Slab, "has_readers")
             started = time.monotonic()
             assert rules.put(*_blocks(b"b", count), durable=False).stored == count
             elapsed = time.monotonic() - started
             batches = int(elapsed / 0.005) + 2
-            assert looks <= count + batches * 256, f"{looks} looks at read slots for a put of {count} blocks"
+            assert looks.count <= count + batches * 256, (
+                f"{looks.count} looks at read slots for a put of {count}"
+            )
             assert tier.stats().block_free_slots_read == count
         finally:
             served.lease.close()
@@ -478,28 +472,20 @@ def test_a_look_at_read_slots_is_bounded_across_all_block_spaces_not_per_space(
             with tier.lock:
                 assert not tier.blocks.release_free()  # every free slot is read: each looked at, set aside
             assert tier.stats().block_free_slots_read == spaces * each
-            looks = 0
-            real = Slab.has_readers
-
-            def counted(self: Slab, index: int) -> bool:
-                nonlocal looks
-                looks += 1
-                return real(self, index)
-
-            monkeypatch.setattr(Slab, "has_readers", counted)
+            looks = Calls(monkeypatch, Slab, "has_readers")
             seen = set()
             for _ in range(spaces):
-                looks = 0
+                looks.count = 0
                 with tier.lock:
                     tier.blocks._look_at = 0.0  # (due now)
                     tier.blocks.free_slots_read()
                     seen.add(next(iter(tier.blocks._with_read)))
-                assert looks == 256, f"one look made {looks} fcntls"
+                assert looks.count == 256, f"one look made {looks.count} fcntls"
             assert len(seen) >= spaces // 2, "the looks go round the spaces, not always the same one"
             with tier.lock:
                 before = time.monotonic()
                 tier.blocks.free_slots_read()  # not due: the next look is 5 ms after the last one ended
-            assert looks == 256 and tier.blocks._look_at > before
+            assert looks.count == 256 and tier.blocks._look_at > before
         finally:
             for lease in leases:
                 lease.close()

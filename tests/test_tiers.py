@@ -106,16 +106,21 @@ def test_a_durable_write_in_flight_when_its_key_is_captured_again_is_withdrawn(
     assert served_digest(t, [1, 2, 3]) == newest
 
 
+def commit_behind(t: Tiers, key: str, fill: int) -> Any:
+    """An L2 entry of 2 tokens committed straight into L2, behind the rules' back; its entry."""
+    decls, source = staged(fill)
+    with t.l2.reserve(key=key, identity=IDENT, token_count=2, tensors=decls) as r:
+        r.data[: len(source)] = source
+        return r.commit()
+
+
 def test_l3_is_the_authority_over_a_disagreeing_l2_entry(tiers: tuple[Tiers, threading.Event]) -> None:
     t, gate = tiers
     gate.set()
     durable = capture(t, [5, 6], fill=7, durable=True)
     settle(t)
     key = cache_key(IDENT, encode_tokens([5, 6]))
-    decls, source = staged(8)
-    with t.l2.reserve(key=key, identity=IDENT, token_count=2, tensors=decls) as r:  # behind the rules' back
-        r.data[: len(source)] = source
-        r.commit()
+    commit_behind(t, key, 8)
     assert served_digest(t, [5, 6]) == durable
     assert t.counters.l2_mismatches_removed == 1
 
@@ -128,14 +133,8 @@ def test_the_authority_check_never_removes_an_l2_entry_committed_after_it_looked
     capture(t, [5, 6], fill=7, durable=True)
     settle(t)
     key = cache_key(IDENT, encode_tokens([5, 6]))
-    decls, source = staged(8)
-    with t.l2.reserve(key=key, identity=IDENT, token_count=2, tensors=decls) as r:  # disagrees with L3
-        r.data[: len(source)] = source
-        looked = r.commit()
-    decls, source = staged(9)
-    with t.l2.reserve(key=key, identity=IDENT, token_count=2, tensors=decls) as r:  # committed since the look
-        r.data[: len(source)] = source
-        newer = r.commit()
+    looked = commit_behind(t, key, 8)  # disagrees with L3
+    newer = commit_behind(t, key, 9)  # committed since the look
     monkeypatch.setattr(t.l2, "peek", lambda _key: looked)  # the look happened before the newer commit
     t.lookup(IDENT, encode_tokens([5, 6]))
     held = t.l2.hold(key, hit=False)
