@@ -245,7 +245,12 @@ class BlockWriter:
                 self.l2.blocks.mark_written(key)
             lost = 0
             for job in live:  # written only where every block the job named went into an fsynced pack
-                missing = sum(1 for key in job.keys if key not in on_disk)
+                # (and L3 still holds it, where the job was evicted since: evictions win; a block L3 let go
+                # of for room, for a later pack, was written all the same)
+                evicted = not self._wanted(job)
+                missing = sum(
+                    1 for key in job.keys if key not in on_disk or (evicted and not self.l3.blocks.holds(key))
+                )
                 job.outcome = "none" if missing else "written"
                 lost += missing
         if lost:

@@ -487,7 +487,7 @@ class Connection:
         self, request_id: int, op: str, started: float, staged: bool = False
     ) -> Callable[[Future[Reply | Deferred]], None]:
         def done(future: Future[Reply | Deferred]) -> None:
-            result = None if future.exception() is not None else future.result()
+            result = None if future.cancelled() or future.exception() is not None else future.result()
             if isinstance(result, Deferred):  # it must park: on the event loop, holding no thread
                 self.server.loop.call_soon_threadsafe(self._repark, request_id, op, started, result)
                 return

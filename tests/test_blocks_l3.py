@@ -784,3 +784,47 @@ def test_a_sync_put_written_in_several_packs_is_written_even_where_a_later_pack_
             assert BlockWriter(l2, l3, Health()).recover() == 0
         finally:
             writer.close()
+
+
+def test_a_batch_whose_identity_is_evicted_after_its_pack_was_written_says_none_evictions_win(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """Two puts' jobs written in one batch as two packs; the first one's identity is evicted after its pack
+    was fsynced, while the second is written. Neither tier holds its blocks: its outcome is "none" (and
+    they count as lost), as for a job evicted before its write: evictions win."""
+    from skippyd.blocks import BlockRules
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    count, size = 64, 16 << 10  # 1 MiB a job: a pack each
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 64 << 20) as l3:
+        writer = BlockWriter(l2, l3, Health(), batch_bytes=1 << 20)  # not started: its batch is run here
+        rules = BlockRules(l2, l3=l3, writer=writer)
+        a, b = block_space(MODEL, STATE, "a", BLOCK), block_space(MODEL, STATE, "b", BLOCK)
+        for space, prefix in ((a, b"a"), (b, b"b")):
+            keys = [prefix + b"%d" % i for i in range(count)]
+            data = memoryview(bytes(count * size))
+            assert (
+                rules.put(space, keys, [size] * count, [i * size for i in range(count)], data).stored == count
+            )
+        jobs = []
+        while not writer._queue.empty():
+            job = writer._queue.get_nowait()
+            assert job is not None
+            jobs.append(job)
+        real = l3.blocks.write
+        packs: list[int] = []
+
+        def write(items: Any, **options: Any) -> int:
+            packs.append(len(items))
+            if len(packs) == 2:  # a's pack is fsynced; a is evicted while b's is written
+                assert rules.evict_identity(a.identity.digest) == count
+            return real(items, **options)
+
+        l3.blocks.write = write  # type: ignore[method-assign]
+        writer._write(jobs)
+        assert len(packs) == 2
+        assert [job.outcome for job in jobs] == ["none", "written"]
+        assert writer.stats().block_writes_lost == count
