@@ -77,8 +77,6 @@ class MemoryBudget(Protocol):
 
 _PARALLEL_BYTES = 1 << 20  # puts smaller than this are copied and hashed on the calling thread
 _FILL_BYTES = 64 << 20  # what one get reads from L3 at most
-_EVICT_STEP = 4096  # blocks an eviction removes (or free slots it gives back) per hold of the L2 lock
-_YIELD_S = 0.0005
 #: How long a read waits for a put's copy of a block it reaches (the copy takes milliseconds; past this
 #: the block counts as not held, as if the put had not come)
 SETTLE_SECONDS = 5.0
@@ -1025,32 +1023,20 @@ class BlockRules:
         return removed
 
     def _remove_from_l2(self, identity: bytes | None) -> int:
-        """Removes the blocks L2 holds now (of ``identity``; all with None) in steps of
-        :data:`_EVICT_STEP`, the lock let go between them: 160k blocks evicted at once held it 1.5 s,
+        """Removes the blocks L2 holds now (of ``identity``; all with None) in steps, the lock let go
+        between them (:meth:`L2Tier.in_steps`): 160k blocks evicted at once held it 1.5 s,
         and every request waited. (Puts begun before the eviction are cancelled by its mark; blocks of
         puts begun after it are not removed.)"""
         with self.l2.lock:
             keys = self.l2.blocks.keys_of(identity)
-        removed = 0
-        for start in range(0, len(keys), _EVICT_STEP):
-            if start:
-                time.sleep(_YIELD_S)  # (a lock is not fair: a waiter gets it only if this thread pauses)
-            with self.l2.lock:
-                removed += self.l2.blocks.remove(keys[start : start + _EVICT_STEP])
-        return removed
+        return self.l2.in_steps(keys, self.l2.blocks.remove)
 
     def clear(self) -> int:
         self._mark_evicted(None)
         if self.writer is not None:
             self.writer.forget(None)
         removed = self._remove_from_l2(None)
-        look = True  # (the read slots looked at once, not at every step)
-        while True:  # the free slots given back, in steps too
-            with self.l2.lock:
-                if self.l2.blocks.release_all_free(limit=_EVICT_STEP, look=look) < _EVICT_STEP:
-                    break
-            look = False
-            time.sleep(_YIELD_S)
+        self.l2.release_free_slots()
         if self.l3 is not None:
             with self.l3.lock:
                 removed = max(removed, self.l3.blocks.clear())

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import ConfigError, InvalidArgument, StoreLocked
@@ -148,3 +150,12 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def set_mtimes(touched: Iterable[tuple[Path, int]]) -> None:
+    """Sets each file's atime and mtime to its tick (ns): the recency a restart reads back. A file gone
+    since is skipped (written outside the lock that listed them: one replaced meanwhile gets an older
+    mtime, harmless)."""
+    for path, tick in touched:
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path, ns=(tick, tick))

@@ -239,20 +239,14 @@ class BlockWriter:
         except BaseException:
             self._defer(live, None)
             raise
-        with self.l2.lock:
-            on_disk = written | {key for job in live for key in job.keys if self.l3.blocks.holds(key)}
-            for key in on_disk.intersection(owners):
-                self.l2.blocks.mark_written(key)
-            lost = 0
-            for job in live:  # written only where every block the job named went into an fsynced pack
-                # (and L3 still holds it, where the job was evicted since: evictions win; a block L3 let go
-                # of for room, for a later pack, was written all the same)
-                evicted = not self._wanted(job)
-                missing = sum(
-                    1 for key in job.keys if key not in on_disk or (evicted and not self.l3.blocks.holds(key))
-                )
-                job.outcome = "none" if missing else "written"
-                lost += missing
+        lost = 0
+        for job in live:  # written where every block the job named went into an fsynced pack; where the
+            # job was evicted since, only those L3 still holds (evictions win; a block L3 let go of for a
+            # later pack's room was written all the same)
+            kept = written if self._wanted(job) else set()
+            missing = sum(1 for key in job.keys if key not in kept and not self.l3.blocks.holds(key))
+            job.outcome = "none" if missing else "written"
+            lost += missing
         if lost:
             with self._lock:
                 self._stats.block_writes_lost += lost
@@ -283,6 +277,7 @@ class BlockWriter:
                     if self.l3.blocks.holds(key):  # (a pack of an earlier try, or another put's)
                         owners[key] = job
                         written.add(key)
+                        self.l2.blocks.mark_written(key)
                         continue
                     slab, index, record = found
                     by_slab.setdefault(id(slab), (slab, []))[1].append(index)

@@ -339,10 +339,14 @@ class Connection:
         so too where the socket cannot say, rather than holding the connection for good)."""
         if unread_by_peer(self.fd) > 0:
             return False
-        self.server.state.fds_unread -= self.unread_fds
-        self.unread_fds = 0
+        self.forget_unread()
         self._look_wait = _UNREAD_LOOK_S[0]
         return True
+
+    def forget_unread(self) -> None:
+        """The descriptors the client held unread are read, or gone with its socket."""
+        self.server.state.fds_unread -= self.unread_fds
+        self.unread_fds = 0
 
     def _look_later(self) -> None:
         if self._look_timer is None and not self.closed:
@@ -358,10 +362,8 @@ class Connection:
         if self.refused_refs:
             self.refused_refs = False
             self._flush()
-        if not self.closed and not self.running and self.queue and not self._replies_backed_up():
-            self._run_next()
-        if not self.closed:
-            self._resume_reading_if_room()
+        self._run_next()  # (each of these asks first whether it may)
+        self._resume_reading_if_room()
 
     def _protocol_error(self, exc: SkippydError) -> None:
         log.info("closing connection %d: %s", self.session.id, exc)
@@ -502,9 +504,7 @@ class Connection:
         self.running = False
         self.server.state.inflight -= 1
         if self.closed:
-            if self.copy is None:
-                self.server.handlers.close_session(self.session)
-            self.server.maybe_stopped()
+            self._ended_closed()
             return
         self._park(request_id, op, started, deferred)
 
@@ -527,10 +527,17 @@ class Connection:
                 _close_fds(reply.fds)
             else:
                 self._reply(request_id, reply)
-        if self.closed and self.copy is None:
+        if self.closed:
+            self._ended_closed()
+        else:
+            self.server.maybe_stopped()
+            self._run_next()
+
+    def _ended_closed(self) -> None:
+        """A request of a closed connection ended: its session goes once no copy reads its staging."""
+        if self.copy is None:
             self.server.handlers.close_session(self.session)
         self.server.maybe_stopped()
-        self._run_next()
 
     def _start_copy(self, behind: Behind) -> None:
         """Runs a put's copy and commit behind its reply, on the server's copy threads."""
@@ -683,8 +690,7 @@ class Connection:
     def _on_writable(self) -> None:
         """The client reads again: send what waits, then run what its backed-up replies held back."""
         self._flush()
-        if not self.closed and not self.running and self.queue and not self._replies_backed_up():
-            self._run_next()
+        self._run_next()  # (it asks first whether it may)
 
     def _maybe_close(self) -> None:
         if self.close_after_flush and not self.out and not self.running:
@@ -721,8 +727,7 @@ class Connection:
         if self.unread_fds and not self._peer_read_all() and not self.server.stopping:
             self.server.linger(self)
         else:
-            self.server.state.fds_unread -= self.unread_fds
-            self.unread_fds = 0
+            self.forget_unread()
             with contextlib.suppress(OSError):
                 self.sock.close()
         self.server.forget(self, keep_uid=self.unread_fds > 0)
@@ -1005,8 +1010,7 @@ class Server:
             if not every and unread_by_peer(conn.fd) > 0:
                 kept.append(conn)
                 continue
-            self.state.fds_unread -= conn.unread_fds
-            conn.unread_fds = 0
+            conn.forget_unread()
             self.forget(conn)  # (before the close: its fd number is not anyone else's yet)
             with contextlib.suppress(OSError):
                 conn.sock.close()

@@ -383,9 +383,8 @@ class Tiers:
     def busy(self) -> bool:
         """Whether another thread holds a tier's lock right now: a request run on the event loop would
         wait for it there, and every other client with it (the server runs it on a worker instead)."""
-        for lock in (self.l2.lock, self.l3.lock if self.l3 is not None else None):
-            if lock is None:
-                continue
+        locks = [self.l2.lock] if self.l3 is None else [self.l2.lock, self.l3.lock]
+        for lock in locks:
             if not lock.acquire(blocking=False):
                 return True
             lock.release()

@@ -125,6 +125,11 @@ class _Group:
     def key(self) -> tuple[bytes, int]:
         return self.space, self.slot_size
 
+    @property
+    def spare(self) -> int:
+        """Its free slots, read ones included (pre-faulted, no block in them)."""
+        return len(self.free) + len(self.read)
+
 
 @dataclass(slots=True)
 class GroupDemand:
@@ -418,7 +423,7 @@ class L2Blocks:
         return [
             GroupDemand(
                 key, group.slot_size, group.demand.recent(now, window), now - group.expected_at < active_s,
-                (len(group.free) + len(group.read)) * group.slot_size,
+                group.spare * group.slot_size,
             )
             for key, group in self._groups.items()
         ]  # fmt: skip
@@ -446,7 +451,7 @@ class L2Blocks:
         group = self._groups.get(key)
         if group is None:
             return 0
-        taken = self._unread(group)
+        taken = self._take_free(group)
         if taken is None:
             return 0
         self._punch(group, *taken)
@@ -489,16 +494,13 @@ class L2Blocks:
         return fds, [(at, offset) for at, offset, _ in placements]
 
     def _take_free(self, group: _Group) -> tuple[_SlabState, int] | None:
-        """A free, pre-faulted slot of ``group`` that nobody still reads."""
-        return self._unread(group)
+        """Takes a free, pre-faulted slot of ``group`` that nobody reads out of its free slots, or None.
 
-    def _unread(self, group: _Group) -> tuple[_SlabState, int] | None:
-        """Takes a free slot of ``group`` that nobody reads out of its free slots, or None. A slot found read
-        under a lease is set aside (``group.read``) and not looked at again by the next put: a reader ends
-        its lease without telling the daemon (it closes a descriptor), so the slots set aside are looked
-        at again a bounded batch at a time, every few ms (:meth:`_look_again`). Before, every put scanned
-        every read slot under the lock (an fcntl each): thousands of slots leased by one client's long-held
-        views stalled every request for seconds."""
+        A slot found read under a lease is set aside (``group.read``), not looked at again by the next
+        put: a reader ends its lease without telling the daemon (it closes a descriptor), so the slots
+        set aside are looked at again in bounded batches, every few ms (:meth:`_look_again`). Before,
+        every put scanned every read slot under the lock (an fcntl each): thousands of slots leased by
+        one client's long-held views stalled every request for seconds."""
         self._look_again()
         taken: tuple[_SlabState, int] | None = None
         while group.free:
@@ -532,9 +534,8 @@ class L2Blocks:
             for key, group in list(self._with_read.items()):
                 if budget <= 0:
                     break
-                del self._with_read[
-                    key
-                ]  # (back at the end if some stay read: the next look starts elsewhere)
+                # (back at the end if some stay read: the next look starts elsewhere)
+                del self._with_read[key]
                 for _ in range(min(len(group.read), budget)):
                     budget -= 1
                     home, index = group.read.popleft()
@@ -706,7 +707,7 @@ class L2Blocks:
         for group in list(self._with_free.values()):
             if group is keep:
                 continue
-            taken = self._unread(group)
+            taken = self._take_free(group)
             if taken is not None:
                 self._punch(group, *taken)
                 return True
@@ -853,15 +854,18 @@ class L2Blocks:
             self._payload += block.record.nbytes
             self._stats.block_adopted += 1
 
-    def flush_recency(self, keys: Iterable[bytes] | None = None) -> None:
+    def flush_recency(self, keys: Iterable[bytes] | None = None) -> int:
         """Writes the last use of these blocks (None: every block used since the last flush) into their slot
-        records (under the lock: a slot may be reused)."""
+        records (under the lock: a slot may be reused); returns how many."""
         if keys is None:
             keys = self.take_dirty()
+        written = 0
         for key in keys:
             block = self._blocks.get(key)
             if block is not None:
                 block.home.slab.set_last_use(block.index, block.last_use)
+                written += 1
+        return written
 
     def take_dirty(self) -> list[bytes]:
         """The blocks used since the last flush (forgotten here: the caller flushes them)."""
@@ -896,10 +900,8 @@ class L2Blocks:
         stats.block_payload_bytes = self._payload
         stats.block_slabs = sum(len(group.homes) for group in self._groups.values())
         stats.block_slab_bytes = self.charged
-        stats.block_free_slots = sum(len(group.free) + len(group.read) for group in self._groups.values())
-        stats.block_free_bytes = sum(
-            (len(group.free) + len(group.read)) * group.slot_size for group in self._groups.values()
-        )
+        stats.block_free_slots = sum(group.spare for group in self._groups.values())
+        stats.block_free_bytes = sum(group.spare * group.slot_size for group in self._groups.values())
         stats.block_free_slots_read = self._read_slots
         stats.block_unhashed = len(self._unhashed)
         stats.block_unhashed_bytes = self.unhashed_bytes

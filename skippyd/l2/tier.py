@@ -24,12 +24,12 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from blake3 import blake3
 
 from skippyd.errors import DigestMismatch, InvalidArgument, NoSpace, SkippydError, TooLarge
-from skippyd.files import private_dirs, release_owner_lock, remove, take_owner_lock
+from skippyd.files import private_dirs, release_owner_lock, remove, set_mtimes, take_owner_lock
 from skippyd.index import PrefixIndex
 from skippyd.keys import Identity, is_hex_digest
 from skippyd.payload import (
@@ -53,6 +53,7 @@ from .pool import File, FilePool
 __all__ = ["Held", "L2Stats", "L2Tier", "Listed", "Reservation", "copy_into"]
 
 log = logging.getLogger("skippyd.l2")
+T = TypeVar("T")
 
 _THREADED_HASH_BYTES = 4 << 20
 _PLACEHOLDER_DIGEST = "0" * 64
@@ -664,24 +665,51 @@ class L2Tier:
             return len(keys)
 
     def clear(self) -> int:
-        """Removes every entry held now and gives the free files' memory back to the system, in steps of
-        :data:`_FLUSH_STEP` entries with the lock let go between them (an unlink each: 100k entries at
-        once held it about a second); an entry committed meanwhile stays (it came after)."""
+        """Removes every entry held now and gives the free files' memory back to the system, in steps with
+        the lock let go between them (:meth:`in_steps`; an unlink each: 100k entries at once held it
+        about a second); an entry committed meanwhile stays (it came after)."""
         with self._lock:
             slots = list(self._index)
-        removed = 0
-        for start in range(0, len(slots), _FLUSH_STEP):
-            if start:
-                time.sleep(0.0005)  # (a lock is not fair: a waiter gets it only if this thread pauses)
-            with self._lock:
-                for slot in slots[start : start + _FLUSH_STEP]:
-                    if self._index.get(slot.entry.key) is slot:
-                        self._detach(slot)
-                        self._pool.discard(slot.file)
-                        removed += 1
+        removed = self.in_steps(slots, self._remove_slots)
         with self._lock:
             self._pool.drop_all()
         return removed
+
+    def _remove_slots(self, slots: Sequence[_Slot]) -> int:
+        """Removes these entries, those still indexed (lock held); returns how many."""
+        removed = 0
+        for slot in slots:
+            if self._index.get(slot.entry.key) is slot:
+                self._detach(slot)
+                self._pool.discard(slot.file)
+                removed += 1
+        return removed
+
+    def release_free_slots(self) -> int:
+        """Gives back every free block slot nobody reads, :data:`_STEP` a hold of the lock (the read
+        slots set aside looked at again once, first); returns how many."""
+        released, look = 0, True
+        while True:
+            with self._lock:
+                step = self.blocks.release_all_free(limit=_STEP, look=look)
+            released += step
+            if step < _STEP:
+                return released
+            look = False
+            time.sleep(_PAUSE_S)
+
+    def in_steps(self, items: Sequence[T], work: Callable[[Sequence[T]], int]) -> int:
+        """Runs ``work`` on ``items`` :data:`_STEP` at a time, each step under the lock and the lock let go
+        between steps (with a pause: a lock is not fair, a waiter gets it only if this thread pauses), so
+        work that grows with the cache never holds it in one piece; returns the sum of what ``work``
+        returned."""
+        done = 0
+        for start in range(0, len(items), _STEP):
+            if start:
+                time.sleep(_PAUSE_S)
+            with self._lock:
+                done += work(items[start : start + _STEP])
+        return done
 
     def trim_free(self, idle_seconds: float) -> int:
         """Gives back free files unused for ``idle_seconds``; returns the bytes released."""
@@ -719,14 +747,8 @@ class L2Tier:
             touched = [
                 (slot.file.path, slot.last_use) for key in dirty if (slot := self._index.get(key)) is not None
             ]
-        for start in range(0, len(blocks), _FLUSH_STEP):  # (the lock let go between steps: 160k blocks
-            if start:  # used since the last flush held it 150-180 ms at once)
-                time.sleep(0.0005)  # (a lock is not fair: a waiter gets it only if this thread pauses)
-            with self._lock:
-                self.blocks.flush_recency(blocks[start : start + _FLUSH_STEP])
-        for path, tick in touched:  # (a file recycled since: gone, or an older mtime, harmless)
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(path, ns=(tick, tick))
+        self.in_steps(blocks, self.blocks.flush_recency)  # (160k blocks used held the lock 150-180 ms)
+        set_mtimes(touched)
 
     # ----------------------------------------------------------------- internals (lock held)
     def _check_open(self) -> None:
@@ -889,7 +911,8 @@ class L2Tier:
 
 _FAULT_WAIT_S = 5.0  # the longest a put waits for the reserve's faults in flight before NoSpace
 _FILL_WAIT_S = 5.0  # the longest a put waits for other puts' copies to commit (their slots then evictable)
-_FLUSH_STEP = 4096  # block records a recency flush writes per hold of the lock
+_STEP = 4096  # items of work that grows with the cache done per hold of the lock (in_steps)
+_PAUSE_S = 0.0005  # the pause between two such holds
 _READ_WAIT_S = 1.0  # the longest it waits for free slots still read under a lease
 _PIPELINE_CHUNK = 16 << 20  # a large capture is copied and hashed in chunks of this, overlapped
 

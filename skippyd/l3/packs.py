@@ -37,7 +37,7 @@ from typing import Any
 from blake3 import blake3
 
 from skippyd.errors import CorruptEntry, NoSpace
-from skippyd.files import fsync_dir, private_dirs, remove
+from skippyd.files import fsync_dir, private_dirs, remove, set_mtimes
 from skippyd.shm import new_name
 
 __all__ = ["BlockItem", "L3BlockStats", "L3Blocks", "PackRecord"]
@@ -624,9 +624,7 @@ class L3Blocks:
 
     # ------------------------------------------------------------------ housekeeping
     def flush_recency(self) -> None:
-        for path, tick in self.recency_to_flush():
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(path, ns=(tick, tick))
+        set_mtimes(self.recency_to_flush())
 
     def recency_to_flush(self) -> list[tuple[Path, int]]:
         """Each pack used since the last flush, with its last use (for its mtime: a restart's order);

@@ -30,7 +30,7 @@ from typing import Any
 from blake3 import blake3
 
 from skippyd.errors import CorruptEntry, InvalidArgument, NoSpace, NotFound, TooLarge
-from skippyd.files import fsync_dir, private_dirs, release_owner_lock, remove, take_owner_lock
+from skippyd.files import fsync_dir, private_dirs, release_owner_lock, remove, set_mtimes, take_owner_lock
 from skippyd.index import PrefixIndex
 from skippyd.payload import Entry, EntryRef, payload_digest
 
@@ -370,9 +370,7 @@ class L3Store:
                 record = self._index.get(key)
                 if record is not None:
                     touched.append((self.layout.manifest_path(key), record.last_use))
-        for path, tick in touched:  # (a file removed or replaced since: gone, or an older mtime, harmless)
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(path, ns=(tick, tick))
+        set_mtimes(touched)
 
     def count_hit(self, hit: bool) -> None:
         with self._lock:

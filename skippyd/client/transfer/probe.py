@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import mmap
 import os
@@ -260,10 +261,11 @@ def _daemon(
                 tensors={"kv": source},
                 durable=False,
             )
-            first = time.perf_counter()
-            got = client.restore(
-                model=_MODEL, state=_STATE, namespace=namespace, tokens=tokens, device=device
+            restore = functools.partial(
+                client.restore, model=_MODEL, state=_STATE, namespace=namespace, tokens=tokens, device=device
             )
+            first = time.perf_counter()
+            got = restore()
             _sync(torch, device)
             first = time.perf_counter() - first
             if got is None or not torch.equal(got.tensors["kv"].cpu(), source):
@@ -272,13 +274,7 @@ def _daemon(
                 )
                 return
             del got
-            seconds = _seconds(
-                torch,
-                device,
-                lambda: client.restore(
-                    model=_MODEL, state=_STATE, namespace=namespace, tokens=tokens, device=device
-                ),
-            )
+            seconds = _seconds(torch, device, restore)
             ratio = nbytes / seconds / pinned(nbytes)
             text = (
                 f"restore of a {nbytes // MiB} MiB entry to {device}: bit-exact, {_rate(nbytes, seconds)} "
