@@ -114,12 +114,18 @@ def commit_behind(t: Tiers, key: str, fill: int) -> Any:
         return r.commit()
 
 
-def test_l3_is_the_authority_over_a_disagreeing_l2_entry(tiers: tuple[Tiers, threading.Event]) -> None:
+def in_l3(tiers: tuple[Tiers, threading.Event], tokens: list[int], fill: int) -> tuple[Tiers, str, str]:
+    """The tiers with their L3 writes let through and one durable capture written: the tiers, its digest
+    and its key."""
     t, gate = tiers
     gate.set()
-    durable = capture(t, [5, 6], fill=7, durable=True)
+    digest = capture(t, tokens, fill=fill, durable=True)
     settle(t)
-    key = cache_key(IDENT, encode_tokens([5, 6]))
+    return t, digest, cache_key(IDENT, encode_tokens(tokens))
+
+
+def test_l3_is_the_authority_over_a_disagreeing_l2_entry(tiers: tuple[Tiers, threading.Event]) -> None:
+    t, durable, key = in_l3(tiers, [5, 6], fill=7)
     commit_behind(t, key, 8)
     assert served_digest(t, [5, 6]) == durable
     assert t.counters.l2_mismatches_removed == 1
@@ -128,11 +134,7 @@ def test_l3_is_the_authority_over_a_disagreeing_l2_entry(tiers: tuple[Tiers, thr
 def test_the_authority_check_never_removes_an_l2_entry_committed_after_it_looked(
     tiers: tuple[Tiers, threading.Event], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    t, gate = tiers
-    gate.set()
-    capture(t, [5, 6], fill=7, durable=True)
-    settle(t)
-    key = cache_key(IDENT, encode_tokens([5, 6]))
+    t, _, key = in_l3(tiers, [5, 6], fill=7)
     looked = commit_behind(t, key, 8)  # disagrees with L3
     newer = commit_behind(t, key, 9)  # committed since the look
     monkeypatch.setattr(t.l2, "peek", lambda _key: looked)  # the look happened before the newer commit
@@ -145,11 +147,7 @@ def test_the_authority_check_never_removes_an_l2_entry_committed_after_it_looked
 
 
 def test_conditional_removes_keep_an_entry_of_another_digest(tiers: tuple[Tiers, threading.Event]) -> None:
-    t, gate = tiers
-    gate.set()
-    digest = capture(t, [3, 3], fill=4, durable=True)
-    settle(t)
-    key = cache_key(IDENT, encode_tokens([3, 3]))
+    t, digest, key = in_l3(tiers, [3, 3], fill=4)
     assert t.l3 is not None
     assert not t.l2.remove(key, digest="0" * 64) and t.l2.peek(key) is not None
     assert not t.l3.remove(key, digest="0" * 64) and t.l3.get(key) is not None
