@@ -42,7 +42,7 @@ import redis
 
 import skippyd
 from skippyd import WarmTable
-from skippyd.cluster.coordination import _source
+from skippyd.cluster.coordination import script_text
 
 from ._common import BenchDaemon, fmt_time, machine, redis_server, table, write_section
 
@@ -226,7 +226,7 @@ def slowlog_start(probe: redis.Redis) -> None:
 def slowlog_times(probe: redis.Redis, script: str) -> str:
     """Redis's own time per call of ``script`` since :func:`slowlog_start` (other clients' commands are
     told apart by the script's SHA): the median and the 99th percentile."""
-    sha = hashlib.sha1(_source(script).encode(), usedforsecurity=False).hexdigest()  # Redis's script name
+    sha = hashlib.sha1(script_text(script).encode(), usedforsecurity=False).hexdigest()  # Redis's script name
     durations = []
     for entry in probe.slowlog_get(200_000):
         command = entry["command"]

@@ -19,9 +19,9 @@
 --          given (registered nodes in registry order when none were given; only live ones then). Blocks
 --          of a candidate the search stopped before reaching are 0.
 --
--- Liveness is warm_warmest.lua's: a registered node is live while its state is "up" and its last
--- heartbeat is within its ttl on this Redis's clock; a node never registered is live (static setups);
--- a forgotten node is not. A node's blocks: the remembered prefix of the chain is contiguous from block
+-- Liveness and the search are prefix_search.lib.lua's (included below), as in warm_warmest.lua: a
+-- registered node is live while its state is "up" and its last heartbeat is within its ttl on this
+-- Redis's clock; a node never registered is live (static setups); a forgotten node is not. A node's blocks: the remembered prefix of the chain is contiguous from block
 -- 1 and its ticks never increase with length (warm_ran.lua), so it is a sequence of runs, one per ran()
 -- that stamped it; the search finds the longest prefix as warmest does, then steps down run by run
 -- (each run's start found by a binary search on ticks), giving each candidate the end of the first run
@@ -37,16 +37,8 @@ local m = tonumber(ARGV[8])
 local load = {}
 for i = 9, 8 + 2 * m, 2 do load[ARGV[i]] = tonumber(ARGV[i + 1]) end
 local first_candidate = 9 + 2 * m
-local FANOUT = 3
 local n = math.floor(#chain / hl)
-
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local function live(record)
-  if not record then return true end
-  local _, last, ttl, state = string.match(record, '^(%S+) (%S+) (%S+) (%S+)$')
-  return state == 'up' and (now - tonumber(last)) <= tonumber(ttl)
-end
+--! include prefix_search.lib.lua
 
 local names, alive = {}, {}
 if #ARGV >= first_candidate then
@@ -80,61 +72,6 @@ end
 local function overloaded(name)
   local l = load[name] or 0
   return l - least > balance_abs and l > balance_rel * least
-end
-
-local seen = {}  -- block -> "<at> <node>" or false
-local function fetch(blocks)
-  local fields, wanted = {}, {}
-  for _, k in ipairs(blocks) do
-    if seen[k] == nil then
-      seen[k] = false
-      fields[#fields + 1] = string.sub(chain, (k - 1) * hl + 1, k * hl)
-      wanted[#wanted + 1] = k
-    end
-  end
-  if #fields > 0 then
-    local values = redis.call('HMGET', prefixes, unpack(fields))
-    for i, k in ipairs(wanted) do seen[k] = values[i] or false end
-  end
-end
-local function present(k) return seen[k] ~= false end
-local function parse(v)
-  local space = string.find(v, ' ', 1, true)
-  return tonumber(string.sub(v, 1, space - 1)), string.sub(v, space + 1)
-end
-local function boundary(lo, hi, ok)
-  while hi - lo > 1 do
-    local span = hi - lo
-    local m = math.min(FANOUT, span - 1)
-    local blocks = {}
-    for i = 1, m do blocks[i] = lo + math.floor(i * span / (m + 1)) end
-    fetch(blocks)
-    local next_hi = hi
-    for i = 1, m do
-      if ok(blocks[i]) then lo = blocks[i] else next_hi = blocks[i] break end
-    end
-    hi = next_hi
-  end
-  return lo
-end
-local function longest_from_end()
-  local first = {min_blocks, n}
-  local offset, step = 0, 1
-  for _ = 1, 4 do
-    offset = offset + step
-    if n - offset <= min_blocks then break end
-    first[#first + 1] = n - offset
-    step = step * 2
-  end
-  fetch(first)
-  if not present(min_blocks) then return 0 end
-  if present(n) then return n end
-  local lo, hi = min_blocks, n
-  for i = 3, #first do
-    if present(first[i]) then lo = first[i] break end
-    hi = first[i]
-  end
-  return boundary(lo, hi, present)
 end
 
 if n >= min_blocks and remaining > 0 then

@@ -606,6 +606,20 @@ def warm_route(
         click.echo(f"{route.node} {route.prefix_tokens} {route.reason}")
 
 
+@warm.command(name="script")
+@click.argument("which", type=click.Choice(["route", "warmest"]))
+@click.option("--sha", is_flag=True, help="print only its SHA1 (the name EVALSHA takes)")
+def warm_script(which: str, sha: bool) -> None:
+    """Print the Lua script Redis runs for `warm route` or `warm warmest` (for a router in another
+    language: its header names the keys and arguments; load it once with SCRIPT LOAD, then EVALSHA)."""
+    import hashlib
+
+    from .cluster.coordination import script_text
+
+    text = script_text(f"warm_{which}.lua")
+    click.echo(hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest() if sha else text, nl=sha)
+
+
 @warm.command(name="migrate")
 @_redis_options
 def warm_migrate(**redis: Any) -> None:

@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from skippyd.cluster import coordination
 from skippyd.cluster.coordination import lua_source
 
-SCRIPTS = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "lua").glob("*.lua"))
+FILES = sorted(p.name for p in (Path(__file__).resolve().parent.parent / "lua").glob("*.lua"))
+LIBRARIES = [name for name in FILES if name.endswith(".lib.lua")]  # code scripts share, included
+SCRIPTS = [name for name in FILES if name not in LIBRARIES]
 
 
 def test_the_scripts_are_package_resources() -> None:
@@ -18,9 +21,32 @@ def test_the_scripts_are_package_resources() -> None:
         "warm_ran.lua", "warm_warmest.lua", "warm_route.lua", "node_heartbeat.lua", "node_list.lua",
         "node_forget.lua", "node_mark.lua", "promo_consider.lua", "promo_settle.lua",
     }  # fmt: skip
+    assert LIBRARIES == ["prefix_search.lib.lua"]
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+def test_the_prefix_search_is_written_once_and_included_where_redis_runs_it() -> None:
+    library = lua_source("prefix_search.lib.lua")
+    for name in ("warm_warmest.lua", "warm_route.lua"):
+        text = lua_source(name)
+        assert text.count("--! include prefix_search.lib.lua") == 1
+        assert "local function boundary" not in text and "local function live" not in text
+        sent = coordination.script_text(name)  # what goes to Redis: one script, the library in it
+        assert "--! include" not in sent and library.rstrip("\n") in sent
+        assert sent.index("local function longest_from_end") > sent.index("local chain = ARGV[1]")
+
+
+def test_a_library_that_includes_another_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = {"a.lua": "-- a.lua\n--! include b.lib.lua\nreturn 1\n", "b.lib.lua": "--! include c.lib.lua\n"}
+    monkeypatch.setattr(coordination, "lua_source", texts.__getitem__)
+    coordination.script_text.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="one level only"):
+            coordination.script_text("a.lua")
+    finally:
+        coordination.script_text.cache_clear()
+
+
+@pytest.mark.parametrize("name", FILES)
 def test_every_script_opens_with_a_header_naming_its_keys_arguments_and_return(name: str) -> None:
     text = lua_source(name)
     header = []
@@ -39,7 +65,7 @@ def test_every_script_opens_with_a_header_naming_its_keys_arguments_and_return(n
     assert "Returns" in head
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", FILES)
 def test_scripts_touch_only_the_keys_they_are_given(name: str) -> None:
     text = lua_source(name)
     for call in re.findall(r"redis\.call\('(\w+)',\s*([^,)]+)", text):

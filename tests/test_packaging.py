@@ -676,6 +676,7 @@ def test_build_context_builds_a_wheel_with_the_c_extension_and_lua_scripts(tmp_p
     ).stdout
     assert re.search(r"skippyd/_chain\.[^ ]*\.so", names), "the optional extension was not compiled"
     assert "skippyd/lua/warm_ran.lua" in names and "skippyd/py.typed" in names
+    assert "skippyd/lua/prefix_search.lib.lua" in names, "the search warm_route.lua includes"
 
 
 def test_the_architecture_map_names_every_module_of_the_package() -> None:

@@ -327,3 +327,26 @@ def test_pipelined_calls_over_shards_reload_scripts_after_a_script_flush(any_red
     assert table.heartbeat("b", 1, 60)
     assert all(table.route("m", prompt(f + 700, 3)) == Route("b", 192, "warm") for f in range(20))
     assert sum(int(table.client.get(s.clock) or 0) for s in table.all_shards()) == 40
+
+
+def test_the_printed_route_script_loaded_by_another_router_answers_as_warm_candidates(redis_url: str) -> None:
+    table = WarmTable.from_url(redis_url)
+    live(table, "a", "b")
+    p = prompt(31, 9)
+    table.ran("m", p, "a")
+    table.ran("m", p[: 64 * 4], "b")
+    printed = CliRunner().invoke(main, ["warm", "script", "route"], catch_exceptions=False).stdout
+    sha = CliRunner().invoke(main, ["warm", "script", "route", "--sha"], catch_exceptions=False).stdout
+    assert "--! include" not in printed, "the text Redis runs: the shared search is in it"
+    other = redis.Redis.from_url(redis_url)  # a router in another language: SCRIPT LOAD, then EVALSHA
+    other.script_flush()
+    assert other.script_load(printed) == sha.strip()
+    chain = table.chain("m", p)
+    shard = table.shard_of(chain)
+    raw = other.evalsha(sha.strip(), 2, shard.prefixes, shard.nodes,
+                        chain, WARM_HASH_BYTES, 2, 64, "all", "8.0", "1.5", 0)  # fmt: skip
+    answered = {raw[i].decode(): int(raw[i + 2]) for i in range(0, len(raw), 3) if int(raw[i + 1])}
+    assert answered == dict(table.warm_candidates(chain)) == {"a": 9, "b": 4}
+    warmest = CliRunner().invoke(main, ["warm", "script", "warmest"], catch_exceptions=False).stdout
+    found = other.eval(warmest, 2, shard.prefixes, shard.nodes, chain, WARM_HASH_BYTES, 2, 4)
+    assert [found[0].decode(), int(found[1])] == ["a", 9]

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +65,7 @@ __all__ = [
     "choose_route",
     "connect",
     "lua_source",
+    "script_text",
     "server_version",
 ]
 
@@ -141,7 +143,7 @@ class _Scripts:
     def _script(self, name: str) -> Any:
         registered = self._scripts.get(name)
         if registered is None:
-            registered = self._scripts[name] = self._client.register_script(_source(name))
+            registered = self._scripts[name] = self._client.register_script(script_text(name))
         return registered
 
     def __call__(self, name: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
@@ -173,9 +175,21 @@ class _Scripts:
         return answers
 
 
+_INCLUDE = re.compile(r"^--! include (\S+\.lib\.lua)$", re.MULTILINE)
+
+
 @functools.cache
-def _source(name: str) -> str:
-    return lua_source(name)
+def script_text(name: str) -> str:
+    """What Redis runs for script ``name``: its text with each ``--! include <x>.lib.lua`` line replaced
+    by that library's text (code two scripts share, kept once; a library includes nothing itself)."""
+
+    def included(match: re.Match[str]) -> str:
+        text = lua_source(match.group(1))
+        if _INCLUDE.search(text):
+            raise ValueError(f"{match.group(1)} includes another library (one level only)")
+        return text.rstrip("\n")
+
+    return _INCLUDE.sub(included, lua_source(name))
 
 
 @contextlib.contextmanager
