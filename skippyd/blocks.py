@@ -17,10 +17,10 @@
   :meth:`BlockRules.when_copied`; in-process callers wait on a condition), so whatever a put's reply
   called stored, every later ``contains`` or get sees whole.
 * **get**: the leading run held, leased for reading: descriptors of the slabs (one per slab, at most
-  :data:`~skippyd.protocol.MAX_FDS` a reply) and where each block is; the client asks again for the
-  rest of a longer run. Blocks only L3 holds are read and verified first (on a worker thread): into L2
-  slots when the promotion rules say so (the second hit within the window, across the scope), into a
-  sealed memfd served once otherwise.
+  the request's ``max_fds`` a reply, :data:`~skippyd.protocol.MAX_FDS` at most) and where each block
+  is; the client asks again for the rest of a longer run. Blocks only L3 holds are read and verified
+  first (on a worker thread): into L2 slots when the promotion rules say so (the second hit within the
+  window, across the scope), into a sealed memfd served once otherwise.
 * **durable**: a stored block's record asks for an L3 copy until its pack is fsynced
   (:mod:`skippyd.packer`); ``"sync"`` waits for that fsync. With an :data:`Admission` policy
   (``l3_block_admission = "second-put"``) a ``durable=True`` put keeps its blocks in L2 only and counts

@@ -36,7 +36,13 @@ from .errors import Busy, InvalidArgument, NotConfigured, TooLarge, VersionMisma
 from .fills import FillStats
 from .keys import MAX_BLOCK_KEY_BYTES, BlockSpaceId, Identity, block_space, cache_key, identity
 from .payload import MAX_TENSORS, check_decl, check_kind
-from .protocol import MAX_BLOCK_BYTES, MAX_BLOCKS_PER_REQUEST, MAX_FDS, PROTOCOL_VERSION
+from .protocol import (
+    DEFAULT_REPLY_FDS,
+    MAX_BLOCK_BYTES,
+    MAX_BLOCKS_PER_REQUEST,
+    MAX_FDS,
+    PROTOCOL_VERSION,
+)
 from .shm import PAGE, memfd
 from .stats import RedisStatus, ServerState, Snapshot
 from .tiers import Opened, Tiers
@@ -426,7 +432,10 @@ class Handlers:
         maps = body.get("slot_maps", False)
         if not isinstance(maps, bool):
             raise InvalidArgument("slot_maps must be true or false")
-        get = functools.partial(self.tiers.blocks.get, space, keys, max_fds=MAX_FDS, slot_maps=maps)
+        max_fds = body.get("max_fds", DEFAULT_REPLY_FDS)  # (a client from before it reads 8 a frame)
+        if type(max_fds) is not int or not 1 <= max_fds <= MAX_FDS:
+            raise InvalidArgument(f"max_fds must be an integer from 1 to {MAX_FDS}")
+        get = functools.partial(self.tiers.blocks.get, space, keys, max_fds=max_fds, slot_maps=maps)
         served = get(may_read=False)
         if served.copying:  # parked until the copy commits, then served on a worker (it may read L3)
             return Deferred(lambda: _blocks_reply(get(may_wait=False)), park=self._park(space, keys))

@@ -32,6 +32,7 @@ from .errors import BadFrame, FrameTooLarge, VersionMismatch
 
 __all__ = [
     "DEFAULT_MAX_FRAME",
+    "DEFAULT_REPLY_FDS",
     "HEADER",
     "MAGIC",
     "MAX_BLOCK_BYTES",
@@ -54,7 +55,11 @@ HEADER = struct.Struct("<4sBBBBII Q")
 HEADER_SIZE = HEADER.size
 assert HEADER_SIZE == 24
 DEFAULT_MAX_FRAME = 16 << 20
-MAX_FDS = 8
+#: The most descriptors one frame may carry (a receiver's control buffer holds this many). A
+#: ``blocks_get`` reply carries at most what its request's ``max_fds`` asks, :data:`DEFAULT_REPLY_FDS`
+#: where it asks nothing (clients from before ``max_fds`` read at most 8 a frame).
+MAX_FDS = 64
+DEFAULT_REPLY_FDS = 8
 MAX_BLOCK_BYTES = 64 << 20  # one block's size: a blocks_put naming a larger one is too_large
 MAX_BLOCKS_PER_REQUEST = 8192  # keys one blocks_* request may name (clients split longer calls)
 

@@ -885,3 +885,40 @@ def test_get_into_the_rows_of_a_2d_tensor_or_array_fills_each_row_with_its_block
         array = np.zeros((3, 4096), dtype=np.uint8)
         assert blocks.get_into(keys, array) == 3
         assert all(array[i].tobytes() == data[i].numpy().tobytes() for i in range(3))
+
+
+def test_a_get_across_many_slabs_is_one_reply_where_the_client_takes_many_descriptors(
+    make_daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from skippyd.errors import InvalidArgument as Invalid
+    from skippyd.protocol import DEFAULT_REPLY_FDS, MAX_FDS
+
+    proc = make_daemon("--l2-reserve", "0", budget="32MiB").start()  # slabs of 2 MiB: 2 blocks each
+    with proc.client() as client:
+        blocks = space(client)
+        keys = blocks.keys(list(range(20 * BLOCK)))
+        data = block_data(20, seed=41, nbytes=1 << 20)
+        blocks.put(keys, data, durable=False)
+        reply, fds = client._call(blocks._body("blocks_get", keys))  # a client from before max_fds
+        for fd in fds:
+            os.close(fd)
+        assert len(fds) == DEFAULT_REPLY_FDS and len(reply["blocks"]) == 2 * DEFAULT_REPLY_FDS
+        reply, fds = client._call(blocks._body("blocks_get", keys, max_fds=MAX_FDS))
+        for fd in fds:
+            os.close(fd)
+        assert len(fds) == 10 and len(reply["blocks"]) == 20, "every slab in one reply"
+        for bad in (0, MAX_FDS + 1, "8", True):
+            with pytest.raises(Invalid, match="max_fds"):
+                client._call(blocks._body("blocks_get", keys, max_fds=bad))
+        asked: list[str] = []
+        real = blockspace.BlockSpace._body
+
+        def body(self: Any, op: str, keys: list[bytes], **more: Any) -> dict[str, Any]:
+            asked.append(op)
+            return real(self, op, keys, **more)
+
+        monkeypatch.setattr(blockspace.BlockSpace, "_body", body)
+        out = [torch.empty(1 << 20, dtype=torch.uint8) for _ in range(20)]
+        assert blocks.get_into(keys, out) == 20
+        assert all(torch.equal(a, b) for a, b in zip(out, data, strict=True))
+        assert asked.count("blocks_get") == 1, "the client asks for up to 64 descriptors a reply"

@@ -36,7 +36,7 @@ import numpy as np
 
 from skippyd.errors import BadFrame, InvalidArgument, Mismatch
 from skippyd.keys import MAX_BLOCK_KEY_BYTES, block_keys, block_space, encode_tokens
-from skippyd.protocol import MAX_BLOCKS_PER_REQUEST
+from skippyd.protocol import MAX_BLOCKS_PER_REQUEST, MAX_FDS
 
 from .transfer import cuda_in_use, in_callers_streams, map_without_leases
 from .transfer.book import SlotMap
@@ -846,14 +846,17 @@ class _Space:
         A long get is several requests, each sent before the reply in hand is read into ``out`` (or
         mapped): the daemon leases the next blocks while the client copies these (or queues their DMA).
         The first asks for :data:`_FIRST_GET` keys, so the first copies start early; each next one for
-        twice what the last served, up to 8192 (a reply carries at most 8 slab descriptors)."""
+        twice what the last served, up to 8192 (a reply carries at most ``MAX_FDS``, 64, slab
+        descriptors)."""
         listed = _check_keys(keys)
         if out is not None and len(out) < len(listed):
             raise InvalidArgument(f"{len(listed)} keys but only {len(out)} destinations")
         tensors: list[Any] = []
         done = 0
         # a device's copies keep registrations: its replies say which slots were punched since
-        more = {"slot_maps": True} if _device_bound(out, pages) else {}
+        more: dict[str, Any] = {"max_fds": MAX_FDS}  # (a slab a descriptor: fewer round trips)
+        if _device_bound(out, pages):
+            more["slot_maps"] = True
         asked = min(len(listed), _FIRST_GET)
         ahead = (yield (_SEND, self._body("blocks_get", listed[:asked], **more), 0, None)) if asked else None
         while ahead is not None:
