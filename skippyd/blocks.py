@@ -229,6 +229,7 @@ class BlockRules:
         # parked reads (the server's, holding no thread): whether each still reaches a copy, and its wake-up
         self._parked: list[tuple[Callable[[], bool], Callable[[], None]]] = []
         self._evict_epoch = 0  # explicit evictions so far; puts reserved before one never commit its blocks
+        self._promoting = 0  # promotions from L3 between their reservation and their commit (they read marks)
         self._evict_marks: dict[bytes | None, int] = {}  # identity (None: all) -> the epoch of its last
 
     def _count(self, **deltas: int) -> None:
@@ -544,6 +545,10 @@ class BlockRules:
         pending: list[Pending] = []
         mine = 0  # bytes of the slots reserved so far (what this fill must not wait for)
         with self.l2.lock:
+            # an explicit eviction of these blocks from here on keeps them out: its reply may say they are
+            # gone before this read ends (the marks are kept while a promotion may still look at them)
+            epoch = self._evict_epoch
+            self._promoting += 1
             for record in records:
                 if blocks.holds(record.key):
                     continue
@@ -552,23 +557,33 @@ class BlockRules:
                 except (NoSpace, TooLarge):
                     break
                 mine += pending[-1].home.slab.slot_size
-        kept, _ = self._allocate(pending)  # (the pages after the lock, as a put's)
-        del pending[kept:]
         done = 0
         try:
+            try:
+                kept, _ = self._allocate(pending)  # (the pages after the lock, as a put's)
+            except BaseException:
+                pending.clear()  # (every slot given back already)
+                raise
+            del pending[kept:]
             done = self.l3.blocks.read_into([p.record.key for p in pending], [p.view for p in pending])
         finally:
             with self.l2.lock:
+                self._promoting -= 1
+                if done and self._evicted_since(records[0].identity, epoch):
+                    done = 0  # evicted while it was read: nothing of it comes back
                 for index, slot in enumerate(pending):
                     if index < done:
                         blocks.commit(slot, slot.record.digest, durable=False)
                     else:
                         blocks.abort(slot)
+                if not self._reserved and not self._promoting:
+                    self._evict_marks.clear()
+                held = {r.key for r in records if blocks.holds(r.key)}
         if done and self.promotions is not None:
             with contextlib.suppress(Exception):
                 self.promotions.settle(records[-1].key.hex())
         self._count(block_promotions=done)
-        return {p.record.key for p in pending[:done]} | {r.key for r in records if blocks.holds(r.key)}
+        return held
 
     def _read_into_memfd(self, records: list[PackRecord]) -> tuple[int, dict[bytes, int]]:
         """Reads the run into a sealed memfd (served once, not kept); returns it and each key's offset."""
@@ -847,7 +862,7 @@ class BlockRules:
                 reserved[key] = left
             else:
                 reserved.pop(key, None)
-        if not reserved:  # no put holds reserved slots: no eviction mark can cancel one any more
+        if not reserved and not self._promoting:  # no put or promotion an eviction mark could cancel
             self._evict_marks.clear()
 
     def _wake_parked(self) -> None:

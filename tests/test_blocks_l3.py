@@ -833,3 +833,48 @@ def test_a_batch_whose_identity_is_evicted_after_its_pack_was_written_says_none_
         assert len(packs) == 2
         assert [job.outcome for job in jobs] == ["none", "written"]
         assert writer.stats().block_writes_lost == count
+
+
+def test_blocks_evicted_while_an_l3_hit_promotes_them_into_l2_stay_evicted(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get promoting a run from L3 reads it outside the lock; an eviction of the identity answered in
+    the meantime (it found nothing in L2, and took the blocks out of L3) must not see the promotion's
+    commit bring them back."""
+    from skippyd.blocks import BlockRules
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        writer = BlockWriter(l2, l3, Health())
+        writer.start()
+        rules = BlockRules(l2, l3=l3, writer=writer)  # (no promotion policy: every L3 hit is promoted)
+        space = block_space(MODEL, STATE, "", BLOCK)
+        keys = [b"k%d" % i for i in range(4)]
+        raw = bytes(range(256)) * 64
+        put = rules.put(space, keys, [4096] * 4, [0, 4096, 8192, 12288], memoryview(raw), durable="sync")
+        assert put.durability == "written"
+        with l2.lock:  # as after a reboot: only L3 holds them
+            assert l2.blocks.remove(l2.blocks.keys_of(None)) == 4
+        evicted: list[int] = []
+        real = l3.blocks.read_into
+
+        def read_then_evict(wanted: Any, views: Any) -> int:
+            done = real(wanted, views)
+            evicted.append(rules.evict_identity(space.identity.digest))  # answered before the commit
+            return int(done)
+
+        monkeypatch.setattr(l3.blocks, "read_into", read_then_evict)
+        served = rules.get(space, keys, max_fds=8)
+        for fd in served.lease.fds:
+            os.close(fd)
+        assert evicted == [4]
+        assert rules.contains(space, keys) == 0, "an eviction that answered 4 removed keeps them out"
+        with l2.lock:
+            assert not l2.blocks.keys_of(None), "nothing of the promotion was committed"
+        assert rules.put(space, keys, [4096] * 4, [0, 4096, 8192, 12288], memoryview(raw)).stored == 4
+        with l2.lock:
+            assert not rules._evict_marks, "the marks go once no put or promotion could read them"
+        writer.close()
