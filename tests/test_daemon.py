@@ -577,6 +577,86 @@ def test_async_capture_abandoned_before_its_answer_never_lends_its_staging_to_th
     asyncio.run(scenario())
 
 
+def test_a_cancelled_async_get_into_returns_only_once_its_copy_has_ended(
+    daemon: DaemonProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's buffers are its own again when the cancellation reaches it: no copy still writes
+    them, and the reply's descriptors (the daemon's read leases) were not closed under that copy."""
+    from skippyd.client import blockspace
+
+    started, release, ended = threading.Event(), threading.Event(), threading.Event()
+    real = blockspace._read_blocks
+
+    def held_copy(*args: Any) -> int:
+        started.set()
+        assert release.wait(10)
+        try:
+            return int(real(*args))
+        finally:
+            ended.set()
+
+    async def scenario() -> None:
+        async with skippyd.AsyncClient(daemon.socket) as client:
+            space = client.blocks(model=MODEL, state=STATE, block_tokens=16)
+            keys = space.keys(list(range(64)))
+            await space.put(keys, [bytes([i + 1]) * 4096 for i in range(4)], durable=False)
+            monkeypatch.setattr(blockspace, "_read_blocks", held_copy)
+            out = [bytearray(4096) for _ in keys]
+            task = asyncio.ensure_future(space.get_into(keys, out))
+            while not started.is_set():
+                await asyncio.sleep(0.001)
+            task.cancel()
+            await asyncio.sleep(0.05)
+            assert not task.done(), "the cancellation waits for the copy in flight"
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert ended.is_set(), "the copy ended before the caller heard of the cancellation"
+            monkeypatch.setattr(blockspace, "_read_blocks", real)
+            again = [bytearray(4096) for _ in keys]
+            assert await space.get_into(keys, again) == 4 and again[3] == bytes([4]) * 4096
+
+    asyncio.run(scenario())
+
+
+def test_an_async_request_cancelled_after_its_reply_came_closes_the_replys_descriptors(
+    daemon: DaemonProcess,
+) -> None:
+    """A reply that lands just before its task is cancelled carries the daemon's leases: they are
+    closed, not left open for the life of the process."""
+
+    def slab_fds() -> int:
+        found = 0
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                found += os.readlink(f"/proc/self/fd/{name}").endswith(".slab")
+        return found
+
+    async def scenario() -> None:
+        async with skippyd.AsyncClient(daemon.socket, timeout=10) as client:
+            space = client.blocks(model=MODEL, state=STATE, block_tokens=16)
+            keys = space.keys(list(range(64)))
+            await space.put(keys, [bytes([i + 1]) * 4096 for i in range(4)], durable=False)
+            await space.get_into(keys, [bytearray(4096) for _ in keys])  # (the slab's kept mapping made)
+            before = slab_fds()
+            loop = asyncio.get_running_loop()
+            tasks: list[asyncio.Task[int]] = []
+            for _ in range(10):
+                tasks.append(asyncio.ensure_future(space.get_into(keys, [bytearray(4096) for _ in keys])))
+                for _ in range(5):  # the blocks_get goes out
+                    await asyncio.sleep(0)
+                loop.call_later(0, tasks[-1].cancel)  # (runs right after the reply's I/O callback)
+                time.sleep(0.2)  # the reply waits in the socket
+                with contextlib.suppress(asyncio.CancelledError):
+                    await tasks[-1]
+            await asyncio.sleep(0.2)
+            assert slab_fds() == before
+            out = [bytearray(4096) for _ in keys]
+            assert await space.get_into(keys, out) == 4 and out[0] == bytes([1]) * 4096
+
+    asyncio.run(scenario())
+
+
 def test_an_async_capture_that_cannot_connect_raises_that_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

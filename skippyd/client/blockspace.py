@@ -747,6 +747,21 @@ def _fill(piece: Any, address: int, take: int) -> None:
     piece.copy_(source.view(piece.dtype).view(piece.shape))
 
 
+async def finish_in_thread(work: Callable[..., Any], *args: Any) -> Any:
+    """``work(*args)`` on a thread, awaited. Cancelled meanwhile, it waits for ``work`` to end before the
+    cancellation goes on: what ``work`` reads or writes (a reply's leased descriptors, the staging buffer,
+    the caller's tensors) must not be let go, reused or handed back to the caller while it still runs."""
+    import asyncio
+
+    job = asyncio.ensure_future(asyncio.to_thread(work, *args))
+    try:
+        return await asyncio.shield(job)
+    finally:
+        while not job.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([job])
+
+
 def _close(fds: list[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -1097,7 +1112,6 @@ class AsyncBlockSpace(_Space):
         self._ahead = ahead
 
     async def _run(self, steps: Steps) -> Any:
-        import asyncio
 
         result: Any = None
         sent: list[Any] = []  # requests sent ahead whose replies were not taken yet
@@ -1112,12 +1126,15 @@ class AsyncBlockSpace(_Space):
                     result = what if self._ahead is None else self._ahead[0](what)
                     sent.append(result)
                 elif kind == _RECEIVE:
-                    sent.remove(what)
+                    # (taken off ``sent`` once it is in hand: a reply that came as this was cancelled is
+                    # abandoned below, its descriptors closed)
                     result = await (self._call(what) if self._ahead is None else self._ahead[1](what))
+                    sent.remove(what)
                 else:
                     # (a copy to or from a GPU stays ordered against the caller's current stream)
                     work = in_callers_streams(what) if what is not None else None
-                    result = await self._staging_max() if work is None else await asyncio.to_thread(work)
+                    # (cancelled mid-copy: the copy ends before the reply's descriptors are closed)
+                    result = await self._staging_max() if work is None else await finish_in_thread(work)
         except StopIteration as done:
             return done.value
         finally:

@@ -52,7 +52,7 @@ from skippyd.protocol import (
     recv_fds_into,
 )
 
-from .blockspace import AsyncBlockSpace, BlockSpace, BlocksPut
+from .blockspace import AsyncBlockSpace, BlockSpace, BlocksPut, finish_in_thread
 from .transfer import in_callers_streams, release_host
 
 if TYPE_CHECKING:  # torch loads on the first capture or restore, so pings and stats stay light
@@ -947,18 +947,26 @@ class _AsyncConn(_HoldsStaging):
         future: asyncio.Future[Frame] = self.loop.create_future()
         self.waiting[request_id] = future
         try:
-            async with asyncio.timeout(timeout):  # the whole request: waiting to send, sending, the reply
-                async with self.sending:
-                    if self.closed:
-                        raise ConnectionLost("connection to skippyd is closed")
-                    try:
-                        await self.loop.sock_sendall(self.sock, wire)
-                    except BaseException:
-                        # cancelled or timed out part-way: a partial frame is on the wire and every later
-                        # frame would be misread, so this connection is done (the next call reconnects)
-                        self._fail(ConnectionLost("a request was interrupted while it was being sent"))
-                        raise
-                frame = await future
+            try:
+                async with asyncio.timeout(timeout):  # the whole request: waiting to send, sending, the reply
+                    async with self.sending:
+                        if self.closed:
+                            raise ConnectionLost("connection to skippyd is closed")
+                        try:
+                            await self.loop.sock_sendall(self.sock, wire)
+                        except BaseException:
+                            # cancelled or timed out part-way: a partial frame is on the wire and every
+                            # later frame would be misread, so this connection is done (the next call
+                            # reconnects)
+                            self._fail(ConnectionLost("a request was interrupted while it was being sent"))
+                            raise
+                    frame = await future
+            except BaseException:
+                # cancelled or timed out once the reply had come: its descriptors (leases of the daemon's
+                # memory) are nobody's but ours to close
+                if future.done() and not future.cancelled() and future.exception() is None:
+                    _close_all(future.result().fds)
+                raise
         except ConnectionLost:
             raise
         except TimeoutError as exc:
@@ -1110,13 +1118,9 @@ class AsyncClient:
                     halves = _halves(size, conn.info)
                     staging = await conn.ensure_staging(_staging_need(size, conn.info), self.timeout, halves)
                     region, half = staging.take(size, halves)
-                    copy = asyncio.ensure_future(asyncio.to_thread(in_callers_streams(write), region))
-                    try:
-                        await asyncio.shield(copy)
+                    try:  # (cancelled mid-copy: the copy ends before the buffer goes)
+                        await finish_in_thread(in_callers_streams(write), region)
                     finally:
-                        while not copy.done():  # cancelled mid-copy: the copy ends before the buffer goes
-                            with contextlib.suppress(asyncio.CancelledError):
-                                await asyncio.wait([copy])
                         region.release()
                     try:
                         reply, fds = await conn.request(_with_half(body, half), self.timeout)
