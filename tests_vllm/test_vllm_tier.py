@@ -399,3 +399,74 @@ def test_a_hybrid_models_mamba_group_in_align_mode_goes_through_the_tier(
         assert promoted == sorted(expected)
     finally:
         scheduler.connector.shutdown()
+
+
+def _load_job(job_id: int, keys: list[bytes], chunks: list[int]) -> Any:
+    import numpy as np
+    from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    return TransferJob(job_id=job_id, keys=[OffloadKey(k) for k in keys], chunk_ids=np.asarray(chunks),
+                       is_promotion=True, req_context=ReqContext(req_id="loads"))  # fmt: skip
+
+
+def _reported(tier: SkippydTier, count: int, within: float) -> dict[int, bool]:
+    found: dict[int, bool] = {}
+    deadline = time.monotonic() + within
+    while len(found) < count and time.monotonic() < deadline:
+        found.update((r.job_id, r.success) for r in tier.get_finished_jobs())
+        time.sleep(0.02)
+    return found
+
+
+def test_with_the_daemon_stalled_queued_jobs_fail_within_seconds_not_a_timeout_each(
+    daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    import signal
+
+    engine = engines(tier_cfg(daemon), num_chunks=16)
+    engine.store([key(i) for i in range(4)], fill)
+    engine.settle()
+    tier = engine.tier
+    daemon.send(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        for n in range(4):  # promotions queued as vLLM queues them, behind one another on one thread
+            tier.submit_load(_load_job(10 + n, [key(n)], [8 + n]))
+        assert _reported(tier, 4, within=8.0) == {10: False, 11: False, 12: False, 13: False}
+        assert time.monotonic() - started < 5.0, "one job waits its timeout; those behind it fail at once"
+        for n in range(3):
+            tier.submit_load(_load_job(20 + n, [key(n)], [8 + n]))
+        started = time.monotonic()
+        engine.tier.shutdown()  # (queued jobs fail without running: a stalled daemon holds no shutdown)
+        assert time.monotonic() - started < 5.0
+    finally:
+        daemon.send(signal.SIGCONT)
+    fresh = engines(tier_cfg(daemon), num_chunks=16)
+    fresh.tier.submit_load(_load_job(30, [key(1)], [5]))
+    assert _reported(fresh.tier, 1, within=10.0) == {30: True}, "once the daemon answers, loads work"
+    assert fresh.slot_bytes(5) == fill(key(1))
+
+
+def test_a_load_reports_removed_only_the_chunks_skippyd_answered_it_does_not_hold(
+    daemon: DaemonProcess, engines: Callable[..., Engine]
+) -> None:
+    engine = engines(tier_cfg(daemon), num_chunks=16)
+    engine.store([key(0)], fill)
+    engine.settle()
+    engine.store([key(2)], fill)
+    engine.settle()
+    engine.events()  # (the stored events)
+    tier = engine.tier
+    tier.submit_load(_load_job(1, [key(0), key(1), key(2)], [8, 9, 10]))  # key(1) was never stored
+    assert _reported(tier, 1, within=10.0) == {1: False}
+    removed = [bytes(k) for e in engine.events() if e.removed for k in e.keys]
+    assert removed == [key(1)], "key(2) is held behind the hole: not removed"
+    daemon.stop()
+    tier.submit_load(_load_job(2, [key(0)], [11]))  # the daemon is away: it may hold everything
+    assert _reported(tier, 1, within=10.0) == {2: False}
+    assert not [e for e in engine.events() if e.removed]
+    daemon.start()
+    with daemon.client() as client:
+        space = client.blocks(model=tier.model, state=tier.state, block_tokens=tier.block_tokens)
+        assert space.held([key(0), key(2)]) == [True, True]

@@ -16,7 +16,20 @@ import skippyd
 from skippyd.client.blockspace import BlockSpace
 from skippyd.errors import SkippydError
 
-__all__ = ["Admission", "admission", "check_durable", "check_options", "layout_state", "why"]
+__all__ = [
+    "SLOWEST_RATE",
+    "Admission",
+    "admission",
+    "check_durable",
+    "check_options",
+    "layout_state",
+    "why",
+]
+
+#: The slowest rate a load or a store that started is allowed beyond the lookup's ``timeout`` before it
+#: is given up (bytes/s): generous, a first store into fresh tmpfs pages on a busy host is slow; a daemon
+#: that stalled is found within ``timeout`` plus the job's bytes at this rate, not after a fixed 30 s.
+SLOWEST_RATE = 32 << 20
 
 log = logging.getLogger("skippyd.integrations")
 

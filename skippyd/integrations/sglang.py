@@ -61,7 +61,14 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 import skippyd
 from skippyd.client.blockspace import BlockSpace
 from skippyd.errors import SkippydError
-from skippyd.integrations._common import admission, check_durable, check_options, layout_state, why
+from skippyd.integrations._common import (
+    SLOWEST_RATE,
+    admission,
+    check_durable,
+    check_options,
+    layout_state,
+    why,
+)
 
 __all__ = ["LAYOUT_VERSION", "SkippydStorage", "page_pieces", "page_planes", "storage_identity"]
 
@@ -78,10 +85,6 @@ _SGLANG_KEYS = (
     "prefetch_timeout_base", "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
 )  # fmt: skip
 _HEX = re.compile(r"[0-9a-fA-F]+")
-#: The slowest rate a load or a store that started is allowed beyond ``timeout`` before it is given up
-#: (bytes/s): generous, a first store into fresh tmpfs pages on a busy host is slow; a stall is found by
-#: the lookup asked first, within ``timeout``.
-_SLOWEST = 32 << 20
 
 T = TypeVar("T")
 
@@ -277,7 +280,7 @@ class SkippydStorage(HiCacheStorage):
             return fallback
         client = self._clients[kind]
         with self._locks[kind]:
-            client.timeout = self.timeout + nbytes / _SLOWEST
+            client.timeout = self.timeout + nbytes / SLOWEST_RATE  # (a stall: the lookup finds it)
             try:
                 return call(space)
             except (SkippydError, OSError) as exc:

@@ -19,12 +19,15 @@ hash under another model or layout is another block). Every method vLLM calls re
 * ``submit_store`` (a cascade from the primary tier) puts the job's chunks, one put per KV cache group,
   copied from the primary slots into skippyd; ``submit_load`` (a promotion) reads the blocks straight
   from skippyd's shared memory into the primary slots (``get_into``: one copy). Each runs on its own
-  thread and connection, so a large store never holds up a load;
+  thread and connection, so a large store never holds up a load; a job waits at most ``timeout`` plus
+  its bytes at ``SLOWEST_RATE``, and one that finds the daemon away or stalled fails the jobs queued
+  behind it at once;
 * every job is reported exactly once through ``get_finished_jobs`` (a failed store with
   ``success=False``, which unpins its slots all the same); a failed load marks its keys missing, so the
   scheduler does not ask for them again;
-* ``take_events`` reports the chunks skippyd stored and those it no longer holds (found gone at a load)
-  as vLLM ``OffloadingEvent``s, when vLLM's KV cache events are on.
+* ``take_events`` reports the chunks skippyd stored and those it answered it no longer holds (found gone
+  at a load; never for a daemon that did not answer) as vLLM ``OffloadingEvent``s, when vLLM's KV cache
+  events are on.
 
 Identity. ``model`` defaults to the served model's name and ``state`` to a digest of everything that
 shapes a chunk: dtype, tokens per hash and blocks per chunk, bytes per chunk, the KV cache groups (their
@@ -64,8 +67,15 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 import skippyd
-from skippyd.errors import SkippydError
-from skippyd.integrations._common import admission, check_durable, check_options, layout_state, why
+from skippyd.errors import ConnectionLost, SkippydError, Timeout
+from skippyd.integrations._common import (
+    SLOWEST_RATE,
+    admission,
+    check_durable,
+    check_options,
+    layout_state,
+    why,
+)
 
 __all__ = ["LAYOUT_VERSION", "SkippydTier", "tier_identity"]
 
@@ -85,6 +95,9 @@ _METRICS = {
 
 _OPTIONS = ("socket", "namespace", "model", "state", "durable", "redis_url", "scope", "timeout", "locality")
 _STOP = object()
+#: The daemon did not answer (down, restarting or stalled): the jobs queued behind the one that found it
+#: fail at once instead of each waiting its own timeout, and a load says nothing about what skippyd holds.
+_AWAY: tuple[type[BaseException], ...] = (ConnectionLost, Timeout, OSError)
 
 
 def tier_identity(spec: Any, block_size_bytes: int) -> tuple[str, str, int]:
@@ -175,12 +188,12 @@ class SkippydTier(SecondaryTierManager):
         self._counts: dict[tuple[str, tuple[str, ...]], int] = {}  # for get_stats, under _lock
         self._admission = admission("SkippydTier", options.get("redis_url"), options.get("scope"))
         # One connection per kind of work: a lookup never waits behind a copy, a load never behind a store.
+        # A job's requests wait ``timeout`` plus its bytes at the slowest rate allowed (set per job).
         self._clients = {
-            kind: skippyd.Client(
-                socket, timeout=self.timeout if kind == "lookup" else 30.0, connect_timeout=self.timeout
-            )
+            kind: skippyd.Client(socket, timeout=self.timeout, connect_timeout=self.timeout)
             for kind in ("lookup", "load", "store")
         }
+        self._stopping = False  # shutdown: jobs still queued fail without running
         self._spaces = {  # made once: a block space hashes the identity when it is built
             kind: client.blocks(
                 model=self.model, state=self.state, namespace=self.namespace, block_tokens=self.block_tokens
@@ -215,12 +228,19 @@ class SkippydTier(SecondaryTierManager):
         """Views of the primary slots (no copy); dropped with the job (the last is gone at shutdown)."""
         return [self._flat[c * self._stride : (c + 1) * self._stride] for c in chunks]
 
-    def _store(self, job: TransferJob) -> JobResult:
+    def _bound(self, kind: str, job: TransferJob) -> None:
+        """The ``kind`` connection's requests wait ``timeout`` plus this job's bytes at the slowest rate
+        allowed: a stalled daemon costs a job seconds, not a fixed 30 s each."""
+        self._clients[kind].timeout = self.timeout + len(job.keys) * self._stride / SLOWEST_RATE
+
+    def _store(self, job: TransferJob) -> tuple[JobResult, bool]:
+        """The job's result, and whether the daemon did not answer (away or stalled)."""
         keys = list(job.keys)
         chunks = [int(c) for c in job.chunk_ids]
         started = time.perf_counter()
         written = 0
         stored: list[OffloadKey] = []
+        self._bound("store", job)
         try:
             space = self._spaces["store"]
             for offered, offered_chunks in _by_group(keys, chunks):
@@ -237,56 +257,101 @@ class SkippydTier(SecondaryTierManager):
         except (SkippydError, OSError) as exc:
             log.warning("skippyd store of %d chunks failed: %s", len(keys), why(exc))
             self._count("vllm:skippyd_failed_jobs", 1, "store")
-            return JobResult(job.job_id, False, transfer_time=time.perf_counter() - started, transfer_bytes=0)
+            elapsed = time.perf_counter() - started
+            return JobResult(job.job_id, False, transfer_time=elapsed, transfer_bytes=0), isinstance(
+                exc, _AWAY
+            )
         if stored:
             self._event(stored, removed=False)
             self._count("vllm:skippyd_stored_chunks", len(stored))
         return JobResult(
             job.job_id, True, transfer_time=time.perf_counter() - started, transfer_bytes=written
-        )
+        ), False
 
-    def _load(self, job: TransferJob) -> JobResult:
+    def _load(self, job: TransferJob) -> tuple[JobResult, bool]:
+        """The job's result, and whether the daemon did not answer (away or stalled). Only chunks skippyd
+        answered it does not hold are reported removed: a daemon that did not answer may hold them all."""
         keys = list(job.keys)
         chunks = [int(c) for c in job.chunk_ids]
         started = time.perf_counter()
         loaded: list[OffloadKey] = []
+        gone: list[OffloadKey] = []
+        away = False
+        self._bound("load", job)
         try:
             space = self._spaces["load"]
             for group_keys, group_chunks in _by_group(keys, chunks):
                 count = space.get_into(group_keys, self._slots(group_chunks))
                 loaded += [OffloadKey(k) for k in group_keys[:count]]
+                if count < len(group_keys):  # (those after the first one gone may still be held)
+                    rest = group_keys[count:]
+                    gone += [
+                        OffloadKey(k) for k, held in zip(rest, space.held(rest), strict=True) if not held
+                    ]
         except (SkippydError, OSError) as exc:
             log.warning("skippyd load of %d chunks failed: %s", len(keys), why(exc))
+            away = isinstance(exc, _AWAY)
         elapsed = time.perf_counter() - started
         self._count("vllm:skippyd_loaded_chunks", len(loaded))
         if len(loaded) == len(keys):
-            return JobResult(job.job_id, True, transfer_time=elapsed, transfer_bytes=len(keys) * self._stride)
+            result = JobResult(
+                job.job_id, True, transfer_time=elapsed, transfer_bytes=len(keys) * self._stride
+            )
+            return result, False
         self._count("vllm:skippyd_failed_jobs", 1, "load")
+        self._event(gone, removed=True)
+        return self._load_failed(job, loaded, elapsed), away
+
+    def _load_failed(self, job: TransferJob, loaded: list[OffloadKey], elapsed: float = 0.0) -> JobResult:
+        """A load that did not bring every chunk: the rest are marked missing (the scheduler stops asking
+        for them: vLLM's guard against promoting the same chunks for ever)."""
         done = set(loaded)
-        missing = [k for k in keys if k not in done]
-        self._missing.put(missing)
-        self._event(missing, removed=True)
+        self._missing.put([k for k in job.keys if k not in done])
         return JobResult(
             job.job_id, False, successful_keys=tuple(loaded), transfer_time=elapsed,
             transfer_bytes=len(loaded) * self._stride,
         )  # fmt: skip
 
+    def _not_run(self, kind: str, job: TransferJob) -> JobResult:
+        """A job failed without running: queued behind one that found the daemon away, or at shutdown."""
+        self._count("vllm:skippyd_failed_jobs", 1, kind)
+        if kind == "load":
+            return self._load_failed(job, [])
+        return JobResult(job.job_id, False, transfer_time=0.0, transfer_bytes=0)
+
     def _work(self, kind: str) -> None:
         jobs = self._queues[kind]
         run = self._load if kind == "load" else self._store
-        while True:
+        stop = False
+        while not stop:
             job = jobs.get()
             if job is _STOP:
                 return
-            try:
-                result = run(job)
-            except Exception:  # a bug: the job is still reported, the thread lives on
-                log.exception("skippyd %s job %s failed", kind, job.job_id)
-                result = JobResult(job.job_id, False, successful_keys=() if kind == "load" else None)
-            self._finished.put(result)
-            with self._idle:
-                self._inflight -= 1
-                self._idle.notify_all()
+            away = False
+            if self._stopping:
+                result = self._not_run(kind, job)
+            else:
+                try:
+                    result, away = run(job)
+                except Exception:  # a bug: the job is still reported, the thread lives on
+                    log.exception("skippyd %s job %s failed", kind, job.job_id)
+                    result = JobResult(job.job_id, False, successful_keys=() if kind == "load" else None)
+            self._report(result)
+            while away:  # every job queued meanwhile fails now, not after a timeout each
+                try:
+                    queued = jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if queued is _STOP:
+                    stop = True
+                    break
+                self._report(self._not_run(kind, queued))
+
+    def _report(self, result: JobResult) -> None:
+        self._finished.put(result)
+        with self._idle:
+            self._inflight -= 1
+            self._idle.notify_all()
 
     def _count(self, name: str, value: int, *labels: str) -> None:
         if value:
@@ -360,7 +425,9 @@ class SkippydTier(SecondaryTierManager):
         self._lookups.flush()
 
     def shutdown(self) -> None:
-        """Stops the threads (after the jobs queued so far) and lets go of the primary tier's memory."""
+        """Stops the threads (the job each runs ends, those still queued fail without running) and lets
+        go of the primary tier's memory."""
+        self._stopping = True
         for jobs in self._queues.values():
             jobs.put(_STOP)
         for thread in self._threads:
