@@ -1112,7 +1112,6 @@ class AsyncBlockSpace(_Space):
         self._ahead = ahead
 
     async def _run(self, steps: Steps) -> Any:
-
         result: Any = None
         sent: list[Any] = []  # requests sent ahead whose replies were not taken yet
         try:
