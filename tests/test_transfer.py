@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -947,6 +948,57 @@ def test_the_leases_thread_waits_for_each_copy_with_that_copys_device_current(
     leases.hold(Event(), [], None, None)  # (the simulator's: no device)
     leases.drain()
     assert made == [3, 1] and seen == [[3], [3], [3, 1], [3, 1]]
+
+
+def test_copies_in_flight_hold_at_most_a_quarter_of_the_open_files_limit_in_descriptors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A reply may carry 64 descriptors and 256 copies may be in flight: their duplicates would pass an
+    engine's open-files limit (then every dup and open of the process fails). A new copy waits until
+    the copies before it leave room; one copy alone always goes. Pure logic: stand-in events."""
+    import resource
+
+    from skippyd.client.transfer import leases as leases_module
+
+    monkeypatch.setattr(resource, "getrlimit", lambda _: (400, 4096))
+    leases = leases_module._Leases()
+    assert leases._fd_budget == 100
+    gates = [threading.Event() for _ in range(3)]
+
+    class Event:
+        def __init__(self, gate: threading.Event) -> None:
+            self.gate = gate
+
+        def synchronize(self) -> None:
+            assert self.gate.wait(10)
+
+    def fds(count: int) -> list[int]:
+        return [os.open("/dev/null", os.O_RDONLY) for _ in range(count)]
+
+    leases.hold(Event(gates[0]), fds(64), None, None)
+    leases.hold(Event(gates[1]), fds(30), None, None)  # 94 held: within 100
+    waited = threading.Event()
+
+    def third() -> None:
+        leases.room(64)  # 94 + 64 > 100: waits for the first copy to land
+        waited.set()
+        leases.hold(Event(gates[2]), fds(64), None, None)
+
+    thread = threading.Thread(target=third)
+    thread.start()
+    assert not waited.wait(0.2), "no room until the copies before it landed"
+    gates[0].set()
+    assert waited.wait(5)
+    thread.join(5)
+    assert leases._fds == 94
+    for gate in gates:
+        gate.set()
+    leases.drain()
+    assert leases._fds == 0 and len(leases) == 0
+    lone = leases_module._Leases()
+    lone._fd_budget = 10
+    lone.hold(Event(gates[0]), fds(64), None, None)  # one copy alone, whatever it holds
+    lone.drain()
 
 
 def test_a_transfers_pieces_merge_within_one_registration_and_one_across_a_boundary_is_cut_there() -> None:

@@ -231,7 +231,8 @@ class DeviceTransfer:
     def _hold(
         self, event: Any, fds: Sequence[int], registrations: set[int] | None = None, stream: Any = None
     ) -> None:
-        # a duplicate keeps the description's locks
+        # a duplicate keeps the description's locks (made once the copies in flight leave room for it)
+        self._leases.room(len(fds))
         self._leases.hold(event, [os.dup(fd) for fd in fds], registrations, stream)
 
     @property

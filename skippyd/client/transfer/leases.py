@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
 import threading
 from collections import Counter, deque
 from typing import Any
@@ -20,14 +21,24 @@ log = logging.getLogger("skippyd.client.transfer")
 _MAX_PENDING = 256  # copies in flight (their leases held) before a new one waits for the oldest
 
 
+def _fd_budget() -> int:
+    """Descriptors the copies in flight may hold together: a quarter of this process's open-files limit,
+    at least 64 (each is a duplicate of a reply's, up to 64 a reply; the engine opens files of its own)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, (1 << 20 if soft == resource.RLIM_INFINITY else soft) // 4)
+
+
 class _Leases:
     """The leases of copies in flight: a thread waits for each copy's event, then closes its descriptors,
     so the daemon may reuse the memory as soon as the copy has landed (and never before). At most
-    ``_MAX_PENDING`` copies are held; past that, a new one waits for the oldest."""
+    ``_MAX_PENDING`` copies are held, and together at most :func:`_fd_budget` descriptors; past either, a
+    new one waits for the oldest (:meth:`room`, before its descriptors are duplicated)."""
 
     def __init__(self) -> None:
         self._queue: deque[tuple[Any, list[int], set[int], int | None]] = deque()
         self._held = 0
+        self._fds = 0  # descriptors held by the copies in flight
+        self._fd_budget = _fd_budget()
         self._reading: Counter[int] = Counter()  # registration address -> copies in flight reading it
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -40,15 +51,25 @@ class _Leases:
         reads = registrations or set()
         index = _device_index_of(stream)
         with self._cond:
-            while self._held >= _MAX_PENDING:
-                self._cond.wait()
+            self._wait_for_room(len(fds))
             self._queue.append((event, fds, reads, index))
             self._reading.update(reads)
             self._held += 1
+            self._fds += len(fds)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="skippyd-leases", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def room(self, fds: int) -> None:
+        """Waits until a copy holding ``fds`` descriptors may be held (call it before duplicating them:
+        past the process's open-files limit, ``dup`` itself would fail)."""
+        with self._cond:
+            self._wait_for_room(fds)
+
+    def _wait_for_room(self, fds: int) -> None:
+        while self._held and (self._held >= _MAX_PENDING or self._fds + fds > self._fd_budget):
+            self._cond.wait()  # (none held: any one copy may go, whatever it holds)
 
     def _run(self) -> None:
         while True:
@@ -70,6 +91,7 @@ class _Leases:
                         os.close(fd)
                 with self._cond:
                     self._held -= 1
+                    self._fds -= len(fds)
                     self._reading.subtract(reads)
                     for address in reads:
                         if self._reading[address] <= 0:
