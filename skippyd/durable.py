@@ -429,12 +429,19 @@ class DurableWriter:
                 digest = self._backlog.pop(key)  # its count in _pending passes to the job
                 self._opening += 1
             job: _Job | None = None
+            again = False
             try:
                 job = self._open_deferred(key, digest)
+            except Exception as exc:  # (no lease to be had now): back to the backlog, the thread lives on
+                again = True
+                log.warning("a deferred durable write could not open its entry (%s); it is tried again", exc)
             finally:
                 with self._cond:
                     self._opening -= 1
-                    if job is None:
+                    if again and key not in self._backlog:  # (unless a newer capture deferred the key)
+                        self._backlog[key] = digest
+                        self._retry_backlog_at = time.monotonic() + 1.0
+                    elif job is None:
                         self._release_key_locked(key)
                     else:
                         self._running = job
@@ -452,7 +459,11 @@ class DurableWriter:
 
     def _open_deferred(self, key: str, digest: str) -> _Job | None:
         seq = self.clock.begin()  # before the lease: an eviction between the two cancels the write
-        held = self.l2.hold(key, hit=False)
+        try:
+            held = self.l2.hold(key, hit=False)
+        except BaseException:
+            self.clock.end(seq)
+            raise
         if held is None or held.entry.digest != digest:
             self.clock.end(seq)
             if held is not None:

@@ -2,11 +2,15 @@
 
 Two kernel facts carry the design (docs/architecture.md, "Leases"):
 
-* A reader's lease is a shared ``flock`` taken on a fresh open file description before the daemon
-  sends it. A mapping holds a reference to its open file description, so the lock lives exactly as long
-  as the reader keeps the fd *or any mapping made from it*; it dies with the reader's process. The
-  daemon asks the kernel "is anyone still reading this file?" with a non-blocking exclusive ``flock``,
-  and only reuses a file's pre-faulted pages when nobody is.
+* A reader's lease is a read lock (``F_OFD_SETLK``, ``F_RDLCK`` over the whole file) taken on a fresh
+  read-only open file description before the daemon sends it. A mapping holds a reference to its open
+  file description, so the lock lives exactly as long as the reader keeps the fd *or any mapping made
+  from it*; it dies with the reader's process. The daemon asks the kernel "is anyone still reading this
+  file?" with a non-blocking write lock through a read-write description of its own, and only reuses a
+  file's pre-faulted pages when nobody is. A client cannot take a write lock through the read-only
+  description it was given, so it can never hold the daemon's leases or probes up (an ``flock``, which
+  ignores the access mode, let one client's ``LOCK_EX`` stall the tier and kill the L3 writer); an
+  ``flock`` a client takes anyway only counts as a reader (the file is unlinked instead of reused).
 * Writing through a mapping of a tmpfs file whose pages are not allocated raises SIGBUS when tmpfs is
   full, so new files are ``fallocate``d first: ENOSPC comes back as an error, never as a signal.
 """
@@ -44,6 +48,7 @@ __all__ = [
     "memfd",
     "new_name",
     "next_generation",
+    "ofd_lock",
     "open_reader",
     "populate_write",
     "read_acl",
@@ -218,17 +223,33 @@ def map_rw(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+_FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64/aarch64 (F_OFD_* locks)
+
+
+def ofd_lock(fd: int, kind: int, start: int = 0, length: int = 0) -> bool:
+    """An open-file-description lock (``fcntl.F_RDLCK``, ``F_WRLCK`` or ``F_UNLCK``) on ``[start,
+    start + length)`` of ``fd`` (``length`` 0: to the end and beyond), without waiting: False when another
+    description holds a conflicting one."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, length, 0))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
 def open_reader(path: Path) -> int:
-    """A fresh read-only description of ``path`` holding a shared lease lock; the caller owns the fd."""
+    """A fresh read-only description of ``path`` holding a read lease on the whole file; the caller owns
+    the fd."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
-        # The only exclusive holder is :func:`has_readers`' momentary probe: wait it out, briefly.
+        # The only write lock a read-only client description cannot take, so the one it can meet is
+        # has_readers()' momentary probe (the daemon's own): wait it out, briefly.
         for attempt in range(200):
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            if ofd_lock(fd, fcntl.F_RDLCK):
                 return fd
-            except BlockingIOError:
-                time.sleep(0 if attempt < 20 else 0.0005)
+            time.sleep(0 if attempt < 20 else 0.0005)
         raise Busy(f"could not take a read lease on {path.name}: the file is being recycled")
     except BaseException:
         os.close(fd)
@@ -236,17 +257,22 @@ def open_reader(path: Path) -> int:
 
 
 def has_readers(path: Path) -> bool:
-    """Whether any process still holds a lease (an fd or a mapping) on ``path``."""
+    """Whether any process still holds a lease (an fd or a mapping) on ``path``: a read lock of
+    :func:`open_reader`'s, or an ``flock`` (a daemon before read locks, or a client's own ``flock``: a
+    file someone locks is never reused under them)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
+        if not ofd_lock(fd, fcntl.F_WRLCK):
+            return True
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
     finally:
-        os.close(fd)  # closing drops our exclusive lock with the description
+        os.close(fd)  # closing drops our probes with the description
     return False
 
 

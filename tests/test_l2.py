@@ -537,20 +537,49 @@ def test_a_read_lease_waits_out_a_momentary_exclusive_probe_and_is_busy_otherwis
     import threading
 
     from skippyd.errors import Busy
-    from skippyd.shm import open_reader
+    from skippyd.shm import has_readers, ofd_lock, open_reader
 
     path = shm_dir / "probe.skp"
     path.write_bytes(b"x" * 4096)
-    holder = os.open(path, os.O_RDONLY)
+    probe = os.open(path, os.O_RDWR)  # (the daemon's own: only a read-write description can write-lock)
     try:
-        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert ofd_lock(probe, fcntl.F_WRLCK)
         with pytest.raises(Busy):
             open_reader(path)
-        threading.Timer(0.002, fcntl.flock, args=(holder, fcntl.LOCK_UN)).start()
+        threading.Timer(0.002, ofd_lock, args=(probe, fcntl.F_UNLCK)).start()
         fd = open_reader(path)  # the probe lets go within the wait
+        assert has_readers(path)
         os.close(fd)
+        assert not has_readers(path)
     finally:
-        os.close(holder)
+        os.close(probe)
+
+
+def test_a_clients_exclusive_flock_on_its_lease_neither_blocks_leases_nor_lets_the_file_be_reused(
+    shm_dir: Path,
+) -> None:
+    """flock ignores the access mode: a client could turn the read-only description it was given into an
+    exclusive lock, and every lease of that file spun then failed busy (under the tier's lock, and in the
+    L3 writer, which died of it). Leases are read locks a read-only description cannot conflict with; the
+    client's flock only makes the file count as read, so it is unlinked rather than reused under it."""
+    import fcntl
+
+    from skippyd.shm import has_readers, open_reader
+
+    path = shm_dir / "entry.skp"
+    path.write_bytes(b"x" * 4096)
+    hostile = open_reader(path)
+    fcntl.flock(hostile, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(open_reader(path))  # at once: another reader's lease is not held up
+    assert has_readers(path)
+    fcntl.flock(hostile, fcntl.LOCK_UN)  # (what protocol.md tells clients not to do)
+    assert has_readers(path), "its read lease is still there"
+    os.close(hostile)
+    assert not has_readers(path)
+    with open(path, "rb") as plain:  # a client with a description of its own and an flock
+        fcntl.flock(plain, fcntl.LOCK_SH)
+        assert has_readers(path), "an flock counts as a reader: never reused under it"
+    assert not has_readers(path)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to hand a directory to another user")

@@ -780,6 +780,34 @@ def test_a_deferred_write_whose_entry_left_l2_first_is_counted_lost_and_not_writ
     assert rig.writer.marks.load() == {}, "a lost write leaves no intent behind"
 
 
+def test_a_deferred_write_whose_lease_cannot_be_had_now_waits_and_the_writer_lives(
+    make_rig: RigFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening a deferred write takes a lease on its entry; when the tier cannot give one right now (it
+    raises), the write goes back to the backlog and is tried again: it never took the writer thread down
+    (a client's flock once made every lease of a file fail, and the L3 writer died of it)."""
+    from skippyd.errors import Busy
+
+    rig = make_rig(start=False)
+    entry, durability = rig.capture("alpha", fill=3)
+    assert durability == "deferred"
+    real = rig.l2.hold
+    refusals = [Busy("could not take a read lease")]
+
+    def hold(key: str, **kwargs: Any) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return real(key, **kwargs)
+
+    monkeypatch.setattr(rig.l2, "hold", hold)
+    rig.writer.start()
+    assert rig.writer.wait_idle(timeout=10)
+    assert not refusals and rig.writer.alive
+    assert rig.l3_digest(entry.key) == entry.digest
+    stats = rig.writer.stats()
+    assert (stats.written, stats.lost, stats.backlog, stats.failed) == (1, 0, 0, 0)
+
+
 def test_a_deferred_write_whose_key_was_captured_again_writes_only_the_newest(
     make_rig: RigFactory,
 ) -> None:

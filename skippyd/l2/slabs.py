@@ -24,7 +24,6 @@ page names its geometry; the next pages hold one 256-byte record per slot; slot 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import mmap
 import os
@@ -36,6 +35,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
+from skippyd.errors import Busy
 from skippyd.shm import (
     PAGE,
     create_shared,
@@ -43,6 +43,7 @@ from skippyd.shm import (
     fill_holes,
     new_name,
     next_generation,
+    ofd_lock,
     populate_write,
     share,
 )
@@ -73,7 +74,6 @@ _CHECKSUM_AT = 240
 _LAST_USE_AT = 16
 GENERATION_AT = 192  # a record's slot generation (8 bytes LE, in what was padding; not checksummed)
 _GENERATION = struct.Struct("<Q")
-_FLOCK = struct.Struct("hh4xqqi4x")  # struct flock on Linux x86-64/aarch64
 _SMALL_LIMIT = 64 * 1024
 _STEPS_PER_DOUBLING = 8
 FLAG_DURABLE = 1  # an L3 copy is wanted and not yet known written
@@ -281,17 +281,9 @@ class Slab:
     def has_readers(self, index: int) -> bool:
         """Whether any description other than the daemon's own holds a lease on slot ``index``."""
         start = self.offset(index)
-        try:
-            fcntl.fcntl(
-                self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, start, self.slot_size, 0)
-            )
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                return True
-            raise
-        fcntl.fcntl(
-            self._fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start, self.slot_size, 0)
-        )
+        if not ofd_lock(self._fd, fcntl.F_WRLCK, start, self.slot_size):
+            return True
+        ofd_lock(self._fd, fcntl.F_UNLCK, start, self.slot_size)
         return False
 
     def lease(self, runs: list[tuple[int, int]]) -> int:
@@ -299,10 +291,10 @@ class Slab:
         the caller owns it (and sends it)."""
         fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            for first, last in runs:
+            for first, last in runs:  # (under the tier's lock: no probe of its own can be in the way)
                 start = self.offset(first)
-                length = (last - first + 1) * self.slot_size
-                fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, start, length, 0))
+                if not ofd_lock(fd, fcntl.F_RDLCK, start, (last - first + 1) * self.slot_size):
+                    raise Busy(f"could not take a read lease on slots {first}-{last} of {self.path.name}")
             return fd
         except BaseException:
             os.close(fd)
