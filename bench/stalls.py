@@ -12,7 +12,10 @@ as the probe's max:
 * **leased free slots**: a client holds views of 512 blocks in each of 16 block spaces, those blocks
   are evicted (their slots stay read under its leases), then puts of 2,048 blocks fill a 64 MiB L2;
 * **evict all blocks**: ``evict(all=True)`` of 120,000 blocks of 4 KiB;
-* **recency flush**: 120,000 blocks read in a loop for 6 s (one housekeeping flush of their recency).
+* **recency flush**: 120,000 blocks read in a loop for 6 s (one housekeeping flush of their recency);
+* **L3 evictions**: 3 GiB of 1 MiB blocks put with ``durable="sync"`` through a 2 GiB L3 on the real
+  disk (``/var/tmp``): each write past the budget evicts 15 % of it; the probe is a ``lookup`` (a look
+  at L3 under its lock).
 
 ``--scale`` multiplies the block counts (0.25 for a quick look). Figures are from this machine: compare
 trees in one run, quote ratios.
@@ -45,14 +48,16 @@ BLOCK = 4096
 
 
 @contextlib.contextmanager
-def daemon(tree: str, budget: str = "1GiB") -> Iterator[str]:
-    """A daemon of ``tree`` on a fresh state and tmpfs directory; yields its socket."""
-    work = Path(tempfile.mkdtemp(prefix="skippyd-stalls-"))
+def daemon(tree: str, budget: str = "1GiB", l3: str | None = None) -> Iterator[str]:
+    """A daemon of ``tree`` on a fresh state and tmpfs directory (and an L3 of ``l3`` bytes on the real
+    disk, else none); yields its socket."""
+    work = Path(tempfile.mkdtemp(prefix="skippyd-stalls-", dir="/var/tmp"))
     shm = Path(tempfile.mkdtemp(prefix="skippyd-stalls-", dir="/dev/shm"))
     sock = str(work / "s.sock")
+    disk = ["--l3-dir", str(work / "l3"), "--l3-budget", l3] if l3 else ["--l3-dir", "off"]
     args = [sys.executable, "-m", "skippyd", "serve", "--socket", sock, "--state-dir", str(work / "state"),
             "--shm-dir", str(shm / "l2"), "--redis-url", "none", "--l2-budget", budget, "--l2-reserve", "0",
-            "--l2-digest-backlog", "0", "--l3-dir", "off"]  # fmt: skip
+            "--l2-digest-backlog", "0", *disk]  # fmt: skip
     log = (work / "daemon.log").open("w")
     proc = subprocess.Popen(  # (cwd: ``-m`` puts the working directory before PYTHONPATH)
         args, cwd=tree, env={**os.environ, "PYTHONPATH": tree}, stdout=log, stderr=subprocess.STDOUT
@@ -193,11 +198,25 @@ def recency_flush(sock: str, scale: float) -> tuple[float, list[float]]:
         return took, probe.samples
 
 
-#: name -> (the work, the L2 budget it runs against)
-SCENARIOS: dict[str, tuple[Callable[[str, float], tuple[float, list[float]]], str]] = {
-    "leased free slots (16 spaces), puts into a full L2": (leased_free_slots, "64MiB"),
-    "evict all blocks": (evict_all_blocks, "1GiB"),
-    "recency flush of blocks read": (recency_flush, "1GiB"),
+def l3_evictions(sock: str, scale: float) -> tuple[float, list[float]]:
+    count = max(256, int(3072 * scale))  # 1 MiB blocks through an L3 of two thirds of them
+    with skippyd.Client(sock) as client, skippyd.Client(sock) as prober:
+        space = client.blocks(model="stall", state="s", block_tokens=16)
+        data = [torch.full((1 << 20,), i % 251, dtype=torch.uint8) for i in range(64)]
+        with Probe(lambda: prober.lookup(model="probe", state="s", tokens=[1, 2, 3])) as probe:
+            started = time.perf_counter()
+            for at in range(0, count, 64):
+                space.put(keys_of(space, 64, at), data, durable="sync")
+            took = time.perf_counter() - started
+        return took, probe.samples
+
+
+#: name -> (the work, the L2 budget it runs against, the L3 budget or None)
+SCENARIOS: dict[str, tuple[Callable[[str, float], tuple[float, list[float]]], str, str | None]] = {
+    "leased free slots (16 spaces), puts into a full L2": (leased_free_slots, "64MiB", None),
+    "evict all blocks": (evict_all_blocks, "1GiB", None),
+    "recency flush of blocks read": (recency_flush, "1GiB", None),
+    "L3 evictions (sync puts through a full L3)": (l3_evictions, "1GiB", "L3"),
 }
 
 
@@ -209,13 +228,17 @@ def main(argv: list[str] | None = None) -> int:
         "--compare", metavar="TREE", help="another checkout whose daemon runs beside this one's"
     )
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies the block counts (default 1)")
+    parser.add_argument("--only", metavar="TEXT", help="only the scenarios whose name contains TEXT")
     args = parser.parse_args(argv)
     trees = [("before", args.compare)] if args.compare else []
     trees.append(("this tree", HERE))
     rows = []
-    for name, (scenario, budget) in SCENARIOS.items():
+    for name, (scenario, budget, l3) in SCENARIOS.items():
+        if args.only and args.only not in name:
+            continue
+        l3_budget = f"{max(256, int(2048 * args.scale))}MiB" if l3 else None
         for label, tree in trees:
-            with daemon(tree, budget) as sock:
+            with daemon(tree, budget, l3_budget) as sock:
                 took, samples = scenario(sock, args.scale)
             p50, p99, most = spread(samples)
             rows.append((name, label, p50, p99, most, took, len(samples)))

@@ -65,4 +65,4 @@ def test_the_stalls_bench_runs_every_scenario_and_prints_its_table() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "this tree" in line]
-    assert len(rows) == 3, done.stdout
+    assert len(rows) == 4, done.stdout

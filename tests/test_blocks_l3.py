@@ -741,6 +741,8 @@ def test_l3_evicts_the_least_recently_used_pack_first_and_keeps_that_order_acros
         time.sleep(0.05)
         l3.blocks.write([item(b"D")])  # room for D: the least recently used pack goes
         assert holds(l3, b"A", b"B", b"C", b"D") == [True, False, True, True]
+        assert l3._trash.drain(10)  # (B's pack went aside under the lock, unlinked after it)
+        assert len(list(l3.layout.packs.glob("*.pack"))) == 3 and not list(l3.layout.tmp.iterdir())
         time.sleep(0.05)  # (past the coarse clock of file times)
         l3.blocks.touch([b"C" * 32])
     with L3Store.open(directory, 4 << 20) as l3:  # (close wrote the recency to the packs' mtimes)

@@ -191,6 +191,49 @@ def test_the_budget_covers_everything_and_evicts_oldest_use_down_to_85_percent(
         assert l3.stats().refused_writes == 1
 
 
+def test_evicted_files_are_unlinked_after_the_lock_and_count_as_free_until_then(
+    l2: L2Tier, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unlinking a large file on a journaled disk takes milliseconds (it frees the extents there and
+    then): an eviction of thousands under the L3 lock stalled every restore's look at L3. The files are
+    renamed aside under the lock and unlinked by the trash's thread; their bytes count as free disk until
+    then, and a restart empties what a crash left aside."""
+    import threading
+
+    entries = [admit(l2, f"t{i:02d}", [MB], fill=i) for i in range(7)]
+    unlinked: list[tuple[str, bool]] = []
+    gate = threading.Event()
+    real = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name.endswith((".obj", ".gone")):
+            thread = threading.current_thread().name
+            unlinked.append((thread, l3.lock._is_owned()))  # type: ignore[attr-defined]
+            if thread == "skippyd-l3-trash":
+                assert gate.wait(10)
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    with L3Store.open(tmp_path / "l3", 6 * MB) as l3:
+        for e in entries[:5]:
+            store(l2, l3, e)
+        store(l2, l3, entries[5])  # over the cap: the oldest entry is evicted
+        assert l3.stats().evictions == 1 and l3.get(entries[0].key) is None
+        aside = list(l3.layout.tmp.iterdir())
+        assert len(aside) == 1 and aside[0].name.endswith(".gone"), "renamed aside, not unlinked yet"
+        st = os.statvfs(l3.directory)
+        assert l3.free_disk() - st.f_bavail * st.f_frsize >= MB, "its bytes count as free already"
+        gate.set()
+        assert l3._trash.drain(10) and not list(l3.layout.tmp.iterdir())
+        assert unlinked and all(thread == "skippyd-l3-trash" and not locked for thread, locked in unlinked), (
+            "never unlinked under the lock, nor by the thread that evicted"
+        )
+        (l3.layout.tmp / "left.by-a-crash.gone").write_bytes(b"x" * KB)  # renamed aside, never unlinked
+    with L3Store.open(tmp_path / "l3", 6 * MB) as again:
+        assert not list(again.layout.tmp.iterdir()), "a start empties what was set aside"
+        assert again.get(entries[5].key) is not None
+
+
 def test_below_the_free_space_floor_l3_is_read_only(l2: L2Tier, tmp_path: Path) -> None:
     entry = admit(l2, "abc", [KB])
     with L3Store.open(tmp_path / "l3", 1 << 30, min_free_bytes=1 << 60) as l3:

@@ -189,12 +189,15 @@ class L3Blocks:
         *,
         make_room: Callable[[int], None],
         quarantine: Callable[[Path, str], None],
+        discard: Callable[[Path, int], None] | None = None,
     ) -> None:
         self.directory = directory
         self._tmp = tmp
         self._lock = lock
         self._make_room = make_room
         self._quarantine = quarantine
+        # a dropped pack is taken out of the way under the lock and unlinked after it (l3.trash)
+        self._discard = discard or (lambda path, _size: remove(path))
         # least recently used first (a touch moves a pack to the end): the oldest is found in O(1), not by a
         # scan of every pack per evicted pack (quadratic when a write evicts thousands under the lock)
         self._packs: OrderedDict[str, _Pack] = OrderedDict()
@@ -575,7 +578,7 @@ class L3Blocks:
 
     def _drop_pack(self, pack: _Pack) -> None:
         self._forget(pack)
-        remove(pack.path)
+        self._discard(pack.path, pack.size)
         remove(self._dead_path(pack))
 
     def _link_child(self, record: PackRecord) -> None:

@@ -39,6 +39,7 @@ from .layout import Layout
 from .manifest import MAX_MANIFEST, SEGMENT_BYTES, Manifest, decode_manifest, encode_manifest, object_id
 from .packs import L3Blocks, L3BlockStats
 from .reconcile import Reconciliation
+from .trash import Trash
 
 __all__ = ["L3Ref", "L3Stats", "L3Store"]
 
@@ -129,14 +130,15 @@ class L3Store:
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="skippyd-l3-hash")
         self._closed = False
         self.last_reconciliation = Reconciliation()
+        self._trash = Trash(self.layout.tmp)  # evicted files: renamed aside under the lock, unlinked after
         private_dirs(self.directory)
         # before anything under the directory is touched
         self._lock_fd = take_owner_lock(self.directory, "L3 store")
         try:
             self.layout.create()
             self.blocks = L3Blocks(
-                self.layout.packs, self.layout.tmp, self._lock,
-                make_room=self._room_for_blocks, quarantine=self._quarantine_path,
+                self.layout.packs, self.layout.tmp, self._lock, make_room=self._room_for_blocks,
+                quarantine=self._quarantine_path, discard=self._trash.discard,
             )  # fmt: skip
         except BaseException:
             release_owner_lock(self._lock_fd)
@@ -179,6 +181,7 @@ class L3Store:
             self.flush_recency()
             self.blocks.close()
             self._hasher.shutdown(wait=True)
+            self._trash.close()
             release_owner_lock(self._lock_fd)
 
     def __enter__(self) -> L3Store:
@@ -274,9 +277,9 @@ class L3Store:
 
     def _drop_object_if_unused(self, name: str) -> None:
         if name not in self._object_keys and name in self._objects:
-            self._object_bytes -= self._objects.pop(name)
-            with contextlib.suppress(FileNotFoundError):
-                self.layout.object_path(name).unlink()
+            size = self._objects.pop(name)
+            self._object_bytes -= size
+            self._trash.discard(self.layout.object_path(name), size)  # (unlinked after the lock)
 
     def _link_of(self, entry: EntryRef | Entry) -> Path:
         return self.layout.link_path(entry.identity, entry.token_count, entry.key)
@@ -381,8 +384,9 @@ class L3Store:
 
     # ----------------------------------------------------------------- write path
     def free_disk(self) -> int:
+        """Free bytes on L3's filesystem, counting what evicted files not unlinked yet will free."""
         st = os.statvfs(self.directory)
-        return st.f_bavail * st.f_frsize
+        return st.f_bavail * st.f_frsize + self._trash.pending_bytes
 
     @property
     def readonly(self) -> bool:
@@ -516,9 +520,8 @@ class L3Store:
         for path, size in self.layout.quarantined():
             if self._used() <= target:
                 return
-            with contextlib.suppress(OSError):
-                path.unlink()
-                self._quarantine_bytes -= size
+            self._trash.discard(path, size)
+            self._quarantine_bytes -= size
         while self._used() > target:
             victim = self._index.oldest()
             oldest_pack = self.blocks.oldest_tick()
@@ -694,9 +697,8 @@ class L3Store:
         for old, size in self.layout.quarantined():  # oldest first; the file just quarantined stays
             if self._quarantine_bytes <= limit or old.name.startswith(stamp):
                 break
-            with contextlib.suppress(OSError):
-                old.unlink()
-                self._quarantine_bytes -= size
+            self._trash.discard(old, size)
+            self._quarantine_bytes -= size
 
     # ----------------------------------------------------------------- stats
     def stats(self) -> L3Stats:
