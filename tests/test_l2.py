@@ -322,6 +322,41 @@ def test_files_of_evicted_entries_are_reused_for_the_same_size_class(shm_dir: Pa
         assert stats.evictions == 4
 
 
+def test_a_file_served_for_one_identity_is_never_reused_for_another(shm_dir: Path) -> None:
+    """A client may keep a lease-free description of an entry file it was given (reopened through
+    /proc/self/fd, as kept CUDA mappings are) and see what the file holds next: a file served for one
+    model, state and namespace is reused only for that identity. Files no client was given serve any."""
+    from skippyd.keys import Identity
+    from skippyd.l2.pool import owner_of
+
+    other = Identity("model-b", "state-v1", "tenant-b")
+    with L2Tier.open(shm_dir, 2 * size_of(60 * KB)) as tier:
+        served = admit_bytes(tier, "served", 60 * KB, fill=1)
+        held = tier.hold(served.key)  # a restore: the fd went to a client
+        assert held is not None
+        kept = os.open(f"/proc/self/fd/{held.fd}", os.O_RDONLY)  # its lease-free description
+        os.close(held.fd)
+        inode = os.fstat(kept).st_ino
+        assert tier.remove(served.key)
+        theirs = admit_bytes(tier, "theirs", 60 * KB, fill=2, ident=other)  # another identity: a fresh file
+        assert os.stat(shm_dir / "entries" / f"{theirs.key}.skp").st_ino != inode
+        assert os.pread(kept, 1, size_of(60 * KB) - 4096) != bytes([2]), "never another identity's bytes"
+        assert tier.stats().reused_files == 0
+        mine = admit_bytes(tier, "mine", 60 * KB, fill=3, ident=IDENT)  # the same identity: reused
+        assert os.stat(shm_dir / "entries" / f"{mine.key}.skp").st_ino == inode
+        os.close(kept)
+        unserved = admit_bytes(tier, "unserved", 60 * KB - 100, fill=4, ident=other)  # (evicts "theirs")
+        assert tier.remove(unserved.key)  # never given to a client: any identity may take it
+        before = tier.stats().reused_files
+        admit_bytes(tier, "anyone", 60 * KB - 200, fill=5)
+        assert tier.stats().reused_files == before + 1
+        names = sorted(p.name.split(".")[1] for p in (shm_dir / "free").iterdir())
+    assert set(names) <= {"any", owner_of(IDENT.digest), owner_of(other.digest)}
+    with L2Tier.open(shm_dir, 2 * size_of(60 * KB)) as tier:  # the owner marks survive a restart
+        files = [f for files in tier._pool._free.values() for f in files]
+        assert sorted(f.owner for f in files) == names
+
+
 def test_a_recycled_file_never_shows_the_previous_entrys_bytes(shm_dir: Path) -> None:
     table = [TensorDecl("a", "uint8", (10,)), TensorDecl("b", "uint8", (49000,))]
     one = size_of(50000, "secret")

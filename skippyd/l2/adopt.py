@@ -21,6 +21,8 @@ from skippyd.files import remove
 from skippyd.payload import Entry, decode_fixed, decode_header, payload_digest
 from skippyd.shm import fill_holes, share, size_class
 
+from .pool import ANY_OWNER
+
 __all__ = ["Adopted", "Found", "adopt", "bytes_to_verify"]
 
 log = logging.getLogger("skippyd.l2")
@@ -40,7 +42,7 @@ class Found:
 @dataclass(slots=True)
 class Adopted:
     entries: list[Found] = field(default_factory=list)  # least recently used first
-    free: list[tuple[Path, int]] = field(default_factory=list)
+    free: list[tuple[Path, int, str]] = field(default_factory=list)  # path, size, owner (pool.File.owner)
     dropped: int = 0
 
 
@@ -70,6 +72,17 @@ def _adopt_free(path: Path, size: int) -> None:
         os.close(fd)
 
 
+def _free_owner(name: str) -> str | None:
+    """The owner a free file's name carries (``<random>.<owner>.free``), or None if it has none."""
+    parts = name.split(".")
+    if len(parts) != 3 or parts[2] != "free":
+        return None
+    owner = parts[1]
+    if owner == ANY_OWNER or (len(owner) == 32 and all(c in "0123456789abcdef" for c in owner)):
+        return owner
+    return None
+
+
 def adopt(directory: Path, *, verify: bool = True, hash_threads: int = 2) -> Adopted:
     """Scans ``entries/``, ``free/`` and ``tmp/`` under ``directory`` (the caller owns its lock)."""
     found = Adopted()
@@ -80,14 +93,15 @@ def adopt(directory: Path, *, verify: bool = True, hash_threads: int = 2) -> Ado
             st = child.lstat()
         except FileNotFoundError:
             continue
-        if child.name.endswith(".free") and stat.S_ISREG(st.st_mode) and size_class(st.st_size) == st.st_size:
+        owner = _free_owner(child.name)
+        if owner is not None and stat.S_ISREG(st.st_mode) and size_class(st.st_size) == st.st_size:
             try:
                 _adopt_free(child, st.st_size)
             except OSError:  # (NoSpace too: the tmpfs cannot give a sparse one its pages)
                 remove(child)
                 continue
-            found.free.append((child, st.st_size))
-        else:
+            found.free.append((child, st.st_size, owner))
+        else:  # (a free file without an owner mark, from before them, may have been served to anyone)
             remove(child)
     for child in (directory / "entries").iterdir():
         try:

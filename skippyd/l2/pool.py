@@ -6,9 +6,15 @@ next entry of the same size class. That is only safe when no reader holds a leas
 (:func:`skippyd.shm.has_readers`); a file someone still reads is unlinked instead, so the reader's
 bytes never change under it.
 
-Directory layout (inside the tier's directory): ``free/<random>.free`` files kept for reuse,
-``tmp/<random>.part`` files being written. Not thread-safe: the tier calls it under its lock, except
-:meth:`FilePool.fresh`, which allocates outside it.
+A file once handed to a client (a restore's descriptor) is reused only for entries of the identity it
+was handed out for (:attr:`File.owner`). A client may keep a lease-free description of an entry file
+(reopened through ``/proc/self/fd``, as kept CUDA mappings are): it then sees whatever the file holds
+next, so a file served for one model, state and namespace never holds another's bytes. Files no client
+was given (fresh ones, the reserve's) serve any identity. Free files carry their owner in their name.
+
+Directory layout (inside the tier's directory): ``free/<random>.<owner>.free`` files kept for reuse
+(``any`` for files no client was given), ``tmp/<random>.part`` files being written. Not thread-safe: the
+tier calls it under its lock, except :meth:`FilePool.fresh`, which allocates outside it.
 """
 
 from __future__ import annotations
@@ -24,9 +30,16 @@ from pathlib import Path
 from skippyd.files import remove
 from skippyd.shm import allocate_mapped, has_readers, map_rw, new_name, next_generation, populate_write
 
-__all__ = ["File", "FilePool", "PoolStats"]
+__all__ = ["ANY_OWNER", "File", "FilePool", "PoolStats", "owner_of"]
 
 log = logging.getLogger("skippyd.l2")
+
+ANY_OWNER = "any"  # a file no client was given: it may serve any identity
+
+
+def owner_of(identity: str) -> str:
+    """The owner mark of files served for ``identity`` (a hex digest): its first 128 bits."""
+    return identity[:32]
 
 
 @dataclass(slots=True)
@@ -42,6 +55,8 @@ class File:
     #: the file is recycled for another entry (a recycled file is renamed and rewritten through its
     #: pages, never punched, truncated or re-allocated), so a client's CUDA registration of it stays good.
     generation: int = field(default_factory=next_generation)
+    #: The identity (:func:`owner_of`) the file was handed to a client for: reused only for that one.
+    owner: str = ANY_OWNER
 
     def ensure_mapped(self) -> mmap.mmap:
         if self.mapping is None:
@@ -94,19 +109,25 @@ class FilePool:
     def has_free(self, size: int) -> bool:
         return bool(self._free.get(size))
 
-    def take(self, size: int) -> File | None:
-        """A free file of exactly ``size`` bytes, moved into ``tmp/`` for a new entry; None if none."""
-        files = self._free.get(size)
-        while files:
-            file = files.pop()
+    def take(self, size: int, owner: str) -> File | None:
+        """A free file of exactly ``size`` bytes that may hold an entry of ``owner`` (no client was given
+        it, or it was served for that identity), moved into ``tmp/``; None if none."""
+        while True:
+            files = self._free.get(size)
+            if not files:
+                return None
+            at = next(
+                (i for i in range(len(files) - 1, -1, -1) if files[i].owner in (ANY_OWNER, owner)), None
+            )
+            if at is None:
+                return None
+            file = files.pop(at)
             if not files:
                 del self._free[size]
             self.free_bytes -= size
             claimed = self.claim(file)
             if claimed is not None:
                 return claimed
-            files = self._free.get(size)
-        return None
 
     def claim(self, file: File) -> File | None:
         """Moves a recycled file into ``tmp/`` for a reservation; None if that failed (file gone)."""
@@ -128,7 +149,7 @@ class FilePool:
         if has_readers(file.path) or room < file.size:
             self.discard(file)
             return
-        target = self.free_dir / new_name(".free")
+        target = self.free_dir / new_name(f".{file.owner}.free")
         try:
             os.rename(file.path, target)
         except OSError:

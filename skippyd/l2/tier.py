@@ -48,7 +48,7 @@ from skippyd.shm import _copy_pool, copy_bytes, has_readers, open_reader, size_c
 from . import adopt as adoption
 from .blocks import L2Blocks, L2BlockStats, Prefault
 from .demand import Demand
-from .pool import File, FilePool
+from .pool import ANY_OWNER, File, FilePool, owner_of
 
 __all__ = ["Held", "L2Stats", "L2Tier", "Listed", "Reservation", "copy_into"]
 
@@ -159,9 +159,11 @@ class Reservation:
                 self.abort()
 
     def open_reader(self) -> int:
-        """A leased read-only fd of the reserved file (its data region is at ``data_offset``)."""
+        """A leased read-only fd of the reserved file (its data region is at ``data_offset``), for a
+        client: the file is reused only for this entry's identity from now on (see :mod:`.pool`)."""
         if self._done:
             raise InvalidArgument("reservation already committed or aborted")
+        self._file.owner = owner_of(self.entry.identity)
         return open_reader(self._file.path)
 
     def commit(
@@ -325,11 +327,13 @@ class L2Tier:
         found = adoption.adopt(self.directory, verify=verify, hash_threads=self._hash_threads)
         with self._lock:
             self.blocks.adopt(verify=verify)
-            for path, size in found.free:
-                self._pool.add_free(File(path, size, freed_at=time.monotonic()))
+            for path, size, owner in found.free:
+                self._pool.add_free(File(path, size, freed_at=time.monotonic(), owner=owner))
             for item in found.entries:
                 self._tick = max(self._tick, item.last_use)
-                slot = _Slot(item.entry, File(item.path, item.file_size), item.data_offset, item.last_use)
+                # (an earlier process may have served it: bound to its identity)
+                file = File(item.path, item.file_size, owner=owner_of(item.entry.identity))
+                slot = _Slot(item.entry, file, item.data_offset, item.last_use)
                 self._insert(slot)
                 self._stats.adopted += 1
             self._stats.adopt_dropped += found.dropped
@@ -383,7 +387,7 @@ class L2Tier:
             key=key, identity=identity, token_count=token_count, tensors=tensors, kind=kind, meta=meta,
             origin=origin,
         )  # fmt: skip
-        file = self._obtain(size, replacing=key if replace else None, evict=evict)
+        file = self._obtain(size, owner_of(entry.identity), replacing=key if replace else None, evict=evict)
         try:
             return Reservation(self, file, entry, data_offset)
         except BaseException:
@@ -428,8 +432,9 @@ class L2Tier:
         data_offset = header_span(entry)
         return entry, data_offset, size_class(data_offset + data_len)
 
-    def _obtain(self, size: int, replacing: str | None, *, evict: bool = True) -> File:
-        """A file of exactly ``size`` bytes for a reservation, accounted as reserved.
+    def _obtain(self, size: int, owner: str, replacing: str | None, *, evict: bool = True) -> File:
+        """A file of exactly ``size`` bytes for a reservation of an entry of ``owner`` (:func:`owner_of` its
+        identity: a file served for another identity is never reused for it), accounted as reserved.
 
         Everything that picks a file and moves it out of ``entries/``/``free/`` happens under the lock, so
         no commit of the same key can slip a new file under the old name in between.
@@ -445,11 +450,11 @@ class L2Tier:
                 self._pool.recycle(old.file, room=self._room())
             if old is None or old.file.size != size:  # (a same-size replacement reuses its own file)
                 self._entry_demand.setdefault(size, Demand()).add(size, time.monotonic())
-            reuse = self._pool.take(size)
+            reuse = self._pool.take(size, owner)
             if reuse is None:
                 if not evict and self._room() + self._pool.free_bytes < size:  # free files alone won't do
                     raise NoSpace("no room in L2 without evicting an entry")
-                reuse = self._make_room(size)  # (drops free files before it evicts any entry)
+                reuse = self._make_room(size, owner=owner)  # (drops free files before it evicts any entry)
             self._reserved += size
             if reuse is not None:
                 return reuse
@@ -471,10 +476,13 @@ class L2Tier:
             self._pool.note_fresh()
         return file
 
-    def _make_room(self, size: int, *, claim: bool = True, own_fills: int = 0, mine: int = 0) -> File | None:
+    def _make_room(
+        self, size: int, *, owner: str | None = None, own_fills: int = 0, mine: int = 0
+    ) -> File | None:
         """Frees budget for ``size`` bytes: free entry files first, then free block slots, then the least
-        recently used entry or block, whichever is older. With ``claim``, an evicted entry's file of
-        exactly ``size`` bytes is returned for reuse instead of being unlinked. Where nothing is left to
+        recently used entry or block, whichever is older. With ``owner`` (a reservation's), an evicted
+        entry's file of exactly ``size`` bytes that may serve it is returned for reuse instead of being
+        unlinked. Where nothing is left to
         evict but memory that is about to be (slots the reserve faults in, free slots a lease still reads,
         slots another put or L3 read is filling: ``own_fills`` of the fills are the caller's own, and
         ``mine`` bytes of their slots), it waits for that, the lock released, at most a few seconds each,
@@ -515,7 +523,12 @@ class L2Tier:
                 raise NoSpace("the L2 budget is held by captures and puts still in flight; retry shortly")
             self._detach(victim)
             self._stats.evictions += 1
-            if claim and victim.file.size == size and not has_readers(victim.file.path):
+            if (
+                owner is not None
+                and victim.file.size == size
+                and victim.file.owner in (ANY_OWNER, owner)
+                and not has_readers(victim.file.path)
+            ):
                 claimed = self._pool.claim(victim.file)  # (a failed claim unlinked the file)
                 if claimed is not None:
                     return claimed
@@ -529,7 +542,7 @@ class L2Tier:
         self._check_open()
         if size > self.budget_bytes:
             raise TooLarge(f"a block slot of {size} bytes is larger than the L2 budget ({self.budget_bytes})")
-        self._make_room(size, claim=False, own_fills=1, mine=mine)
+        self._make_room(size, own_fills=1, mine=mine)
 
     def _room(self) -> int:
         return self.budget_bytes - self._bytes - self._pool.free_bytes - self._reserved - self.blocks.charged
@@ -601,8 +614,9 @@ class L2Tier:
     def hold(self, key: str, *, hit: bool = True) -> Held | None:
         """The entry under ``key`` opened for reading with a leased fd (see :mod:`skippyd.shm`), or None.
 
-        With ``hit`` (a restore) it counts a hit and moves recency; without (a durable write reading the
-        bytes) it changes nothing. One lookup under the lock, whatever the caller does next.
+        With ``hit`` (a restore: the fd goes to a client) it counts a hit, moves recency and binds the file
+        to the entry's identity (it is reused for no other: see :mod:`.pool`); without (a durable write
+        reading the bytes) it changes nothing. One lookup under the lock, whatever the caller does next.
         """
         with self._lock:
             slot = self._index.get(key)
@@ -612,6 +626,7 @@ class L2Tier:
             if hit:
                 self._stats.hits += 1
                 self._touch(slot)
+                slot.file.owner = owner_of(slot.entry.identity)
             return Held(fd, slot.entry, slot.data_offset, slot.file.generation)
 
     def count_miss(self) -> None:
