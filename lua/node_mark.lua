@@ -6,22 +6,21 @@
 -- ARGV[2]  incarnation
 -- ARGV[3]  ttl in ms
 -- ARGV[4]  what to do: "up" (a heartbeat, stamped with this Redis's TIME, unless a newer incarnation
---          that is up holds the name), "forgotten" (lookups stop answering the node; the incarnation
+--          that is live holds the name: liveness.lib.lua), "forgotten" (lookups stop answering the node; the incarnation
 --          is kept), "drop" (remove the record if it is still "forgotten"), "copy" (write ARGV[5], a
 --          whole record, where there is none: the migration from schema version 1)
 -- ARGV[5]  the record, for "copy"
 -- Returns  1 when the record changed, else 0.
 local nodes = KEYS[1]
 local node, incarnation, ttl, what = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+--! include liveness.lib.lua
 local current = redis.call('HGET', nodes, node)
 if what == 'up' then
   if current then
     local inc, _, _, state = string.match(current, '^(%S+) (%S+) (%S+) (%S+)$')
-    if state == 'up' and tonumber(inc) > incarnation then return 0 end
+    if state == 'up' and tonumber(inc) > incarnation and live(current) then return 0 end
   end
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  redis.call('HSET', nodes, node, string.format('%d %d %d up', incarnation, now, ttl))
+  redis.call('HSET', nodes, node, string.format('%d %d %d up', incarnation, clock_ms(), ttl))
   return 1
 elseif what == 'forgotten' then
   local inc = tostring(incarnation)

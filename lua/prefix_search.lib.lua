@@ -1,12 +1,12 @@
 -- prefix_search.lib.lua: the search warm_warmest.lua and warm_route.lua share, one copy: the longest
--- remembered prefix of a prompt's chain, the start of each run one ran() stamped, and a node's liveness.
+-- remembered prefix of a prompt's chain, and the start of each run one ran() stamped.
 -- Not a script of its own: skippyd.cluster.coordination puts its text in place of the line of a script
 -- that includes it, before the script goes to Redis (`skippyd warm script` prints what Redis runs).
 --
 -- KEYS     none of its own: it reads the including script's prefixes hash (its KEYS[1])
 -- ARGV     none of its own: it needs these locals in scope where it is included: prefixes (the hash's
 --          name), chain (the concatenated block hashes), hl (a hash's length), min_blocks, n (blocks)
--- Returns  nothing: it defines seen, fetch, present, parse, boundary, longest_from_end and live
+-- Returns  nothing: it defines seen, fetch, present, parse, boundary and longest_from_end
 --
 -- Remembered prefixes of a chain are contiguous from block 1 (see warm_ran.lua), so the longest one is
 -- the boundary of a monotone predicate, found as the seed's linear scan finds it but in O(log n)
@@ -76,19 +76,4 @@ local function longest_from_end()
     hi = first[i]
   end
   return boundary(lo, hi, present)
-end
-
--- Whether a node is live from its registry record ("<incarnation> <last heartbeat ms> <ttl ms>
--- <state>", or nil): its state is "up" and its last heartbeat within its ttl on this Redis's clock
--- (read once, when first needed). A node never registered is live (static setups that feed ran()
--- themselves); a forgotten one's record stays ("forgotten") until it heartbeats again.
-local now_ms = nil
-local function live(record)
-  if not record then return true end
-  if not now_ms then
-    local t = redis.call('TIME')
-    now_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  local _, last, ttl, state = string.match(record, '^(%S+) (%S+) (%S+) (%S+)$')
-  return state == 'up' and (now_ms - tonumber(last)) <= tonumber(ttl)
 end

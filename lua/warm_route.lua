@@ -19,7 +19,7 @@
 --          given (registered nodes in registry order when none were given; only live ones then). Blocks
 --          of a candidate the search stopped before reaching are 0.
 --
--- Liveness and the search are prefix_search.lib.lua's (included below), as in warm_warmest.lua: a
+-- Liveness and the search are liveness.lib.lua's and prefix_search.lib.lua's (included below), as in warm_warmest.lua: a
 -- registered node is live while its state is "up" and its last heartbeat is within its ttl on this
 -- Redis's clock; a node never registered is live (static setups); a forgotten node is not. A node's blocks: the remembered prefix of the chain is contiguous from block
 -- 1 and its ticks never increase with length (warm_ran.lua), so it is a sequence of runs, one per ran()
@@ -38,6 +38,7 @@ local load = {}
 for i = 9, 8 + 2 * m, 2 do load[ARGV[i]] = tonumber(ARGV[i + 1]) end
 local first_candidate = 9 + 2 * m
 local n = math.floor(#chain / hl)
+--! include liveness.lib.lua
 --! include prefix_search.lib.lua
 
 local names, alive = {}, {}

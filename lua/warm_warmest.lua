@@ -23,6 +23,7 @@ local min_blocks = tonumber(ARGV[3])
 local max_dead_runs = tonumber(ARGV[4])
 local n = math.floor(#chain / hl)
 if n < min_blocks then return nil end
+--! include liveness.lib.lua
 --! include prefix_search.lib.lua
 
 local alive = {}

@@ -21,7 +21,7 @@ def test_the_scripts_are_package_resources() -> None:
         "warm_ran.lua", "warm_warmest.lua", "warm_route.lua", "node_heartbeat.lua", "node_list.lua",
         "node_forget.lua", "node_mark.lua", "promo_consider.lua", "promo_settle.lua",
     }  # fmt: skip
-    assert LIBRARIES == ["prefix_search.lib.lua"]
+    assert LIBRARIES == ["liveness.lib.lua", "prefix_search.lib.lua"]
 
 
 def test_the_prefix_search_is_written_once_and_included_where_redis_runs_it() -> None:

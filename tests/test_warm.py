@@ -452,3 +452,19 @@ def test_every_lua_header_names_the_keys_python_passes(
     lua_files = {p.name for p in (Path(__file__).resolve().parent.parent / "lua").glob("*.lua")}
     scripts = {name for name in lua_files if not name.endswith(".lib.lua")}  # (libraries: included)
     assert set(passed) == scripts, "every script was exercised"
+
+
+def test_a_newer_incarnation_whose_heartbeat_expired_does_not_lock_an_older_one_out(
+    any_redis_url: str,
+) -> None:
+    """Incarnations are start times of the host that ran the node: a name that moves to a host whose clock
+    is behind (or a stepped-back clock) starts with a smaller one. A newer record that nobody renews any
+    more must not refuse it for good; a live newer one still does."""
+    warm = WarmTable.from_url(any_redis_url)
+    assert warm.heartbeat("moved", 2_000_000, ttl_s=0.2)
+    assert not warm.heartbeat("moved", 1_000_000, ttl_s=60), "the newer incarnation is live"
+    time.sleep(0.3)  # its heartbeat expires: the old host is gone
+    assert warm.heartbeat("moved", 1_000_000, ttl_s=60), "the name is taken back by the node that runs now"
+    warm.ran("m", list(range(256)), "moved")
+    assert warm.route("m", list(range(256))).node == "moved"
+    assert [n.incarnation for n in warm.nodes()] == [1_000_000]
