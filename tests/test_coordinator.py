@@ -161,3 +161,62 @@ def test_a_tick_that_went_through_as_the_server_died_does_not_clear_the_degraded
         assert eventually(lambda: not c.status().degraded, timeout=10)
     finally:
         c.close()
+
+
+def test_while_redis_is_away_captures_do_not_cut_the_reconnect_backoff_short(server: RedisServer) -> None:
+    """Every ``ran`` (one a capture) wakes the background thread; its backoff waits must not end there,
+    or a busy daemon retries a Redis that is coming back once per capture."""
+    coord = Coordinator(server.url, node="n1", scope="s", timeout=0.25, heartbeat_s=2.0, ttl_s=10.0)
+    coord.start()
+    try:
+        eventually(lambda: coord.counters["heartbeats"] >= 1, timeout=10)
+        server.kill()
+        before = coord.counters["failures"]
+        started = time.monotonic()
+        i = 0
+        while time.monotonic() - started < 3.0:
+            i += 1
+            coord.ran("m", encode_tokens(list(range(i, i + 256))))
+            time.sleep(0.002)
+        tries = coord.counters["failures"] - before
+        assert coord.degraded and 1 <= tries <= 8, f"{tries} tries in 3 s (backoff 0.1 s doubling: ~5)"
+    finally:
+        coord.close(flush_timeout=0.1)
+
+
+def test_a_redis_cluster_that_is_away_at_start_degrades_the_daemons_link_and_typed_errors_reach_callers() -> (
+    None
+):
+    """redis-py's cluster errors are no RedisError: they escaped as untyped errors, and a daemon whose
+    cluster was away at start could not start (a single Redis away starts degraded)."""
+    from redisutil import RedisCluster, _free_port
+
+    from skippyd import Promotions, WarmTable
+
+    away = f"redis+cluster://127.0.0.1:{_free_port()}"
+    coord = Coordinator(away, node="n1", scope="s", timeout=0.25)  # built: the client is made at first use
+    try:
+        assert not coord.consider("ab" * 32, 10, 100), "counted locally (first sight)"
+        assert coord.degraded and "Cluster" in coord.status().cause
+        coord.ran("m", encode_tokens(list(range(256))))  # buffered, as with a single Redis away
+        assert coord.status().buffered == 1
+    finally:
+        coord.close(flush_timeout=0.1)
+    with pytest.raises(CoordinationUnavailable):
+        WarmTable.from_url(away, timeout=0.25)
+    cluster = RedisCluster().start()
+    try:
+        table = WarmTable.from_url(cluster.url, timeout=0.25)
+        promotions = Promotions.from_url(cluster.url, scope="s", timeout=0.25)
+        assert table.heartbeat("n1", 1, 10)
+        for proc in cluster.procs:
+            proc.kill()
+            proc.wait()
+        for _ in range(3):  # (redis-py refreshes its view of the cluster on the way: each call typed)
+            time.sleep(0.5)
+            with pytest.raises((CoordinationUnavailable, CoordinationTimeout)):
+                table.route("m", list(range(256)))
+            with pytest.raises((CoordinationUnavailable, CoordinationTimeout)):
+                promotions.consider("ab" * 32, 10, 100)
+    finally:
+        cluster.cleanup()

@@ -90,8 +90,17 @@ def _check_node(node: str) -> str:
     return node
 
 
-def connect(url: str, *, timeout: float = 1.0) -> RedisClient:
-    """A redis-py client for ``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://host:port``."""
+#: What redis-py raises: its cluster errors (RedisClusterException, RedisClusterUnreachableError) are no
+#: RedisError, and would otherwise escape as untyped errors (and stop a daemon at start).
+_REDIS_ERRORS = (redis.exceptions.RedisError, redis.exceptions.RedisClusterException)
+
+
+def connect(url: str, *, timeout: float = 1.0, lazy: bool = False) -> RedisClient:
+    """A redis-py client for ``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://host:port``.
+
+    A cluster client reads the cluster's topology when it is made: with ``lazy`` (the daemon's) it is
+    made at its first use, and again at each use until that works, so a daemon whose cluster is away
+    starts degraded and serves, as it does when a single Redis is away (that client connects lazily)."""
     options: dict[str, Any] = {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
@@ -102,14 +111,41 @@ def connect(url: str, *, timeout: float = 1.0) -> RedisClient:
             # No retries inside redis-py (it would re-send a call after a timeout, and take several
             # timeouts to give up): the coordinator retries with backoff, its batches carry ids, and a
             # redirection (MOVED/ASK) is followed regardless of this setting.
-            return redis.cluster.RedisCluster.from_url(
-                "redis://" + url.removeprefix("redis+cluster://"), retry=Retry(NoBackoff(), 0), **options
-            )
+            def make() -> Any:
+                return redis.cluster.RedisCluster.from_url(
+                    "redis://" + url.removeprefix("redis+cluster://"), retry=Retry(NoBackoff(), 0), **options
+                )
+
+            return _LazyCluster(make) if lazy else make()
         if not valid_redis_url(url):
             raise InvalidArgument(f"unsupported Redis URL {url!r}")
         return redis.Redis.from_url(url, **options)
-    except redis.exceptions.RedisError as exc:
+    except _REDIS_ERRORS as exc:
         raise CoordinationUnavailable(f"cannot reach Redis at {url}: {exc}") from exc
+
+
+class _LazyCluster:
+    """A Redis Cluster client made at its first use (see :func:`connect`); until it can be made, every
+    use raises what making it raised (inside the callers' :func:`_redis_errors`: a typed error)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._client: Any = None
+        self._lock = threading.Lock()
+
+    def made(self) -> Any:
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._make()
+        return self._client
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.made(), name)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
 
 
 def server_version(url: str, timeout: float = 2.0) -> str:
@@ -198,7 +234,7 @@ def _redis_errors(what: str) -> Any:
         yield
     except redis.exceptions.TimeoutError as exc:
         raise CoordinationTimeout(f"{what}: Redis did not answer in time ({exc})") from exc
-    except redis.exceptions.RedisError as exc:
+    except _REDIS_ERRORS as exc:
         raise CoordinationUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -784,10 +820,10 @@ class Coordinator:
         self.incarnation = time.time_ns() // 1000
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
-        self.client = connect(url, timeout=timeout)
+        self.client = connect(url, timeout=timeout, lazy=True)  # (a cluster away: start degraded)
         self.table = WarmTable(self.client, block=block, prefix=prefix)
         # batches of ``ran`` updates run longer than a single call: their own connection and timeout
-        self._batch_client = connect(url, timeout=max(timeout, BATCH_TIMEOUT_S))
+        self._batch_client = connect(url, timeout=max(timeout, BATCH_TIMEOUT_S), lazy=True)
         self._batch_table = WarmTable(self._batch_client, block=block, prefix=prefix)
         self.promotions = Promotions(
             self.client, scope=scope, prefix=prefix, window_s=promotion.window_s,
@@ -965,24 +1001,32 @@ class Coordinator:
                     self._health.failed(THREAD, "the Redis link failed", exc)
                 if final:
                     return
-                with self._cond:
-                    if not self._stop and not self._woken:
-                        self._cond.wait(timeout=backoff)
-                    woken, self._woken = self._woken, False
+                woken = self._back_off(backoff)
                 backoff = 0.1 if woken else min(backoff * 2, 5.0)
                 continue
             if not self._recover():  # the server died under a tick that went through: wait for server_up
                 if final:
                     return
-                with self._cond:
-                    if not self._stop and not self._woken:
-                        self._cond.wait(timeout=backoff)
-                    self._woken = False
+                self._back_off(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
             backoff = 0.1
             if final:
                 return
+
+    def _back_off(self, seconds: float) -> bool:
+        """Waits ``seconds`` before the next try, however many ``ran`` updates come meanwhile (each one
+        notifies: under load they cut every wait short, and a Redis coming back got a reconnect per
+        capture); a stop or :meth:`server_up` ends it. Whether ``server_up`` did."""
+        deadline = time.monotonic() + seconds
+        with self._cond:
+            while not self._stop and not self._woken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(timeout=left)
+            woken, self._woken = self._woken, False
+        return woken
 
     def _tick(self) -> None:
         """Heartbeat when due (and first thing while degraded: the link recovers only once Redis answered),
