@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from daemonutil import eventually
@@ -220,3 +221,60 @@ def test_a_redis_cluster_that_is_away_at_start_degrades_the_daemons_link_and_typ
                 promotions.consider("ab" * 32, 10, 100)
     finally:
         cluster.cleanup()
+
+
+def test_a_busy_redis_answering_within_its_timeout_holds_no_request_for_long(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Promotion and admission counts run on a request's worker: a Redis busy with another client's
+    work (so never degraded) made every put wait its turn. A request-path call gives up after 100 ms,
+    and one answered slower than 20 ms sends the next few seconds of them to local counting."""
+    import signal
+
+    monkeypatch.setattr(coordination, "SLOW_PAUSE_S", 0.5)
+    # (a long --redis-timeout: the request path keeps its own 100 ms)
+    c = Coordinator(server.url, node="n1", scope="s", timeout=2.0)
+    try:
+        items = [("c" * 64, 10, 100)]
+        assert c.admit(items) == [False] and c.counters["slow_calls"] == 0
+        busy = threading.Thread(target=lambda: server.client().eval(BUSY_LUA, 0))
+        busy.start()  # about a second of another client's Lua: every call waits for it
+        time.sleep(0.05)
+        started = time.monotonic()
+        assert c.admit(items) == [False], "counted locally (its first sight here)"
+        assert time.monotonic() - started < 0.5 and c.status().degraded, "gave up after its own timeout"
+        busy.join()
+
+        def recovered() -> bool:  # (what the background thread does: a tick, then recovery)
+            c._tick()
+            return c._recover()
+
+        assert eventually(recovered, timeout=10)
+        real = c.admissions.consider_many
+        calls: list[float] = []
+
+        def slow(found: Any) -> list[bool]:
+            calls.append(time.monotonic())
+            time.sleep(0.03)  # answered, within every timeout, but slowly
+            return list(real(found))
+
+        monkeypatch.setattr(c.admissions, "consider_many", slow)
+        c.admit([("d" * 64, 10, 100)])
+        assert c.counters["slow_calls"] == 1 and not c.status().degraded
+        for _ in range(5):
+            c.admit([("d" * 64, 10, 100)])
+        assert len(calls) == 1, "the next calls count locally, without asking Redis"
+        time.sleep(0.6)
+        c.admit([("d" * 64, 10, 100)])
+        assert len(calls) == 2, "Redis is asked again after the pause"
+        server.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        try:
+            monkeypatch.setattr(c.admissions, "consider_many", real)
+            time.sleep(0.6)
+            started = time.monotonic()
+            c.admit([("e" * 64, 10, 100)])
+            assert time.monotonic() - started < 0.5, "a frozen Redis costs one request-path timeout"
+        finally:
+            server.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+    finally:
+        c.close()

@@ -75,6 +75,13 @@ THREAD = "skippyd-coordination"
 
 BATCH_BYTES = 64 << 10  # chain bytes per warm-table batch: ~0.1 ms of Redis time per 64 KB of argument
 BATCH_TIMEOUT_S = 2.0  # a batch's own timeout (single calls keep --redis-timeout)
+#: Calls a client request makes (promotion and admission counts, on the request's worker) give up after
+#: this (or --redis-timeout, if shorter), and one slower than SLOW_CALL_S sends those of the next
+#: SLOW_PAUSE_S to local counting: a Redis busy with others' work (but answering within its timeout, so
+#: never degraded) made every put wait for it, each in turn.
+REQUEST_TIMEOUT_S = 0.1
+SLOW_CALL_S = 0.02
+SLOW_PAUSE_S = 5.0
 BATCH_MARKER_S = 600.0  # how long Redis remembers an applied batch id (a re-send within it is a no-op)
 RedisClient = Any  # redis.Redis | redis.cluster.RedisCluster
 
@@ -782,6 +789,7 @@ class RedisStatus:
     promotions_local: int = 0
     promotions_redis: int = 0
     superseded: int = 0
+    slow_calls: int = 0  # request-path counts Redis answered slowly (each sends the next few seconds local)
     # the embedded redis-server (``--redis-url`` empty): its pid (0 while down), how often it was
     # restarted after dying, how the last one went, how long it has been down, since its last restart
     embedded: bool = False
@@ -793,12 +801,14 @@ class RedisStatus:
 
 
 class Coordinator:
-    """The daemon's link to Redis; nothing here ever makes a client request wait on Redis.
+    """The daemon's link to Redis; a client request waits on Redis for one short call at most.
 
     A background thread registers the node, heartbeats, and sends buffered ``ran`` updates in batches.
     While Redis is down or slow the tiers keep serving: ``ran`` updates wait in a bounded buffer (and are
     dropped, counted, once it is full), promotions are counted locally by the same rules, and the thread
-    reconnects with exponential backoff. :meth:`status` says whether it is degraded and why.
+    reconnects with exponential backoff. A promotion or admission count asked on a request's behalf
+    gives up after :data:`REQUEST_TIMEOUT_S`, and a slow answer sends those of the next seconds to local
+    counting (:data:`SLOW_CALL_S`). :meth:`status` says whether it is degraded and why.
     """
 
     def __init__(
@@ -825,15 +835,18 @@ class Coordinator:
         # batches of ``ran`` updates run longer than a single call: their own connection and timeout
         self._batch_client = connect(url, timeout=max(timeout, BATCH_TIMEOUT_S), lazy=True)
         self._batch_table = WarmTable(self._batch_client, block=block, prefix=prefix)
+        # calls made on a client request's behalf: a connection of their own, with a short timeout
+        self._request_client = connect(url, timeout=min(timeout, REQUEST_TIMEOUT_S), lazy=True)
+        self._slow_until = 0.0  # request-path calls count locally until then (Redis answered slowly)
         self.promotions = Promotions(
-            self.client, scope=scope, prefix=prefix, window_s=promotion.window_s,
+            self._request_client, scope=scope, prefix=prefix, window_s=promotion.window_s,
             max_bytes=promotion.max_bytes, worth_tokens=promotion.worth_tokens,
             max_observations=promotion.max_observations,
         )  # fmt: skip
         self.local = LocalPromotions(promotion)
         # blocks' L3 admission: the same second-hit rules, counted in a scope of their own
         self.admissions = Promotions(
-            self.client, scope=f"{scope}/l3-admission", prefix=prefix, window_s=promotion.window_s,
+            self._request_client, scope=f"{scope}/l3-admission", prefix=prefix, window_s=promotion.window_s,
             max_bytes=promotion.max_bytes, worth_tokens=promotion.worth_tokens,
             max_observations=promotion.max_observations,
         )  # fmt: skip
@@ -851,7 +864,8 @@ class Coordinator:
         self.degraded_since = 0.0
         self.counters = {"ran_sent": 0, "ran_dropped": 0, "batches": 0, "batches_resent": 0,
                          "batches_applied_before": 0, "failures": 0, "heartbeats": 0,
-                         "promotions_local": 0, "promotions_redis": 0, "superseded": 0}  # fmt: skip
+                         "promotions_local": 0, "promotions_redis": 0, "superseded": 0,
+                         "slow_calls": 0}  # fmt: skip
         self._last_heartbeat = 0.0
         self._health = Health()
         self._woken = False  # Redis is known to be back (say the embedded server restarted): retry now
@@ -873,13 +887,24 @@ class Coordinator:
 
     def _in_redis(self, call: Callable[[], Any]) -> tuple[bool, Any]:
         """``(True, call())`` while Redis answers; ``(False, None)`` while it is away (a failure degrades
-        the link: counting goes local until the background thread has Redis back)."""
-        if not self.degraded:
-            try:
-                return True, call()
-            except SkippydError as exc:
-                self._degrade(str(exc))
-        return False, None
+        the link: counting goes local until the background thread has Redis back) or answered the last
+        such call slowly (local for :data:`SLOW_PAUSE_S`: a request never waits on a busy Redis for long)."""
+        if self.degraded or time.monotonic() < self._slow_until:
+            return False, None
+        started = time.monotonic()
+        try:
+            answer = call()
+        except SkippydError as exc:
+            self._degrade(str(exc))
+            return False, None
+        took = time.monotonic() - started
+        if took > SLOW_CALL_S:
+            if self._slow_until == 0.0 or started > self._slow_until + 60:  # (one line a minute at most)
+                log.warning("Redis answered a request's count in %.0f ms: counting locally for %gs at a time",
+                            took * 1e3, SLOW_PAUSE_S)  # fmt: skip
+            self._slow_until = time.monotonic() + SLOW_PAUSE_S
+            self.counters["slow_calls"] += 1
+        return True, answer
 
     def consider(self, digest: str, token_count: int, payload_bytes: int, /) -> bool:
         """The promotion decision, counted in Redis, or locally by the same rules while Redis is away."""
@@ -895,11 +920,7 @@ class Coordinator:
 
     def settle(self, digest: str, /) -> None:
         self.local.settle(digest)
-        if not self.degraded:
-            try:
-                self.promotions.settle(digest)
-            except SkippydError as exc:
-                self._degrade(str(exc))
+        self._in_redis(lambda: self.promotions.settle(digest))
 
     def status(self) -> RedisStatus:
         with self._cond:
@@ -946,6 +967,7 @@ class Coordinator:
             self._thread.join(timeout=flush_timeout + 5)
         self.table.close()
         self._batch_table.close()
+        self.promotions.close()
 
     def _degrade(self, cause: str) -> None:
         if not self.degraded:
