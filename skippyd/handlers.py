@@ -77,6 +77,7 @@ _LOCK_FREE = frozenset({"hello", "ping", "config"})  # inline operations that ta
 #: A number written into the file lets that many waiting copies through, one at a time (each takes one).
 COPY_GATE_ENV = "SKIPPYD_TEST_COPY_GATE"
 _COPY_GATE_MAX_S = 60.0
+_LISTING_KEPT_S = 60.0  # how long an `ls` listing is kept for its next page
 
 #: Operations whose request may name a staging half (``"half": 0 | 1``), see docs/protocol.md.
 STAGED_OPS = frozenset({"blocks_put", "capture"})
@@ -158,6 +159,9 @@ class Session:
     gid: int = -1
     handshaken: bool = False
     staging: Staging | None = None
+    # ``ls`` paging: the listing its first page was cut from, and when, kept for the pages that follow
+    # (one snapshot, built once: each page used to rebuild the whole list of a big cache)
+    listing: tuple[float, list[Any]] | None = None
 
 
 @dataclass(slots=True)
@@ -499,11 +503,17 @@ class Handlers:
         for name, value in (("limit", limit), ("offset", offset)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise InvalidArgument(f"{name} must be a non-negative integer")
-        entries = self.tiers.entries()
+        # a page at a time: the whole list of a big cache would not fit one frame (100k entries: 24 MB);
+        # the pages after the first are cut from the listing the first was (one consistent snapshot)
+        kept = session.listing
+        if offset and kept is not None and time.monotonic() - kept[0] < _LISTING_KEPT_S:
+            entries = kept[1]
+        else:
+            entries = self.tiers.entries()
         total = len(entries)
-        # a page at a time: the whole list of a big cache would not fit one frame (100k entries: 24 MB)
         stop = min(total, offset + (min(limit, self._ls_page) if limit else self._ls_page))
         page = entries[offset:stop]
+        session.listing = (time.monotonic(), entries) if stop < total else None
         return Reply(
             {
                 "entries": [item.to_wire() for item in page],

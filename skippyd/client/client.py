@@ -845,7 +845,7 @@ class Client:
 
     def ls(self, limit: int = 0) -> list[dict[str, Any]]:
         """The entries held, most recently used first (at most ``limit``; 0: all), asked a page at a time
-        (entries used between two pages may move between them)."""
+        (the pages are cut from one listing the daemon made for the first)."""
         entries: list[dict[str, Any]] = []
         offset: int | None = 0
         while offset is not None:
