@@ -32,6 +32,7 @@ Nothing here touches sockets or imports torch.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import mmap
@@ -229,7 +230,12 @@ class BlockRules:
         # parked reads (the server's, holding no thread): whether each still reaches a copy, and its wake-up
         self._parked: list[tuple[Callable[[], bool], Callable[[], None]]] = []
         self._evict_epoch = 0  # explicit evictions so far; puts reserved before one never commit its blocks
-        self._promoting = 0  # promotions from L3 between their reservation and their commit (they read marks)
+        # the epochs puts and promotions in flight began under (how many each): marks no one of them could
+        # be cancelled by are pruned (a put reads them at its commit, a promotion at its own)
+        self._epochs: collections.Counter[int] = collections.Counter()
+        # evictions between their mark and the end of their L3 removal, by identity (None: all): a
+        # promotion that began meanwhile (its epoch is the mark's) read blocks the eviction is removing
+        self._evicting: collections.Counter[bytes | None] = collections.Counter()
         self._evict_marks: dict[bytes | None, int] = {}  # identity (None: all) -> the epoch of its last
 
     def _count(self, **deltas: int) -> None:
@@ -547,8 +553,7 @@ class BlockRules:
         with self.l2.lock:
             # an explicit eviction of these blocks from here on keeps them out: its reply may say they are
             # gone before this read ends (the marks are kept while a promotion may still look at them)
-            epoch = self._evict_epoch
-            self._promoting += 1
+            epoch = self._hold_epoch()
             for record in records:
                 if blocks.holds(record.key):
                     continue
@@ -568,16 +573,17 @@ class BlockRules:
             done = self.l3.blocks.read_into([p.record.key for p in pending], [p.view for p in pending])
         finally:
             with self.l2.lock:
-                self._promoting -= 1
-                if done and self._evicted_since(records[0].identity, epoch):
-                    done = 0  # evicted while it was read: nothing of it comes back
+                identity = records[0].identity
+                if done and (
+                    self._evicted_since(identity, epoch) or self._evicting[identity] or self._evicting[None]
+                ):
+                    done = 0  # evicted while it was read (or as it began): nothing of it comes back
+                self._drop_epoch(epoch)
                 for index, slot in enumerate(pending):
                     if index < done:
                         blocks.commit(slot, slot.record.digest, durable=False)
                     else:
                         blocks.abort(slot)
-                if not self._reserved and not self._promoting:
-                    self._evict_marks.clear()
                 held = {r.key for r in records if blocks.holds(r.key)}
         if done and self.promotions is not None:
             with contextlib.suppress(Exception):
@@ -727,15 +733,20 @@ class BlockRules:
                 raise failure
             new_bytes = sum(sizes[index] for index, _ in pending)
             defer = self.digester is not None and self.digester.may_defer(new_bytes)
-            epoch = self._evict_epoch
+            epoch = self._hold_epoch()  # (dropped when the put commits or gives its slots back)
         # The keys count as reserved (a block of another put whose parent is one of them is no hole; reads
         # reaching them wait for the commit) only once their slots have pages: until then a full tmpfs
         # may still leave them out, and another put must not be promised a child of a block never stored.
-        kept, full = self._allocate([slot for _, slot in pending])
-        skipped += len(pending) - kept
-        del pending[kept:]
-        if full is not None and not pending and not present:
-            raise full
+        try:
+            kept, full = self._allocate([slot for _, slot in pending])
+            skipped += len(pending) - kept
+            del pending[kept:]
+            if full is not None and not pending and not present:
+                raise full
+        except BaseException:
+            with self.l2.lock:
+                self._drop_epoch(epoch)
+            raise
         with self.l2.lock:
             for _, slot in pending:
                 key = slot.record.key
@@ -758,7 +769,7 @@ class BlockRules:
                 digests = self._fill(pending, sizes, job.offsets, job.source, hashed=job.hashed)
             except BaseException:
                 with self.l2.lock:
-                    self._unreserve(pending)
+                    self._unreserve(pending, job.epoch)
                     for _, slot in pending:
                         blocks.abort(slot)
                     self._wake_parked()
@@ -768,7 +779,7 @@ class BlockRules:
             committed: list[bytes] = []
             with self.l2.lock:
                 cancelled = self._evicted_since(identity, job.epoch)
-                self._unreserve(pending)
+                self._unreserve(pending, job.epoch)
                 done = 0
                 try:
                     for (index, slot), digest in zip(pending, digests, strict=True):
@@ -835,7 +846,7 @@ class BlockRules:
         """Gives back every slot a put reserved, nothing copied (its connection's copy was never run)."""
         try:
             with self.l2.lock:
-                self._unreserve(job.pending)
+                self._unreserve(job.pending, job.epoch)
                 for _, slot in job.pending:
                     self.l2.blocks.abort(slot)
                 self._wake_parked()
@@ -850,9 +861,10 @@ class BlockRules:
             if self.writer is not None:
                 self.writer.end(job.seq)
 
-    def _unreserve(self, pending: list[tuple[int, Pending]]) -> None:
-        """The put's keys are no longer reserved (committed or given back): reads waiting in-process look
-        again once the lock is let go (parked ones: :meth:`_wake_parked`). Under the lock."""
+    def _unreserve(self, pending: list[tuple[int, Pending]], epoch: int) -> None:
+        """The put's keys are no longer reserved (committed or given back), nor its epoch in flight: reads
+        waiting in-process look again once the lock is let go (parked ones: :meth:`_wake_parked`). Under
+        the lock."""
         reserved = self._reserved
         self._copies_done.notify_all()
         for _, slot in pending:
@@ -862,8 +874,7 @@ class BlockRules:
                 reserved[key] = left
             else:
                 reserved.pop(key, None)
-        if not reserved and not self._promoting:  # no put or promotion an eviction mark could cancel
-            self._evict_marks.clear()
+        self._drop_epoch(epoch)
 
     def _wake_parked(self) -> None:
         """Wakes the parked reads whose run no longer reaches a block in copy (under the lock, after
@@ -877,15 +888,47 @@ class BlockRules:
                     wake()
             self._parked = still
 
+    def _hold_epoch(self) -> int:
+        """The epoch a put or a promotion begins under, held in flight until :meth:`_drop_epoch` (under
+        the lock): the eviction marks it may be cancelled by are kept until then."""
+        epoch = self._evict_epoch
+        self._epochs[epoch] += 1
+        return epoch
+
+    def _drop_epoch(self, epoch: int) -> None:
+        """One put or promotion of ``epoch`` is no longer in flight: the marks no one still in flight could
+        be cancelled by go (a mark cancels what began before it; what begins now begins after them all)."""
+        self._epochs[epoch] -= 1
+        if self._epochs[epoch] <= 0:
+            del self._epochs[epoch]
+        if not self._epochs:
+            self._evict_marks.clear()
+            return
+        floor = min(self._epochs)
+        for identity in [i for i, mark in self._evict_marks.items() if mark <= floor]:
+            del self._evict_marks[identity]
+
     def _evicted_since(self, identity: bytes, epoch: int) -> bool:
         """An explicit eviction of ``identity``'s blocks (or of everything) came after ``epoch``."""
         marks = self._evict_marks
         return marks.get(None, 0) > epoch or marks.get(identity, 0) > epoch
 
-    def _mark_evicted(self, identity: bytes | None) -> None:
+    @contextlib.contextmanager
+    def _evicting_now(self, identity: bytes | None) -> Iterator[None]:
+        """An explicit eviction of ``identity``'s blocks (None: all), marked (puts and promotions begun
+        before it do not commit) and in progress until its L3 removal ended (a promotion begun meanwhile
+        read blocks it is removing: it does not commit either)."""
         with self.l2.lock:
             self._evict_epoch += 1
             self._evict_marks[identity] = self._evict_epoch
+            self._evicting[identity] += 1
+        try:
+            yield
+        finally:
+            with self.l2.lock:
+                self._evicting[identity] -= 1
+                if self._evicting[identity] <= 0:
+                    del self._evicting[identity]
 
     def _present_for_disk(
         self, present: Sequence[bytes], committed: Sequence[bytes]
@@ -1028,13 +1071,13 @@ class BlockRules:
     def evict_identity(self, identity_digest: str) -> int:
         """Every block of an identity, from both tiers (queued durable writes of it are dropped)."""
         identity = bytes.fromhex(identity_digest)
-        self._mark_evicted(identity)
-        if self.writer is not None:
-            self.writer.forget(identity)
-        removed = self._remove_from_l2(identity)
-        if self.l3 is not None:
-            with self.l3.lock:
-                removed = max(removed, self.l3.blocks.remove_identity(identity))
+        with self._evicting_now(identity):
+            if self.writer is not None:
+                self.writer.forget(identity)
+            removed = self._remove_from_l2(identity)
+            if self.l3 is not None:
+                with self.l3.lock:
+                    removed = max(removed, self.l3.blocks.remove_identity(identity))
         return removed
 
     def _remove_from_l2(self, identity: bytes | None) -> int:
@@ -1047,14 +1090,14 @@ class BlockRules:
         return self.l2.in_steps(keys, self.l2.blocks.remove)
 
     def clear(self) -> int:
-        self._mark_evicted(None)
-        if self.writer is not None:
-            self.writer.forget(None)
-        removed = self._remove_from_l2(None)
-        self.l2.release_free_slots()
-        if self.l3 is not None:
-            with self.l3.lock:
-                removed = max(removed, self.l3.blocks.clear())
+        with self._evicting_now(None):
+            if self.writer is not None:
+                self.writer.forget(None)
+            removed = self._remove_from_l2(None)
+            self.l2.release_free_slots()
+            if self.l3 is not None:
+                with self.l3.lock:
+                    removed = max(removed, self.l3.blocks.clear())
         return removed
 
     def summary(self) -> list[dict[str, Any]]:

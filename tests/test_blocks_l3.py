@@ -880,3 +880,100 @@ def test_blocks_evicted_while_an_l3_hit_promotes_them_into_l2_stay_evicted(
         with l2.lock:
             assert not rules._evict_marks, "the marks go once no put or promotion could read them"
         writer.close()
+
+
+def _rules_over_l3(l2: Any, l3: Any) -> tuple[Any, Any]:
+    from skippyd.blocks import BlockRules
+    from skippyd.packer import BlockWriter
+    from skippyd.workers import Health
+
+    writer = BlockWriter(l2, l3, Health())
+    writer.start()
+    return BlockRules(l2, l3=l3, writer=writer), writer  # (no promotion policy: every L3 hit promotes)
+
+
+def test_a_promotion_that_begins_while_an_eviction_is_removing_the_blocks_does_not_commit(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """An eviction marks, empties L2 in steps, then L3: a get between the mark and L3's removal still
+    finds the blocks in L3 and its epoch is the mark's, so the mark alone does not cancel it; the
+    eviction in progress does."""
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        rules, writer = _rules_over_l3(l2, l3)
+        space = block_space(MODEL, STATE, "", BLOCK)
+        keys = [b"k%d" % i for i in range(4)]
+        raw = bytes(range(256)) * 64
+        assert rules.put(space, keys, [4096] * 4, [0, 4096, 8192, 12288], memoryview(raw), durable="sync")
+        with l2.lock:  # only L3 holds them (as after a restart)
+            l2.blocks.remove(l2.blocks.keys_of(None))
+        in_l3_removal, go_on = threading.Event(), threading.Event()
+        real = rules._remove_from_l2
+
+        def then_wait(identity: Any) -> int:
+            removed = int(real(identity))
+            in_l3_removal.set()  # marked, L2 emptied; L3's removal comes next
+            assert go_on.wait(10)
+            return removed
+
+        rules._remove_from_l2 = then_wait
+        answer: list[int] = []
+        evicting = threading.Thread(target=lambda: answer.append(rules.evict_identity(space.identity.digest)))
+        evicting.start()
+        assert in_l3_removal.wait(10)
+        served = rules.get(space, keys, max_fds=8)  # an L3 hit: promoted into L2, were it not cancelled
+        for fd in served.lease.fds:
+            os.close(fd)
+        go_on.set()
+        evicting.join(10)
+        assert answer == [4] and rules.contains(space, keys) == 0
+        with l2.lock:
+            assert not l2.blocks.keys_of(None)
+        writer.close()
+
+
+def test_an_eviction_mark_stays_for_a_put_still_allocating_whatever_ends_meanwhile(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """A put reads the epoch when it reserves, allocates its pages outside the lock, and counts its keys
+    reserved after: a promotion (or another put) ending meanwhile must not drop the mark of an eviction
+    that came in between, or the put commits an identity the eviction answered gone."""
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+
+    raw = bytes(range(256)) * 64
+    sizes, offsets = [4096] * 4, [0, 4096, 8192, 12288]
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        rules, writer = _rules_over_l3(l2, l3)
+        x, y = block_space("model-x", "s", "", BLOCK), block_space("model-y", "s", "", BLOCK)
+        ykeys, xkeys = [b"y%d" % i for i in range(4)], [b"x%d" % i for i in range(4)]
+        assert rules.put(y, ykeys, sizes, offsets, memoryview(raw), durable="sync").durability == "written"
+        with l2.lock:  # y only in L3: its next get promotes
+            l2.blocks.remove(l2.blocks.keys_of(None))
+        in_alloc, go_on = threading.Event(), threading.Event()
+        real = rules._allocate
+
+        def held_allocation(pending: Any) -> Any:
+            if threading.current_thread().name == "put-x":
+                in_alloc.set()
+                assert go_on.wait(10)
+            return real(pending)
+
+        rules._allocate = held_allocation
+        result: list[Any] = []
+        put = threading.Thread(
+            target=lambda: result.append(rules.put(x, xkeys, sizes, offsets, memoryview(raw))), name="put-x"
+        )
+        put.start()
+        assert in_alloc.wait(10)  # x's put reserved its slots and is giving them pages
+        assert rules.evict_identity(x.identity.digest) == 0
+        served = rules.get(y, ykeys, max_fds=8)  # y's promotion begins and ends meanwhile
+        for fd in served.lease.fds:
+            os.close(fd)
+        go_on.set()
+        put.join(10)
+        assert result[0].stored == 0 and rules.contains(x, xkeys) == 0, "the put begun before it is cancelled"
+        assert not rules._evict_marks and not rules._epochs, "the marks go once nothing in flight needs them"
+        writer.close()
