@@ -242,14 +242,11 @@ def test_a_busy_redis_answering_within_its_timeout_holds_no_request_for_long(
         time.sleep(0.05)
         started = time.monotonic()
         assert c.admit(items) == [False], "counted locally (its first sight here)"
-        assert time.monotonic() - started < 0.5 and c.status().degraded, "gave up after its own timeout"
+        assert time.monotonic() - started < 0.5, "gave up after its own timeout"
+        assert not c.status().degraded and c.counters["slow_calls"] == 1, "slow, not down: the link is fine"
         busy.join()
-
-        def recovered() -> bool:  # (what the background thread does: a tick, then recovery)
-            c._tick()
-            return c._recover()
-
-        assert eventually(recovered, timeout=10)
+        time.sleep(0.6)  # (the pause the slow call began)
+        c.counters["slow_calls"] = 0
         real = c.admissions.consider_many
         calls: list[float] = []
 

@@ -892,8 +892,11 @@ class Coordinator:
         if self.degraded or time.monotonic() < self._slow_until:
             return False, None
         started = time.monotonic()
+        answered, answer = True, None
         try:
             answer = call()
+        except CoordinationTimeout:  # slow past the request path's own timeout: slow, not down (the
+            answered = False  # background link, with its longer timeout, says whether Redis is down)
         except SkippydError as exc:
             self._degrade(str(exc))
             return False, None
@@ -904,7 +907,7 @@ class Coordinator:
                             took * 1e3, SLOW_PAUSE_S)  # fmt: skip
             self._slow_until = time.monotonic() + SLOW_PAUSE_S
             self.counters["slow_calls"] += 1
-        return True, answer
+        return answered, answer
 
     def consider(self, digest: str, token_count: int, payload_bytes: int, /) -> bool:
         """The promotion decision, counted in Redis, or locally by the same rules while Redis is away."""
