@@ -523,3 +523,31 @@ def test_slots_a_reader_let_go_of_are_taken_again_before_a_put_evicts_live_block
         assert put_into(a, [b"c%d" % i for i in range(480)]) == 480
         assert sum(rules.held(b, live)) == 480, "live blocks were evicted while free slots sat aside"
         assert tier.stats().block_evictions == evictions
+
+
+def test_free_files_served_for_one_identity_are_not_the_reserves_stock_for_every_entry(shm_dir: Path) -> None:
+    """A file once handed to a client serves only its identity's entries: free ones of identity A are no
+    ready stock for B's captures of their size class, so the reserve faults in a file any entry may take
+    (and its decay gives back its own stock, not A's)."""
+    from l2util import IDENT, get
+
+    from skippyd.keys import Identity
+    from skippyd.l2.pool import ANY_OWNER
+
+    other = Identity("model-b", "state-v1", "tenant-b")
+    with L2Tier.open(shm_dir, 64 << 20) as tier:
+        served = [admit_bytes(tier, f"a{i}", 60 * 1024, fill=1) for i in range(4)]
+        for entry in served:
+            get(tier, entry.key)  # restored: handed to a client
+            tier.remove(entry.key)
+        time.sleep(1.1)  # (A's demand leaves the window)
+        admit_bytes(tier, "b0", 60 * 1024, fill=2, ident=other)  # B's demand for the class
+        size = size_of(60 * 1024)
+        assert tier._pool.free_of(size, ANY_OWNER) == 0 and tier._pool.free_of(size) == 4 * size
+        added = sum(tier.prefault_step(32 << 20, window=1.0) for _ in range(4))
+        assert added == size and tier._pool.free_of(size, ANY_OWNER) == size
+        assert sum(tier.give_back_step(32 << 20, window=1.0) for _ in range(4)) == 0
+        fresh = tier.stats().fresh_files
+        admit_bytes(tier, "b1", 60 * 1024, fill=2, ident=other)
+        assert tier.stats().fresh_files == fresh, "B's capture took the reserve's file, none fresh"
+        assert {f.owner for files in tier._pool._free.values() for f in files} == {IDENT.digest[:32]}

@@ -172,21 +172,24 @@ class FilePool:
         self.unlink(file)
         return True
 
-    def free_of(self, size: int) -> int:
-        """Bytes of the free files of size class ``size``."""
-        return len(self._free.get(size, ())) * size
+    def free_of(self, size: int, owner: str | None = None) -> int:
+        """Bytes of the free files of size class ``size`` (only those of ``owner``, where given: the
+        reserve's stock is the files that may serve any entry, :data:`ANY_OWNER`)."""
+        files = self._free.get(size, ())
+        return size * (len(files) if owner is None else sum(1 for f in files if f.owner == owner))
 
     def free_sizes(self) -> list[int]:
         """The size classes that have free files."""
         return list(self._free)
 
-    def drop_free(self, size: int) -> int:
-        """Gives back the memory of one free file of size class ``size`` (the reserve's decay); the bytes
-        given back (0: there was none)."""
+    def drop_free(self, size: int, owner: str | None = None) -> int:
+        """Gives back the memory of one free file of size class ``size`` (of ``owner``, where given: the
+        reserve's decay gives back its own stock); the bytes given back (0: there was none)."""
         files = self._free.get(size)
-        if not files:
+        at = next((i for i, f in enumerate(files or ()) if owner is None or f.owner == owner), None)
+        if files is None or at is None:
             return 0
-        file = files.pop(0)  # (the longest free)
+        file = files.pop(at)  # (the longest free)
         if not files:
             del self._free[size]
         self.free_bytes -= size

@@ -809,7 +809,9 @@ class L2Tier:
             recent = demand.recent(now, window) if demand is not None else 0
             if not recent and demand is not None:
                 del self._entry_demand[size]
-            plan.append(Ready(None, size, recent, self._pool.free_of(size)))
+            # (its stock: the free files that may serve any entry; those served for one identity wait
+            # for that identity's entries, or are given back under pressure)
+            plan.append(Ready(None, size, recent, self._pool.free_of(size, ANY_OWNER)))
         wanted = sum(item.target for item in plan)
         for item in plan:
             target = item.target if wanted <= limit else item.target * limit // wanted
@@ -894,7 +896,7 @@ class L2Tier:
             over = [item for item in self._ready_plan(limit, window, active_s) if item.free > item.target]
             for item in sorted(over, key=lambda i: i.target - i.free):
                 if item.group is None:
-                    given = self._pool.drop_free(item.unit)
+                    given = self._pool.drop_free(item.unit, ANY_OWNER)
                 else:
                     given = self.blocks.punch_free_slot(item.group)
                 if given:
