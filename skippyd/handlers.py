@@ -436,9 +436,11 @@ class Handlers:
         maps = body.get("slot_maps", False)
         if not isinstance(maps, bool):
             raise InvalidArgument("slot_maps must be true or false")
-        max_fds = body.get("max_fds", DEFAULT_REPLY_FDS)  # (a client from before it reads 8 a frame)
-        if type(max_fds) is not int or not 1 <= max_fds <= MAX_FDS:
-            raise InvalidArgument(f"max_fds must be an integer from 1 to {MAX_FDS}")
+        # (a client from before max_fds reads 8 a frame; fewer is not offered: a run partly read from L3
+        # brings up to 4 descriptors of its own beside at least one slab's)
+        max_fds = body.get("max_fds", DEFAULT_REPLY_FDS)
+        if type(max_fds) is not int or not DEFAULT_REPLY_FDS <= max_fds <= MAX_FDS:
+            raise InvalidArgument(f"max_fds must be an integer from {DEFAULT_REPLY_FDS} to {MAX_FDS}")
         get = functools.partial(self.tiers.blocks.get, space, keys, max_fds=max_fds, slot_maps=maps)
         served = get(may_read=False)
         if served.copying:  # parked until the copy commits, then served on a worker (it may read L3)
