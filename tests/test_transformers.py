@@ -258,6 +258,26 @@ def _attention_only_copy(model: Any, cache: Any, *, typed: bool) -> Any:
     return copy
 
 
+def test_a_recurrent_cache_captured_under_more_tokens_than_it_has_seen_is_refused(
+    client: skippyd.Client, namespace: str, built: Any
+) -> None:
+    """After generate() the last token was never run through the model: passing its sequences stored a
+    Mamba state under one token too many, and a restore then continued from the wrong state (logits off
+    by 5). A recurrent layer counts the tokens it has seen (transformers 5.25 and later)."""
+    model = built("mamba")
+    prefix = hfmodels.prompt(PROMPT)[:64]
+    cache = prefilled(model, prefix[:63])
+    seen = getattr(cache.layers[0], "cumulative_length_linear", None)
+    if not isinstance(seen, torch.Tensor):
+        pytest.skip("this transformers counts no recurrent tokens: tokens are trusted there")
+    with pytest.raises(InvalidArgument, match="has seen 63 tokens but tokens has 64"):
+        skt.capture(client, model, cache, tokens=prefix, namespace=namespace)
+    assert skt.restore(client, model, tokens=prefix, namespace=namespace) is None
+    skt.capture(client, model, cache, tokens=prefix[:63], namespace=namespace)
+    restored = skt.restore(client, model, tokens=prefix, namespace=namespace)
+    assert restored is not None and restored[1] == 63
+
+
 @pytest.mark.parametrize("name", HYBRIDS)
 @pytest.mark.parametrize("damage", ["never-ran", "plain-kv-cache", "reset", "zeroed"])
 def test_hybrid_capture_without_its_recurrent_state_is_refused(
@@ -371,3 +391,32 @@ def test_default_model_id_names_the_checkpoint_or_the_config(built: Any) -> None
     named = hfmodels.build("llama")
     named.config.name_or_path = "org/tiny-llama"
     assert skt.default_model_id(named) == "org/tiny-llama"
+
+
+def test_a_bamba_continuation_on_a_restored_cache_matches_a_full_prefill(
+    client: skippyd.Client, namespace: str
+) -> None:
+    """Bamba's forward numbers new tokens' positions from 0 whatever the cache holds: its rotary positions
+    were wrong on top of a restored cache (logits 2 off, a third of the argmaxes wrong). skt.prefill gives
+    it positions counted on from the cache's length."""
+    import transformers as tf
+
+    if not hasattr(tf, "BambaConfig"):
+        pytest.skip("this transformers has no Bamba")
+    torch.manual_seed(1)
+    config = tf.BambaConfig(
+        vocab_size=512, hidden_size=64, initializer_range=0.2, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8,
+        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_expand=2, mamba_chunk_size=16,
+    )  # fmt: skip
+    model = tf.BambaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
+    ids = hfmodels.prompt(40)
+    with torch.no_grad():
+        out = model(input_ids=ids[None, :20], use_cache=True)
+        skt.capture(client, model, out.cache, tokens=ids[:20], namespace=namespace)
+        restored = skt.restore(client, model, tokens=ids, namespace=namespace)
+        assert restored is not None and restored[1] == 20
+        logits, _ = skt.prefill(model, ids[20:], cache=restored[0])
+        full = model(input_ids=ids[None]).logits[0, 20:]
+    assert max_diff(logits[0], full) <= 1e-4
+    assert torch.equal(logits[0].argmax(-1), full.argmax(-1))

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_BLOCK_TOKENS",
     "FORMAT_VERSION",
+    "POSITION_MODEL_TYPES",
     "STEPWISE_MODEL_TYPES",
     "LayerSpec",
     "ModelProfile",
@@ -93,6 +94,10 @@ _FALLBACK_TRIES = 8
 #: one token is fed at once (their multi-token path runs the selective scan from a zero state; only the
 #: one-token decode path reads the cache). :func:`prefill` feeds these one token at a time on top of a cache.
 STEPWISE_MODEL_TYPES = frozenset({"mamba", "falcon_mamba", "jamba", "zamba"})
+#: Model types whose forward numbers new tokens' positions from 0 whatever the cache holds (transformers
+#: 5.25's Bamba: its rotary positions then went wrong after a restore, logits 2 off): ``prefill`` gives
+#: them ``position_ids`` counted on from the cache's length.
+POSITION_MODEL_TYPES = frozenset({"bamba"})
 
 KIND_KV = "kv"
 KIND_KV_RECURRENT = "kv-recurrent"
@@ -915,6 +920,9 @@ def _collect(prof: ModelProfile, cache: Any, n: int) -> tuple[dict[str, torch.Te
                     raise InvalidArgument(
                         f"the recurrent state of layer {index} (state {s}) is empty (all zeros: reset?)"
                     )
+        seen = getattr(layer, "cumulative_length_linear", None)  # transformers >= 5.25 counts linear tokens
+        if spec.states and isinstance(seen, torch.Tensor) and int(seen) != n:
+            raise InvalidArgument(f"the cache has seen {int(seen)} tokens but tokens has {n}")
         layers_meta.append([spec.kind, spec.states, spec.window])
     return tensors, layers_meta
 
@@ -939,8 +947,10 @@ def capture(
 
     Refuses (``InvalidArgument``) a cache whose token count differs from ``tokens``, a batch other than
     one sequence, and any recurrent layer whose state is missing or empty, so a hybrid is never stored as
-    KV only; a cache that was not made for this model is a ``Mismatch``. A pure recurrent cache records
-    no length, so there ``tokens`` is trusted: pass exactly the tokens the cache has seen. A model
+    KV only; a cache that was not made for this model is a ``Mismatch``. A recurrent layer's count of the
+    tokens it has seen (transformers 5.25 and later) must match too: after ``generate()``, whose last token
+    was never run through the model, pass the tokens the cache has seen, not ``sequences``. (On earlier
+    releases a pure recurrent cache records no length, and ``tokens`` is trusted.) A model
     spread over several devices (``device_map``) is refused too (``InvalidArgument``).
     """
     _on_one_device(model)
@@ -1242,8 +1252,10 @@ def prefill(
 
     One forward pass, except for models in :data:`STEPWISE_MODEL_TYPES` continuing a cache that already
     holds state: their multi-token path drops the cached recurrent state (a transformers limitation), so
-    they get one token per forward, which matches a full recompute. ``logits_to_keep`` > 0 keeps only the
-    last that many positions' logits (``0``: all). Runs under ``torch.no_grad()``.
+    they get one token per forward, which matches a full recompute; models in
+    :data:`POSITION_MODEL_TYPES` get the new tokens' positions counted on from the cache's length.
+    ``logits_to_keep`` > 0 keeps only the last that many positions' logits (``0``: all). Runs under
+    ``torch.no_grad()``.
     """
     from transformers import DynamicCache
 
@@ -1258,6 +1270,9 @@ def prefill(
     if cache is None:
         cache = DynamicCache(config=model.config)
     extra: dict[str, Any] = {"logits_to_keep": logits_to_keep} if logits_to_keep > 0 else {}
+    if getattr(model.config, "model_type", None) in POSITION_MODEL_TYPES and _has_state(cache):
+        past = int(cache.get_seq_length())
+        extra["position_ids"] = torch.arange(past, past + n, device=ids.device)[None]
     with torch.no_grad():
         if not (prof.stepwise and _has_state(cache)):
             out = model(input_ids=ids, use_cache=True, **{_cache_kwarg(model): cache}, **extra)
