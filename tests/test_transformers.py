@@ -412,8 +412,7 @@ def test_a_bamba_continuation_on_a_restored_cache_matches_a_full_prefill(
     model = tf.BambaForCausalLM(config).eval()  # type: ignore[no-untyped-call]
     ids = hfmodels.prompt(40)
     with torch.no_grad():
-        out = model(input_ids=ids[None, :20], use_cache=True)
-        skt.capture(client, model, out.cache, tokens=ids[:20], namespace=namespace)
+        skt.capture(client, model, prefilled(model, ids[:20]), tokens=ids[:20], namespace=namespace)
         restored = skt.restore(client, model, tokens=ids, namespace=namespace)
         assert restored is not None and restored[1] == 20
         logits, _ = skt.prefill(model, ids[20:], cache=restored[0])
