@@ -554,14 +554,20 @@ class BlockRules:
             # an explicit eviction of these blocks from here on keeps them out: its reply may say they are
             # gone before this read ends (the marks are kept while a promotion may still look at them)
             epoch = self._hold_epoch()
-            for record in records:
-                if blocks.holds(record.key):
-                    continue
-                try:
-                    pending.append(blocks.reserve(_slot_record(record), mine=mine, allocate=False))
-                except (NoSpace, TooLarge):
-                    break
-                mine += pending[-1].home.slab.slot_size
+            try:
+                for record in records:
+                    if blocks.holds(record.key):
+                        continue
+                    try:
+                        pending.append(blocks.reserve(_slot_record(record), mine=mine, allocate=False))
+                    except (NoSpace, TooLarge):
+                        break
+                    mine += pending[-1].home.slab.slot_size
+            except BaseException:  # (say EMFILE making a slab): the slots and the epoch go back
+                for slot in pending:
+                    blocks.abort(slot)
+                self._drop_epoch(epoch)
+                raise
         done = 0
         try:
             try:
@@ -573,10 +579,7 @@ class BlockRules:
             done = self.l3.blocks.read_into([p.record.key for p in pending], [p.view for p in pending])
         finally:
             with self.l2.lock:
-                identity = records[0].identity
-                if done and (
-                    self._evicted_since(identity, epoch) or self._evicting[identity] or self._evicting[None]
-                ):
+                if done and self._cancelled(records[0].identity, epoch):
                     done = 0  # evicted while it was read (or as it began): nothing of it comes back
                 self._drop_epoch(epoch)
                 for index, slot in enumerate(pending):
@@ -778,7 +781,7 @@ class BlockRules:
             present, skipped = job.present, job.skipped
             committed: list[bytes] = []
             with self.l2.lock:
-                cancelled = self._evicted_since(identity, job.epoch)
+                cancelled = self._cancelled(identity, job.epoch)
                 self._unreserve(pending, job.epoch)
                 done = 0
                 try:
@@ -908,6 +911,13 @@ class BlockRules:
         for identity in [i for i, mark in self._evict_marks.items() if mark <= floor]:
             del self._evict_marks[identity]
 
+    def _cancelled(self, identity: bytes, epoch: int) -> bool:
+        """Whether a put or promotion of ``identity`` begun under ``epoch`` must not commit: an eviction of
+        its blocks (or of all) came after it began, or is still removing them (its L2 removal looked at
+        what L2 held when it began, its L3 removal is still to come). An eviction that ended since it
+        began marked once more as it ended, so the first case covers it. Under the lock."""
+        return self._evicted_since(identity, epoch) or bool(self._evicting[identity] or self._evicting[None])
+
     def _evicted_since(self, identity: bytes, epoch: int) -> bool:
         """An explicit eviction of ``identity``'s blocks (or of everything) came after ``epoch``."""
         marks = self._evict_marks
@@ -915,9 +925,11 @@ class BlockRules:
 
     @contextlib.contextmanager
     def _evicting_now(self, identity: bytes | None) -> Iterator[None]:
-        """An explicit eviction of ``identity``'s blocks (None: all), marked (puts and promotions begun
-        before it do not commit) and in progress until its L3 removal ended (a promotion begun meanwhile
-        read blocks it is removing: it does not commit either)."""
+        """An explicit eviction of ``identity``'s blocks (None: all): marked as it begins (puts and
+        promotions begun before it do not commit), in progress until its L3 removal ended (what commits
+        meanwhile would land beside its removals: it does not), and marked again as it ends (what began
+        while it ran does not commit later either: a promotion read blocks it was removing, a sync put
+        would stay in L2 without its L3 copy)."""
         with self.l2.lock:
             self._evict_epoch += 1
             self._evict_marks[identity] = self._evict_epoch
@@ -929,6 +941,10 @@ class BlockRules:
                 self._evicting[identity] -= 1
                 if self._evicting[identity] <= 0:
                     del self._evicting[identity]
+                self._evict_epoch += 1
+                self._evict_marks[identity] = self._evict_epoch
+                if not self._epochs:  # (nothing in flight to read the marks: as _drop_epoch prunes)
+                    self._evict_marks.clear()
 
     def _present_for_disk(
         self, present: Sequence[bytes], committed: Sequence[bytes]

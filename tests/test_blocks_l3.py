@@ -977,3 +977,95 @@ def test_an_eviction_mark_stays_for_a_put_still_allocating_whatever_ends_meanwhi
         assert result[0].stored == 0 and rules.contains(x, xkeys) == 0, "the put begun before it is cancelled"
         assert not rules._evict_marks and not rules._epochs, "the marks go once nothing in flight needs them"
         writer.close()
+
+
+def test_puts_and_promotions_that_overlap_an_eviction_of_their_identity_never_commit(
+    tmp_path: Path, shm_dir: Path
+) -> None:
+    """What began while an eviction of the identity ran does not commit, whenever it ends: a promotion
+    read blocks the eviction was removing (ending after it, it put them back), and a sync put committed
+    beside it stayed in L2 while the eviction's L3 removal took its copy ("written", lost at a restart).
+    An eviction marks again as it ends."""
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+
+    raw = bytes(range(256)) * 64
+    sizes, offsets = [4096] * 4, [0, 4096, 8192, 12288]
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        rules, writer = _rules_over_l3(l2, l3)
+        space = block_space(MODEL, STATE, "", BLOCK)
+        old, new = [b"o%d" % i for i in range(4)], [b"n%d" % i for i in range(4)]
+        assert rules.put(space, old, sizes, offsets, memoryview(raw), durable="sync").durability == "written"
+        with l2.lock:  # only L3 holds them: a get promotes
+            l2.blocks.remove(l2.blocks.keys_of(None))
+        midway, go_on = threading.Event(), threading.Event()
+        real_remove = rules._remove_from_l2
+
+        def then_wait(identity: Any) -> int:
+            removed = int(real_remove(identity))
+            midway.set()  # marked, L2 emptied; L3's removal is next
+            assert go_on.wait(10)
+            return removed
+
+        rules._remove_from_l2 = then_wait
+        evicting = threading.Thread(target=lambda: rules.evict_identity(space.identity.digest))
+        evicting.start()
+        assert midway.wait(10)
+        put = rules.put(space, new, sizes, offsets, memoryview(raw), durable="sync")  # begun and ended within
+        assert put.stored == 0 and put.durability == "none"
+        real_read = l3.blocks.read_into
+
+        def read_then_let_the_eviction_end(wanted: Any, views: Any) -> int:
+            done = int(real_read(wanted, views))  # read while L3 still has them
+            go_on.set()
+            evicting.join(10)  # the eviction ends before this promotion commits
+            return done
+
+        l3.blocks.read_into = read_then_let_the_eviction_end  # type: ignore[method-assign, assignment]
+        served = rules.get(space, old, max_fds=8)
+        for fd in served.lease.fds:
+            os.close(fd)
+        evicting.join(10)
+        assert rules.contains(space, old) == 0 and rules.contains(space, new) == 0
+        with l2.lock:
+            assert not l2.blocks.keys_of(None)
+        assert l3.stats().block_count == 0
+        assert not rules._epochs and not rules._evict_marks
+        writer.close()
+
+
+def test_a_promotion_whose_reservation_fails_gives_its_slots_and_epoch_back(
+    tmp_path: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error reserving a promotion's slots (say EMFILE making a slab) left its epoch in flight for
+    good (eviction marks never pruned again) and its slots reserved."""
+    from skippyd.keys import block_space
+    from skippyd.l2 import L2Tier
+
+    raw = bytes(range(256)) * 64
+    with L2Tier.open(shm_dir, 64 << 20) as l2, L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        rules, writer = _rules_over_l3(l2, l3)
+        space = block_space(MODEL, STATE, "", BLOCK)
+        keys = [b"k%d" % i for i in range(4)]
+        rules.put(space, keys, [4096] * 4, [0, 4096, 8192, 12288], memoryview(raw), durable="sync")
+        with l2.lock:
+            l2.blocks.remove(l2.blocks.keys_of(None))
+        real = l2.blocks.reserve
+        calls: list[int] = []
+
+        def second_fails(*args: Any, **kwargs: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError(24, "Too many open files")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(l2.blocks, "reserve", second_fails)
+        with pytest.raises(OSError):
+            rules.get(space, keys, max_fds=8)
+        assert not rules._epochs and l2.blocks.pending_bytes == 0
+        monkeypatch.setattr(l2.blocks, "reserve", real)
+        served = rules.get(space, keys, max_fds=8)
+        assert len(served.lease.placements) == 4
+        for fd in served.lease.fds:
+            os.close(fd)
+        writer.close()
