@@ -59,10 +59,13 @@ def _config_options(names: list[str]) -> Callable[[F], F]:
             flag = "--" + name.replace("_", "-")
             if name == "warm_on_capture":
                 fn = click.option(
-                    "--warm-on-capture/--no-warm-on-capture", "warm_on_capture", default=None, help=spec.help
-                )(fn)
+                    "--warm-on-capture/--no-warm-on-capture", "warm_on_capture", default=None,
+                    help=f"{spec.help} [default: on; env {spec.env}]",
+                )(fn)  # fmt: skip
             elif name in ("allowed_uids", "allowed_gids"):
-                fn = click.option(flag, name, default=None, help=spec.help + " (comma-separated)")(fn)
+                fn = click.option(
+                    flag, name, default=None, help=f"{spec.help}, comma-separated [env {spec.env}]"
+                )(fn)
             else:
                 says = "(default" in spec.help or "by default" in spec.help
                 default = "" if says else f"default: {_default_text(spec.default)}; "
@@ -222,8 +225,12 @@ def status(socket: str | None, config_file: str | None, as_json: bool, check: bo
             if as_json and not check:
                 doc = {"up": False, "socket": client.socket_path, "error": str(exc), "code": exc.code}
                 click.echo(json.dumps(doc))
-            elif not answering:
-                click.echo(f"skippyd is not answering on {client.socket_path}: {exc}", err=True)
+            elif not answering:  # (one line, as every command's errors: the cause names the socket)
+                said = str(exc)
+                where = "" if client.socket_path in said else f" on {client.socket_path}"
+                local = local_state_dir() if socket is None and not os.environ.get("SKIPPYD_SOCKET") else None
+                also = f" (nor is this checkout's daemon: {local} names none running)" if local else ""
+                click.echo(f"skippyd: error: skippyd is not answering{where}: {said}{also}", err=True)
             else:
                 click.echo(f"skippyd on {client.socket_path} refused: {exc} [{exc.code}]", err=True)
             sys.exit(code)
@@ -377,7 +384,7 @@ def ls_command(
 @click.option(
     "--digest", default=None, help="remove every entry with this payload digest (or a unique prefix: 8+ hex)"
 )
-@click.option("--all", "everything", is_flag=True, help="remove every entry")
+@click.option("--all", "everything", is_flag=True, help="remove every entry and every block")
 @click.option("--model", default=None, help="with --state and --tokens: remove the entry of this key")
 @click.option("--state", default=None, help="the entry's state (with --model)")
 @click.option("--namespace", default="", help="the entry's namespace (with --model)")
@@ -417,6 +424,15 @@ def evict(
     if by_key and (model is None or state is None or tokens_file is None):
         _fail("evicting by key needs --model, --state and --tokens", 2)
     tokens = read_tokens(tokens_file) if tokens_file is not None else None
+    if tokens is not None and not tokens:
+        _fail(f"{tokens_file}: no tokens: an entry's key needs at least one", 2)
+    if digest is not None and not (
+        8 <= len(digest) <= 64 and all(c in "0123456789abcdef" for c in digest.lower())
+    ):
+        _fail(
+            f"--digest {digest!r}: expected 8 to 64 hex digits (a payload digest or a prefix, as ls prints)",
+            2,
+        )
     with _client(socket, config_file) as client:
         if everything:
             removed = client.evict(all=True)
@@ -428,7 +444,7 @@ def evict(
                 removed = 0
         else:
             removed = client.evict(model=model, state=state, namespace=namespace, tokens=tokens)
-    click.echo(f"removed {plural(removed, 'entry')}")
+    click.echo(f"removed {plural(removed, 'entry')}" + (" and every block" if everything else ""))
 
 
 # ----------------------------------------------------------------------------- Redis-side commands

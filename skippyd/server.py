@@ -9,7 +9,8 @@ amount of replies on output: a client that stops reading only stops its own requ
 Lifecycle (``uvicorn``-style): :class:`Server` is built from a :class:`~skippyd.config.Config` and the
 handlers; :meth:`Server.serve` publishes the socket atomically (bind a temporary name, chmod 0660,
 rename into place), tells systemd ``READY=1``, and runs until SIGTERM/SIGINT. The first signal stops
-accepting, lets in-flight requests finish within ``shutdown_timeout`` and exits; a second one forces it.
+accepting, lets in-flight requests finish within ``shutdown_timeout`` and exits; a second one forces it
+(one within half a second of the first counts as the same signal delivered twice).
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ _MAX_QUEUED_FRAMES = 64
 _MAX_QUEUED_BYTES = 32 << 20  # decoded requests waiting on one connection
 _MAX_CONNECTIONS = 2048
 _ACCEPT_PAUSE_S = 0.5  # how long accepting rests when the daemon is out of descriptors or memory
+#: A second stop signal this soon after the first is the same one delivered twice (a wrapper such as
+#: ``timeout`` forwarding its process group's SIGINT), not an operator asking to exit at once.
+_SAME_SIGNAL_S = 0.5
 _MAX_CONNECTIONS_PER_UID = 1024  # one local user cannot take every slot from the others
 _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)
 
@@ -808,6 +812,7 @@ class Server:
         self._next_session = 0
         self._stopped: asyncio.Event | None = None
         self._signals = 0
+        self._first_signal = 0.0
         self._published: PublishedSocket | None = None
         self.loop: asyncio.AbstractEventLoop = None  # type: ignore[assignment]
 
@@ -877,7 +882,11 @@ class Server:
             self._stopped.set()
 
     def _on_signal(self, signum: int) -> None:
+        now = time.monotonic()
+        if self._signals and now - self._first_signal < _SAME_SIGNAL_S:
+            return  # (one Ctrl-C that reached the daemon twice: a wrapper forwarding its group's SIGINT)
         self._signals += 1
+        self._first_signal = self._first_signal or now
         if self._signals > 1:
             log.warning("second %s: exiting now", signal.Signals(signum).name)
             if self._before_forced_exit is not None:

@@ -71,7 +71,7 @@ def test_ls_stats_and_evict_show_and_remove_entries(daemon: DaemonProcess) -> No
     code, out, _ = run("stats", "--socket", sock)
     assert "[l2]" in out and "entries" in out
     assert run("evict", "--digest", first.digest, "--socket", sock)[1].strip() == "removed 1 entry"
-    assert run("evict", "--all", "--socket", sock)[1].strip() == "removed 1 entry"
+    assert run("evict", "--all", "--socket", sock)[1].strip() == "removed 1 entry and every block"
     code, _, err = run("evict", "--socket", sock)
     assert code == 2 and "exactly one" in err
 
@@ -384,7 +384,7 @@ def test_evict_takes_a_unique_digest_prefix_or_a_key(daemon: DaemonProcess, tmp_
         client.capture(model="m", state="s", tokens=[5], tensors={"x": torch.zeros(100)})  # two's bytes
     sock = str(daemon.socket)
     code, _, err = run("evict", "--digest", one.digest[:7], "--socket", sock)
-    assert code == 1 and "8 to 64" in err, "shorter than 8 hex digits is refused"
+    assert code == 2 and "8 to 64" in err, "shorter than 8 hex digits is a usage error"
     assert run("evict", "--digest", one.digest[:16], "--socket", sock)[1].strip() == "removed 1 entry"
     code, out, err = run("evict", "--digest", "0123456789abcdef", "--socket", sock)
     assert (code, out.strip()) == (0, "removed 0 entries") and "no entry" in err, "already gone: exit 0"

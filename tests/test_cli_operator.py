@@ -332,9 +332,9 @@ def test_evict_exits_zero_whenever_nothing_named_is_left_and_says_how_many_it_re
     code, out, err = run("evict", "--digest", "deadbeef", "--socket", sock)
     assert (code, out) == (0, "removed 0 entries\n") and "no entry's digest starts with deadbeef" in err
     assert run("evict", "--digest", "ab" * 32, "--socket", sock)[:2] == (0, "removed 0 entries\n")
-    assert run("evict", "--all", "--socket", sock)[:2] == (0, "removed 0 entries\n")
+    assert run("evict", "--all", "--socket", sock)[:2] == (0, "removed 0 entries and every block\n")
     code, _, err = run("evict", "--digest", "xyz", "--socket", sock)
-    assert code == 1 and len(err.strip().splitlines()) == 1, "a malformed digest is an error"
+    assert code == 2 and len(err.strip().splitlines()) == 1, "a malformed digest is a usage error"
     assert run("evict", "--digest", "deadbeef", "--socket", str(tmp_short / "down.sock"))[0] == 1
 
 

@@ -391,6 +391,8 @@ def test_a_second_signal_forces_exit(make_daemon: Any) -> None:
     staller.sendall(b"".join(encode_frame(FrameType.REQUEST, i, {"op": "stats"}) for i in range(2, 3000)))
     time.sleep(0.5)
     proc.send(signal.SIGTERM)
+    time.sleep(0.05)
+    proc.send(signal.SIGTERM)  # the same one delivered twice (a wrapper forwarding its group's): one
     time.sleep(1.0)
     assert proc.proc is not None and proc.proc.poll() is None, "still draining the busy connection"
     started = time.monotonic()
@@ -399,6 +401,21 @@ def test_a_second_signal_forces_exit(make_daemon: Any) -> None:
     assert code == 128 + signal.SIGTERM
     assert time.monotonic() - started < 5
     staller.close()
+
+
+def test_a_client_offering_other_protocol_versions_is_told_which_in_one_line(daemon: DaemonProcess) -> None:
+    sock = _raw_connect(daemon.socket)
+    try:
+        sock.sendall(encode_frame(FrameType.REQUEST, 1, {"op": "hello", "versions": [7, 9]}))
+        decoder = FrameDecoder(expect=(FrameType.REPLY, FrameType.ERROR))
+        while (frame := decoder.next_frame()) is None:
+            data, fds = recv_fds_into(sock)
+            assert data, "the daemon answers before it closes"
+            decoder.feed(data, fds)
+    finally:
+        sock.close()
+    assert frame.type == FrameType.ERROR and frame.body["code"] == "version_mismatch"
+    assert "speaks protocol 1; the client offers [7, 9]" in frame.body["message"]
 
 
 def test_systemd_notify_socket_receives_ready_and_stopping(make_daemon: Any, tmp_short: Path) -> None:
