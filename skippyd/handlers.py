@@ -512,20 +512,22 @@ class Handlers:
                 raise InvalidArgument(f"{name} must be a non-negative integer")
         # a page at a time: the whole list of a big cache would not fit one frame (100k entries: 24 MB);
         # the pages after the first are cut from the listing the first was (one consistent snapshot)
-        kept = session.listing
+        kept, session.listing = session.listing, None
         if offset and kept is not None and time.monotonic() - kept[0] < _LISTING_KEPT_S:
-            entries = kept[1]
+            made, entries = kept
         else:
-            entries = self.tiers.entries()
+            made, entries = time.monotonic(), self.tiers.entries()
         total = len(entries)
         stop = min(total, offset + (min(limit, self._ls_page) if limit else self._ls_page))
         page = entries[offset:stop]
-        session.listing = (time.monotonic(), entries) if stop < total else None
+        after = stop if stop < total and (not limit or limit > len(page)) else None
+        if after is not None:  # (kept only while a next page is to come, 60 s from the first at most)
+            session.listing = (made, entries)
         return Reply(
             {
                 "entries": [item.to_wire() for item in page],
                 "total": total,
-                "next": stop if stop < total and (not limit or limit > len(page)) else None,
+                "next": after,
                 "blocks": self.tiers.blocks.summary(),
             }
         )

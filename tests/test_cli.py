@@ -426,3 +426,36 @@ def test_serve_help_shows_the_default_of_every_option() -> None:
     text = " ".join(out.split())
     for needle in ("[default: 4GiB;", "[default: 64GiB;", "[default: /var/lib/skippyd;", "[default: 250ms;"):
         assert needle in text, needle
+
+
+def test_an_ls_whose_last_page_was_given_keeps_no_listing_for_its_connection() -> None:
+    """The listing is kept for the pages still to come, never once a reply said none follows (a
+    limit met on the first page included): one per connection would pin a whole cache's list."""
+    from skippyd.handlers import Handlers, Session
+    from skippyd.workers import Health
+
+    class Item:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def to_wire(self) -> dict[str, str]:
+            return {"digest": f"{self.i:064x}"}
+
+    class Blocks:
+        def summary(self) -> list[Any]:
+            return []
+
+    class Tiers:
+        health = Health()
+        blocks = Blocks()
+
+        def entries(self) -> list[Item]:
+            return [Item(i) for i in range(1000)]
+
+    handlers = Handlers(None, Tiers(), health=Health())  # type: ignore[arg-type]
+    handlers._ls_page = 400
+    session = Session(id=1)
+    assert handlers.op_ls(session, {"limit": 1}).body["next"] is None and session.listing is None
+    assert handlers.op_ls(session, {}).body["next"] == 400 and session.listing is not None
+    assert handlers.op_ls(session, {"offset": 400}).body["next"] == 800 and session.listing is not None
+    assert handlers.op_ls(session, {"offset": 800}).body["next"] is None and session.listing is None

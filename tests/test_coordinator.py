@@ -275,3 +275,33 @@ def test_a_busy_redis_answering_within_its_timeout_holds_no_request_for_long(
             server.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
     finally:
         c.close()
+
+
+def test_a_busy_redis_cluster_counts_as_slow_on_the_request_path_not_as_down(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """redis-py's cluster client refreshes its slot map after a timeout, and wraps a timeout of that
+    refresh in RedisClusterUnreachableError: taken as "down", a busy cluster degraded the link from the
+    request path (as a single busy Redis did before)."""
+    import signal
+
+    from redisutil import RedisCluster
+
+    monkeypatch.setattr(coordination, "SLOW_PAUSE_S", 0.3)
+    cluster = RedisCluster().start()
+    c = Coordinator(cluster.url, node="n1", scope="s", timeout=2.0)  # (not started: no background ticks)
+    try:
+        c.admit([("c" * 64, 10, 100)])
+        for proc in cluster.procs:
+            proc.send_signal(signal.SIGSTOP)  # every node busy for a moment
+        try:
+            for _ in range(4):  # a request-path count each time the pause is over
+                c.admit([("c" * 64, 10, 100)])
+                time.sleep(0.35)
+            assert not c.status().degraded and c.counters["slow_calls"] >= 2
+        finally:
+            for proc in cluster.procs:
+                proc.send_signal(signal.SIGCONT)
+    finally:
+        c.close()
+        cluster.cleanup()

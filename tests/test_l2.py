@@ -737,3 +737,21 @@ def test_copy_and_hash_gives_the_payload_digest_of_the_copy_across_chunks() -> N
         assert np.array_equal(
             target[spec.offset : spec.offset + spec.nbytes], source[spec.offset : spec.offset + spec.nbytes]
         )
+
+
+def test_an_identity_takes_its_own_served_file_before_the_shared_stock(shm_dir: Path) -> None:
+    """A file served for an identity serves only it, a file no client was given serves anyone: an entry
+    of that identity takes its own first, leaving the shared one for the others."""
+    from skippyd.l2.pool import ANY_OWNER, owner_of
+
+    with L2Tier.open(shm_dir, 4 * size_of(60 * KB)) as tier:
+        served = admit_bytes(tier, "served", 60 * KB, fill=1)
+        held = tier.hold(served.key)
+        assert held is not None
+        os.close(held.fd)
+        unserved = admit_bytes(tier, "unserved", 60 * KB - 100, fill=2)
+        assert tier.remove(served.key) and tier.remove(unserved.key)
+        owners = sorted(f.owner for files in tier._pool._free.values() for f in files)
+        assert owners == sorted([ANY_OWNER, owner_of(IDENT.digest)])
+        admit_bytes(tier, "again", 60 * KB - 200, fill=3)
+        assert [f.owner for files in tier._pool._free.values() for f in files] == [ANY_OWNER]

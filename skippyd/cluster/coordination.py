@@ -242,7 +242,21 @@ def _redis_errors(what: str) -> Any:
     except redis.exceptions.TimeoutError as exc:
         raise CoordinationTimeout(f"{what}: Redis did not answer in time ({exc})") from exc
     except _REDIS_ERRORS as exc:
+        if _timed_out(exc):  # (redis-py's cluster client wraps a timeout refreshing its slots map)
+            raise CoordinationTimeout(f"{what}: Redis did not answer in time ({exc})") from exc
         raise CoordinationUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a timeout is what ``exc`` came of (its causes, a few deep)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, (redis.exceptions.TimeoutError, TimeoutError)):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _text(value: Any) -> str:

@@ -116,9 +116,12 @@ class FilePool:
             files = self._free.get(size)
             if not files:
                 return None
-            at = next(
-                (i for i in range(len(files) - 1, -1, -1) if files[i].owner in (ANY_OWNER, owner)), None
-            )
+            # its own served files first (they serve nobody else), then files any entry may take (the
+            # reserve's stock, which every identity shares); the most recently freed of each first
+            newest_first = range(len(files) - 1, -1, -1)
+            at = next((i for i in newest_first if files[i].owner == owner), None)
+            if at is None:
+                at = next((i for i in newest_first if files[i].owner == ANY_OWNER), None)
             if at is None:
                 return None
             file = files.pop(at)
