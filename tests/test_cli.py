@@ -455,7 +455,11 @@ def test_an_ls_whose_last_page_was_given_keeps_no_listing_for_its_connection() -
     handlers = Handlers(None, Tiers(), health=Health())  # type: ignore[arg-type]
     handlers._ls_page = 400
     session = Session(id=1)
-    assert handlers.op_ls(session, {"limit": 1}).body["next"] is None and session.listing is None
-    assert handlers.op_ls(session, {}).body["next"] == 400 and session.listing is not None
-    assert handlers.op_ls(session, {"offset": 400}).body["next"] == 800 and session.listing is not None
-    assert handlers.op_ls(session, {"offset": 800}).body["next"] is None and session.listing is None
+
+    def page(body: dict[str, Any]) -> tuple[Any, bool]:  # the reply's next, and whether a listing is kept
+        return handlers.op_ls(session, body).body["next"], session.listing is not None
+
+    assert page({"limit": 1}) == (None, False)
+    assert page({}) == (400, True)
+    assert page({"offset": 400}) == (800, True)
+    assert page({"offset": 800}) == (None, False)
