@@ -892,6 +892,26 @@ def _rules_over_l3(l2: Any, l3: Any) -> tuple[Any, Any]:
     return BlockRules(l2, l3=l3, writer=writer), writer  # (no promotion policy: every L3 hit promotes)
 
 
+def _eviction_paused_midway(rules: Any, space: Any) -> tuple[threading.Event, threading.Thread, list[int]]:
+    """An eviction of ``space``'s identity on a thread, paused once it has marked and emptied L2 (its L3
+    removal comes next) until the event returned is set; its answer lands in the list returned."""
+    midway, go_on = threading.Event(), threading.Event()
+    real = rules._remove_from_l2
+
+    def then_wait(identity: Any) -> int:
+        removed = int(real(identity))
+        midway.set()
+        assert go_on.wait(10)
+        return removed
+
+    rules._remove_from_l2 = then_wait
+    answer: list[int] = []
+    thread = threading.Thread(target=lambda: answer.append(rules.evict_identity(space.identity.digest)))
+    thread.start()
+    assert midway.wait(10)
+    return go_on, thread, answer
+
+
 def test_a_promotion_that_begins_while_an_eviction_is_removing_the_blocks_does_not_commit(
     tmp_path: Path, shm_dir: Path
 ) -> None:
@@ -909,20 +929,7 @@ def test_a_promotion_that_begins_while_an_eviction_is_removing_the_blocks_does_n
         assert rules.put(space, keys, [4096] * 4, [0, 4096, 8192, 12288], memoryview(raw), durable="sync")
         with l2.lock:  # only L3 holds them (as after a restart)
             l2.blocks.remove(l2.blocks.keys_of(None))
-        in_l3_removal, go_on = threading.Event(), threading.Event()
-        real = rules._remove_from_l2
-
-        def then_wait(identity: Any) -> int:
-            removed = int(real(identity))
-            in_l3_removal.set()  # marked, L2 emptied; L3's removal comes next
-            assert go_on.wait(10)
-            return removed
-
-        rules._remove_from_l2 = then_wait
-        answer: list[int] = []
-        evicting = threading.Thread(target=lambda: answer.append(rules.evict_identity(space.identity.digest)))
-        evicting.start()
-        assert in_l3_removal.wait(10)
+        go_on, evicting, answer = _eviction_paused_midway(rules, space)
         served = rules.get(space, keys, max_fds=8)  # an L3 hit: promoted into L2, were it not cancelled
         for fd in served.lease.fds:
             os.close(fd)
@@ -998,19 +1005,7 @@ def test_puts_and_promotions_that_overlap_an_eviction_of_their_identity_never_co
         assert rules.put(space, old, sizes, offsets, memoryview(raw), durable="sync").durability == "written"
         with l2.lock:  # only L3 holds them: a get promotes
             l2.blocks.remove(l2.blocks.keys_of(None))
-        midway, go_on = threading.Event(), threading.Event()
-        real_remove = rules._remove_from_l2
-
-        def then_wait(identity: Any) -> int:
-            removed = int(real_remove(identity))
-            midway.set()  # marked, L2 emptied; L3's removal is next
-            assert go_on.wait(10)
-            return removed
-
-        rules._remove_from_l2 = then_wait
-        evicting = threading.Thread(target=lambda: rules.evict_identity(space.identity.digest))
-        evicting.start()
-        assert midway.wait(10)
+        go_on, evicting, _ = _eviction_paused_midway(rules, space)
         put = rules.put(space, new, sizes, offsets, memoryview(raw), durable="sync")  # begun and ended within
         assert put.stored == 0 and put.durability == "none"
         real_read = l3.blocks.read_into
