@@ -32,7 +32,7 @@ from .config import (
     parse_size,
 )
 from .display import human_age, human_us, plural
-from .errors import ConfigError, ConnectionLost, NotFound, SkippydError, Timeout
+from .errors import ConfigError, ConnectionLost, NotFound, SkippydError, StoreLocked, Timeout
 from .locate import local_state_dir, resolve_socket_path
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -740,15 +740,20 @@ def l3_fsck(
 
     try:
         store = L3Store(path, config.l3_budget, min_free_bytes=0)
-    except SkippydError as exc:
+    except StoreLocked as exc:
         _fail(f"{exc}; stop the daemon first (or read `skippyd stats` for the live store)", 1)
+    except (SkippydError, OSError) as exc:
+        _fail(f"{path}: {exc}", 1)
     with store, Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as progress:
         task = progress.add_task("verifying objects" if verify else "reconciling", total=None)
 
         def advance(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        report = store.reconcile(verify_objects=verify, progress=advance)  # once, with or without hashing
+        try:
+            report = store.reconcile(verify_objects=verify, progress=advance)  # once, with or without hashing
+        except OSError as exc:
+            _fail(f"{path}: {exc}", 1)
     doc = report.as_dict()
     repairs = [k for k in _REPAIRS if doc[k]]
     clean = not report.problems and not repairs

@@ -515,3 +515,31 @@ def test_an_entry_counts_as_durably_held_only_once_its_manifests_directory_is_fs
         assert seen == [(True, False)]
         assert l3.holds_durably(entry.key, entry.digest)
         assert not l3.holds_durably(entry.key, "0" * 64)
+
+
+def test_reconciliation_never_follows_a_symlink_out_of_the_store_and_removes_strays(
+    l2: L2Tier, tmp_path: Path
+) -> None:
+    """A symlink where a shard directory belongs (an operator pointing objects/zz at another disk, say)
+    was followed: repairing through it deleted, or quarantined, files outside the store, and one in
+    links/ crashed every start. Only the link goes; stray files at the top of each directory go too."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "precious.txt").write_text("keep me")
+    (outside / "ab12.obj").write_text("not an object of the store")
+    entry = admit(l2, "kept", [4 * KB], fill=5)
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        store(l2, l3, entry)
+        expected = load(l3, entry.key)
+    root = tmp_path / "l3"
+    for sub in ("objects", "manifests", "links"):
+        (root / sub / "zz").symlink_to(outside, target_is_directory=True)
+        (root / sub / "stray.txt").write_text("x")
+    with L3Store.open(tmp_path / "l3", 1 << 30) as l3:
+        report = l3.last_reconciliation
+        assert load(l3, entry.key) == expected, "the valid entry stays"
+    assert sorted(p.name for p in outside.iterdir()) == ["ab12.obj", "precious.txt"]
+    for sub in ("objects", "manifests", "links"):
+        assert not (root / sub / "zz").exists() and not (root / sub / "zz").is_symlink()
+        assert not (root / sub / "stray.txt").exists()
+    assert report.orphans_collected >= 6 and any("no directory of the store" in p for p in report.problems)

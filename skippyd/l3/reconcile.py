@@ -4,7 +4,9 @@ Every file is written to ``tmp/``, fsynced and renamed into place (object first,
 then the link), so a crash leaves either the old state or the new one plus leftovers. At start (and in
 ``skippyd l3 fsck``) :func:`scan`:
 
-* removes everything in ``tmp/``;
+* removes everything in ``tmp/`` (writes cut short, evicted files ``l3.trash`` had not unlinked yet);
+* removes whatever sits in ``objects/``, ``manifests/`` or ``links/`` that is not a real directory (a
+  stray file, a symlink: only the link goes, its target is never followed);
 * collects objects no manifest names, and files in ``objects/`` that are not objects;
 * quarantines manifests that do not parse, fail their checksum, hold another key, or whose object is
   missing or has the wrong size;
@@ -74,8 +76,8 @@ def scan(layout: Layout) -> Scan:
         remove(child)
         report.temporary_removed += 1
     objects: dict[str, int] = {}
-    for shard in layout.objects.iterdir():
-        for obj in shard.iterdir() if shard.is_dir() else ():
+    for shard in _subdirs(layout.objects, report):
+        for obj in shard.iterdir():
             name = obj.name.removesuffix(".obj")
             if not obj.name.endswith(".obj") or not is_hex_digest(name) or obj.is_symlink():
                 remove(obj)
@@ -84,8 +86,8 @@ def scan(layout: Layout) -> Scan:
             objects[name] = obj.stat().st_size
     report.objects = len(objects)
     found: list[Found] = []
-    for shard in layout.manifests.iterdir():
-        for path in shard.iterdir() if shard.is_dir() else ():
+    for shard in _subdirs(layout.manifests, report):
+        for path in shard.iterdir():
             try:
                 found.append(_read_manifest(layout, path, objects, report))
             except (CorruptEntry, OSError) as exc:
@@ -100,6 +102,21 @@ def scan(layout: Layout) -> Scan:
         del objects[name]
         report.orphans_collected += 1
     return Scan(objects, found, report)
+
+
+def _subdirs(directory: Path, report: Reconciliation) -> list[Path]:
+    """The real subdirectories of ``directory`` (its shards); anything else there is no part of the store
+    and is removed: a file, or a symlink, whose link alone goes (never followed: repairing through one
+    deleted or quarantined files outside the store)."""
+    found: list[Path] = []
+    for child in sorted(directory.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            found.append(child)
+            continue
+        remove(child)
+        report.orphans_collected += 1
+        report.problems.append(f"{directory.name}/{child.name} is no directory of the store: removed")
+    return found
 
 
 def _read_manifest(layout: Layout, path: Path, objects: dict[str, int], report: Reconciliation) -> Found:
@@ -147,14 +164,14 @@ def _repair_links(layout: Layout, found: list[Found], report: Reconciliation) ->
         )
         for item in found
     }
-    for ident_dir in layout.links.iterdir():
-        for link in ident_dir.iterdir() if ident_dir.is_dir() else ():
-            if link not in wanted:
+    for ident_dir in _subdirs(layout.links, report):
+        for link in ident_dir.iterdir():
+            if link not in wanted or link.is_symlink() or not link.is_file():
                 remove(link)
                 report.dangling_links_dropped += 1
-        if ident_dir.is_dir() and not any(ident_dir.iterdir()):
+        if not any(ident_dir.iterdir()):
             ident_dir.rmdir()
     for path in wanted:
-        if not path.exists():
+        if not path.is_file():
             layout.write_link(path)
             report.links_restored += 1
