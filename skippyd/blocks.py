@@ -904,6 +904,10 @@ class BlockRules:
         self._epochs[epoch] -= 1
         if self._epochs[epoch] <= 0:
             del self._epochs[epoch]
+        self._prune_marks()
+
+    def _prune_marks(self) -> None:
+        """Drops the eviction marks no put or promotion in flight could be cancelled by (under the lock)."""
         if not self._epochs:
             self._evict_marks.clear()
             return
@@ -943,8 +947,7 @@ class BlockRules:
                     del self._evicting[identity]
                 self._evict_epoch += 1
                 self._evict_marks[identity] = self._evict_epoch
-                if not self._epochs:  # (nothing in flight to read the marks: as _drop_epoch prunes)
-                    self._evict_marks.clear()
+                self._prune_marks()
 
     def _present_for_disk(
         self, present: Sequence[bytes], committed: Sequence[bytes]
@@ -1099,8 +1102,8 @@ class BlockRules:
     def _remove_from_l2(self, identity: bytes | None) -> int:
         """Removes the blocks L2 holds now (of ``identity``; all with None) in steps, the lock let go
         between them (:meth:`L2Tier.in_steps`): 160k blocks evicted at once held it 1.5 s,
-        and every request waited. (Puts begun before the eviction are cancelled by its mark; blocks of
-        puts begun after it are not removed.)"""
+        and every request waited. (Puts and promotions that overlap the eviction never commit:
+        :meth:`_cancelled`.)"""
         with self.l2.lock:
             keys = self.l2.blocks.keys_of(identity)
         return self.l2.in_steps(keys, self.l2.blocks.remove)

@@ -202,6 +202,8 @@ def describe(value: Any, limit: int = 48) -> str:
         text = repr(value[:limit])
     elif isinstance(value, bytes | bytearray | memoryview):
         return f"{len(value)} bytes"
+    elif isinstance(value, list | tuple) and len(value) <= 8 and all(type(v) is int for v in value):
+        text = repr(list(value))  # (a few numbers, say the protocol versions a client offers: shown)
     elif isinstance(value, list | tuple | dict):
         return f"a {type(value).__name__} of {len(value)}"
     else:

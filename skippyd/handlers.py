@@ -252,12 +252,7 @@ class Handlers:
         versions = body.get("versions", [PROTOCOL_VERSION])
         if not isinstance(versions, list) or PROTOCOL_VERSION not in versions:
             raise VersionMismatch(
-                f"this daemon speaks protocol {PROTOCOL_VERSION}; the client offers "
-                + (
-                    str(versions[:8])
-                    if isinstance(versions, list) and all(type(v) is int for v in versions[:8])
-                    else describe(versions)
-                )
+                f"this daemon speaks protocol {PROTOCOL_VERSION}; the client offers {describe(versions)}"
             )
         session.handshaken = True
         return Reply(

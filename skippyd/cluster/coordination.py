@@ -239,10 +239,8 @@ def script_text(name: str) -> str:
 def _redis_errors(what: str) -> Any:
     try:
         yield
-    except redis.exceptions.TimeoutError as exc:
-        raise CoordinationTimeout(f"{what}: Redis did not answer in time ({exc})") from exc
     except _REDIS_ERRORS as exc:
-        if _timed_out(exc):  # (redis-py's cluster client wraps a timeout refreshing its slots map)
+        if _timed_out(exc):  # (redis-py's cluster client wraps a timeout refreshing its slots map, too)
             raise CoordinationTimeout(f"{what}: Redis did not answer in time ({exc})") from exc
         raise CoordinationUnavailable(f"{what}: {type(exc).__name__}: {exc}") from exc
 
